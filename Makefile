@@ -1,0 +1,39 @@
+# kvmesh developer entry points. Needs only python3 (>= 3.11) and make: `make install` bootstraps uv into
+# .uv/ with pip, then builds .venv/ from uv.lock with the machine's own interpreter.
+PYTHON ?= python3
+UV := .uv/bin/uv
+UV_ENV := UV_PYTHON_DOWNLOADS=never UV_PYTHON=$(PYTHON)
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: install up test lint check lock clean
+
+install: $(STAMP)
+
+$(UV):
+	$(PYTHON) -m venv .uv
+	.uv/bin/pip install --quiet "uv>=0.5,<1"
+
+$(STAMP): $(UV) uv.lock pyproject.toml shared/pyproject.toml services/*/pyproject.toml
+	$(UV_ENV) $(UV) sync --frozen --all-packages
+	touch $(STAMP)
+
+lock: $(UV)
+	$(UV_ENV) $(UV) lock
+
+up: install
+	$(VENV)/bin/kvmesh up $(ARGS)
+
+test: install
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check shared services tests
+	$(VENV)/bin/ruff format --check shared services tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+check: lint test
+
+clean:
+	rm -rf $(VENV) .uv

@@ -1,0 +1,1 @@
+"""kvmesh indexer service."""

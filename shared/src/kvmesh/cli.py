@@ -1,0 +1,4 @@
+"""The `kvmesh` command (placeholder)."""
+
+def main() -> None:
+    """Run the kvmesh command line."""

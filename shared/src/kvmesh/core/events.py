@@ -1,0 +1,104 @@
+"""kvmesh's own stream messages: what ingest publishes to JetStream and the indexer applies.
+
+One `EventsMessage` carries one engine batch of one (worker, dp_rank) after normalization: per event the
+engine block hashes (as 64-bit keys) and kvmesh's local hashes, never the token ids (10× larger, and the
+indexer does not need them). `WorkerRemoved` takes a worker out of every replica's index at the same point
+of the stream. Messages are msgpack-encoded msgspec Structs with a schema version ``v``.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from kvmesh.core.errors import MessageDecodeError
+
+SCHEMA_VERSION: Final[int] = 1
+
+
+class Stored(msgspec.Struct, tag="stored", array_like=True, frozen=True):
+    """Consecutive full blocks stored by a worker (a normalized BlockStored)."""
+
+    engine_hashes: list[int]
+    """The engine's block hashes as unsigned 64-bit keys (`kvmesh.core.wire.engine_key`)."""
+    parent: int | None
+    """Engine key of the block before the first one, or None when the first block is block 0."""
+    local_hashes: list[int]
+    """kvmesh local hashes (`kvmesh.core.hashing`), one per engine hash."""
+    medium: str | None = None
+    """Storage tier as the engine named it ("GPU", "CPU", …), or None."""
+
+
+class Removed(msgspec.Struct, tag="removed", array_like=True, frozen=True):
+    """Blocks evicted by a worker (a normalized BlockRemoved)."""
+
+    engine_hashes: list[int]
+    medium: str | None = None
+
+
+class Cleared(msgspec.Struct, tag="cleared", array_like=True, frozen=True):
+    """Every block of the (worker, dp_rank) is gone: AllBlocksCleared, or a resynchronisation by ingest."""
+
+    reason: str = "engine"
+    """"engine" (AllBlocksCleared), "gap", "restart", "malformed", "overflow" (ingest resynchronised)."""
+
+
+Event = Stored | Removed | Cleared
+
+
+class EventsMessage(msgspec.Struct, tag="events", kw_only=True, frozen=True):
+    """One normalized engine batch of one (worker, dp_rank)."""
+
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    dp_rank: int
+    model: str
+    block_size: int
+    """Tokens per block of every Stored event in the message."""
+    epoch: int
+    """Engine incarnation as counted by ingest; rises when the engine's sequence goes backwards."""
+    seq: int
+    """Engine sequence of the batch (ZMQ frame 2), or the last one seen for ingest-made clears."""
+    part: int = 0
+    """Index of this part when a batch was split to fit the server's max payload."""
+    ts: float = 0.0
+    """Engine timestamp of the batch (seconds since the epoch), 0 for ingest-made messages."""
+    events: list[Event]
+
+
+class WorkerRemoved(msgspec.Struct, tag="worker_removed", kw_only=True, frozen=True):
+    """A worker left the fleet: every replica drops all of its dp ranks here."""
+
+    v: int = SCHEMA_VERSION
+    worker_id: str
+    model: str
+    epoch: int | None = None
+    """Events of this worker with an epoch ≤ this one that arrive later are dropped; None drops nothing later."""
+    reason: str = "operator"
+
+
+Message = EventsMessage | WorkerRemoved
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode_message(message: Message) -> bytes:
+    """Encode a stream message as msgpack bytes."""
+    return _encoder.encode(message)
+
+
+def decode_message(data: bytes) -> Message:
+    """Decode a stream message.
+
+    Raises:
+        MessageDecodeError: the bytes are not a kvmesh message of a known schema.
+    """
+    try:
+        msg = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageDecodeError(f"not a kvmesh stream message: {exc}") from exc
+    if msg.v != SCHEMA_VERSION:
+        raise MessageDecodeError(f"unsupported schema version {msg.v} (this build reads {SCHEMA_VERSION})")
+    return msg

@@ -1,0 +1,166 @@
+"""Content keys of KV blocks: local block hashes and position-aware sequence hashes.
+
+kvmesh never matches on engine block hashes (they are seeded per process in vLLM before 0.29 and take
+different digest bytes in SGLang). It computes its own keys from the ``token_ids`` of each BlockStored:
+
+* **local block hash** — XXH3-64 over the block's token ids packed as little-endian uint32, seed 1337.
+  This is NVIDIA Dynamo's ``LocalBlockHash``, so keys interoperate: ``tokens 0..7``, block size 4 →
+  ``[9143094415614847814, 12124091508212882195]``.
+* **sequence hash** — ``seq[0] = local[0]``, ``seq[i] = XXH3-64(le_u64(seq[i-1]) ‖ le_u64(local[i]), seed 1337)``:
+  a key for the whole prefix up to and including block *i* (Dynamo's ``SequenceHash``).
+
+Isolation rules (what changes the KV cache must change the key):
+
+* **LoRA** — the adapter name replaces the seed of every block's local hash:
+  ``seed = XXH3-64(b"kvmesh-lora\\x00" + name, seed=1337)``; the base model keeps 1337, so base-model keys
+  stay Dynamo-compatible. Engines that send only a numeric ``lora_id`` (vLLM < 0.14) are keyed by the name
+  ``"lora-id:<n>"``, which never equals a real adapter name a route request could carry.
+* **cache_salt** — mixed into the local hash of block 0 only (``tokens ‖ b"\\x00kvmesh-salt\\x00" ‖ salt``),
+  as vLLM puts the salt in block 0's extra keys; the chain carries it into every later sequence hash.
+* **multimodal inputs** — per-block extra bytes (the engine's multimodal identifiers, encoded by the caller)
+  are appended to that block's token bytes, so different images behind the same placeholder tokens differ.
+
+Only full blocks are keys: a trailing partial block is ignored.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Final, NewType
+
+import xxhash
+
+from kvmesh.core.errors import RequestError
+
+LocalBlockHash = NewType("LocalBlockHash", int)
+SequenceHash = NewType("SequenceHash", int)
+
+SEED: Final[int] = 1337
+"""XXH3 seed of the base model, as in NVIDIA Dynamo."""
+
+MAX_TOKEN_ID: Final[int] = 2**32 - 1
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_SALT_TAG: Final[bytes] = b"\x00kvmesh-salt\x00"
+_LORA_TAG: Final[bytes] = b"kvmesh-lora\x00"
+_BIG_ENDIAN: Final[bool] = sys.byteorder == "big"
+
+
+def lora_seed(lora_name: str | None) -> int:
+    """Return the XXH3 seed for blocks computed under a LoRA adapter.
+
+    Args:
+        lora_name: the adapter name as the engine reports it (``lora_name``), or None for the base model.
+
+    Returns:
+        1337 for the base model, else a 64-bit seed derived from the name.
+    """
+    if not lora_name:
+        return SEED
+    return _xxh3(_LORA_TAG + lora_name.encode("utf-8"), seed=SEED)
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Pack token ids as little-endian uint32.
+
+    Raises:
+        RequestError: a token id is not an int in ``[0, 2**32)`` (``field="token_ids"``).
+    """
+    try:
+        packed = array("I", token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise RequestError(f"token ids must be integers in [0, 2^32): {exc}", field="token_ids") from exc
+    if packed.itemsize != 4:  # pragma: no cover - no supported platform has a 2- or 8-byte unsigned int
+        raise RuntimeError("array('I') is not 32-bit here")
+    if _BIG_ENDIAN:  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def local_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    block_extras: Sequence[bytes | None] | None = None,
+) -> list[int]:
+    """Compute the local hash of every full block of ``token_ids``.
+
+    Args:
+        token_ids: token ids, each in ``[0, 2**32)``; length in tokens.
+        block_size: tokens per block (> 0).
+        lora_name: LoRA adapter name (seeds every block), or None for the base model.
+        cache_salt: tenant salt, mixed into block 0 only; pass it only when ``token_ids`` starts at the
+            first block of the sequence.
+        block_extras: per-block extra bytes (multimodal identifiers), one entry per full block or shorter;
+            None entries add nothing.
+
+    Returns:
+        ``len(token_ids) // block_size`` 64-bit local hashes; a trailing partial block is dropped.
+
+    Raises:
+        RequestError: a token id is out of range or not an int.
+        ValueError: ``block_size`` is not positive.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_blocks = len(token_ids) // block_size
+    data = pack_tokens(token_ids[: n_blocks * block_size])
+    seed = lora_seed(lora_name)
+    step = block_size * 4
+    view = memoryview(data)
+    out = [_xxh3(view[i * step : (i + 1) * step], seed=seed) for i in range(n_blocks)]
+    if n_blocks and (cache_salt or block_extras):
+        for i in range(n_blocks):
+            extra = block_extras[i] if block_extras is not None and i < len(block_extras) else None
+            salt = cache_salt if i == 0 else None
+            if extra is None and not salt:
+                continue
+            buf = bytes(view[i * step : (i + 1) * step])
+            if salt:
+                buf += _SALT_TAG + salt.encode("utf-8")
+            if extra is not None:
+                buf += b"\x00kvmesh-mm\x00" + extra
+            out[i] = _xxh3(buf, seed=seed)
+    return out
+
+
+def chain_hash(parent: int, local: int) -> int:
+    """Return the sequence hash of a block whose parent's sequence hash is ``parent``."""
+    return _xxh3(parent.to_bytes(8, "little") + local.to_bytes(8, "little"), seed=SEED)
+
+
+def sequence_hashes(local_hashes: Sequence[int], parent: int | None = None) -> list[int]:
+    """Chain local hashes into sequence hashes.
+
+    Args:
+        local_hashes: local hashes of consecutive blocks.
+        parent: sequence hash of the block before the first one, or None when the first is block 0.
+
+    Returns:
+        one sequence hash per local hash.
+    """
+    out: list[int] = []
+    prev = parent
+    for local in local_hashes:
+        prev = local if prev is None else _xxh3(prev.to_bytes(8, "little") + local.to_bytes(8, "little"), seed=SEED)
+        out.append(prev)
+    return out
+
+
+def prompt_sequence_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+) -> list[int]:
+    """Return the sequence hashes of a prompt's full blocks, as a router looks them up.
+
+    Raises:
+        RequestError: a token id is out of range or not an int.
+    """
+    return sequence_hashes(local_block_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt))

@@ -1,0 +1,257 @@
+"""The indexer's whole state: one `PrefixIndex` per (model, block size), fed stream messages in order.
+
+Pure code. `IndexState.apply(stream_seq, message)` is the only way state changes, so two replicas that
+applied the same stream up to the same sequence are equal (compare `digest()`).
+
+Rules applied here, besides the index's own:
+
+* Each (worker, dp_rank) has an engine incarnation (``epoch``). A message with a newer epoch clears that
+  holder first (ingest also publishes a clear, this makes replay safe on its own); a message with an older
+  epoch is stale and dropped.
+* `WorkerRemoved` drops every dp rank of the worker; later messages of the removed incarnation (epoch ≤ the
+  removed one) are dropped, a newer incarnation is accepted again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from kvmesh.core.events import Cleared, EventsMessage, Message, Removed, Stored, WorkerRemoved
+from kvmesh.core.hashing import SEED, prompt_sequence_hashes
+from kvmesh.core.index import Holder, PrefixIndex
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HolderMatch:
+    """One candidate in a match answer."""
+
+    worker_id: str
+    dp_rank: int
+    overlap_blocks: int
+    """Leading full blocks of the prompt this holder has cached."""
+    cached_blocks: int
+    """All blocks indexed for this holder (its cache size, a load proxy for ties)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MatchResult:
+    """Answer of `IndexState.match`.
+
+    Attributes:
+        index_seq: stream sequence the state had applied.
+        block_size: tokens per block of the model's index (0 when the model is unknown).
+        prompt_blocks: full blocks in the prompt.
+        candidates: every known holder of the model, zero overlap included, sorted by (worker, rank).
+    """
+
+    index_seq: int
+    block_size: int
+    prompt_blocks: int
+    candidates: tuple[HolderMatch, ...]
+
+
+@dataclass(slots=True)
+class _Counters:
+    messages: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    duplicate_stores: int = 0
+    unknown_removals: int = 0
+    held_events: int = 0
+    dropped_orphans: int = 0
+    stale_messages: int = 0
+    clears: int = 0
+    workers_removed: int = 0
+
+
+@dataclass(slots=True)
+class _WorkerInfo:
+    model: str
+    block_size: int
+    epochs: dict[int, int] = field(default_factory=dict)
+    last_seq: dict[int, int] = field(default_factory=dict)
+    last_ts: float = 0.0
+    removed_epoch: int | None = None
+
+
+class UnknownModelError(KeyError):
+    """The model has no worker in the index."""
+
+
+class IndexState:
+    """Every model's prefix index plus per-worker bookkeeping, as of one stream sequence."""
+
+    def __init__(self) -> None:
+        self._indexes: dict[str, dict[int, PrefixIndex]] = {}
+        self._workers: dict[str, _WorkerInfo] = {}
+        self.applied_seq = 0
+        """Last stream sequence applied (0 before any)."""
+        self.counters = _Counters()
+
+    # ------------------------------------------------------------------ apply
+
+    def apply(self, stream_seq: int, message: Message) -> None:
+        """Apply one stream message.
+
+        Args:
+            stream_seq: the JetStream sequence of the message (must rise; older ones are ignored).
+            message: the decoded message.
+        """
+        if stream_seq <= self.applied_seq:
+            return
+        self.applied_seq = stream_seq
+        self.counters.messages += 1
+        if isinstance(message, WorkerRemoved):
+            self._remove_worker(message)
+            return
+        self._apply_events(message)
+
+    def _index(self, model: str, block_size: int) -> PrefixIndex:
+        by_size = self._indexes.setdefault(model, {})
+        index = by_size.get(block_size)
+        if index is None:
+            index = by_size[block_size] = PrefixIndex()
+        return index
+
+    def _apply_events(self, msg: EventsMessage) -> None:
+        info = self._workers.get(msg.worker_id)
+        if info is None:
+            info = self._workers[msg.worker_id] = _WorkerInfo(msg.model, msg.block_size)
+        if info.removed_epoch is not None:
+            if msg.epoch <= info.removed_epoch:
+                self.counters.stale_messages += 1
+                return
+            info.removed_epoch = None
+        holder = Holder(msg.worker_id, msg.dp_rank)
+        index = self._index(msg.model, msg.block_size)
+        if info.model != msg.model or info.block_size != msg.block_size:
+            # The worker moved to another model or block size: its old entries are meaningless now.
+            self._index(info.model, info.block_size).remove_worker(msg.worker_id)
+            info.model, info.block_size = msg.model, msg.block_size
+        epoch = info.epochs.get(msg.dp_rank)
+        if epoch is not None and msg.epoch < epoch:
+            self.counters.stale_messages += 1
+            return
+        if epoch is not None and msg.epoch > epoch:
+            index.clear(holder)
+            self.counters.clears += 1
+        info.epochs[msg.dp_rank] = msg.epoch
+        info.last_seq[msg.dp_rank] = msg.seq
+        info.last_ts = max(info.last_ts, msg.ts)
+        c = self.counters
+        for event in msg.events:
+            if isinstance(event, Stored):
+                r = index.store(holder, event.engine_hashes, event.parent, event.local_hashes)
+                c.stored_blocks += r.attached
+                c.duplicate_stores += r.duplicates
+                c.held_events += int(r.held)
+                c.dropped_orphans += r.dropped_orphans
+            elif isinstance(event, Removed):
+                rr = index.remove(holder, event.engine_hashes)
+                c.removed_blocks += rr.removed
+                c.unknown_removals += rr.unknown
+            elif isinstance(event, Cleared):
+                index.clear(holder)
+                c.clears += 1
+
+    def _remove_worker(self, msg: WorkerRemoved) -> None:
+        info = self._workers.get(msg.worker_id)
+        for by_size in self._indexes.values():
+            for index in by_size.values():
+                index.remove_worker(msg.worker_id)
+        self.counters.workers_removed += 1
+        if info is not None:
+            info.removed_epoch = msg.epoch if msg.epoch is not None else max(info.epochs.values(), default=0)
+
+    # ------------------------------------------------------------------ queries
+
+    def models(self) -> dict[str, list[int]]:
+        """Return each known model with its block sizes."""
+        return {m: sorted(s) for m, s in self._indexes.items()}
+
+    def match(
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> MatchResult:
+        """Compute every holder's overlap with a prompt.
+
+        Args:
+            model: model name as the workers registered it.
+            token_ids: prompt token ids, each in ``[0, 2**32)``.
+            lora_name: adapter, or None for the base model.
+            cache_salt: tenant salt as the engine received it, or None.
+
+        Returns:
+            the overlaps under the model's block size (the size with the most holders when workers of one
+            model disagree).
+
+        Raises:
+            UnknownModelError: no worker of that model is known.
+            RequestError: a token id is out of range.
+        """
+        by_size = self._indexes.get(model)
+        live = {
+            bs: ix
+            for bs, ix in (by_size or {}).items()
+            if any(not self._is_removed(h.worker_id) for h in ix.holders())
+        }
+        if not live:
+            raise UnknownModelError(model)
+        block_size, index = max(live.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))
+        seq = prompt_sequence_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
+        overlaps = index.match(seq)
+        candidates = tuple(
+            HolderMatch(
+                worker_id=h.worker_id,
+                dp_rank=h.dp_rank,
+                overlap_blocks=overlaps.get(h, 0),
+                cached_blocks=index.block_count(h),
+            )
+            for h in index.holders()
+            if not self._is_removed(h.worker_id)
+        )
+        return MatchResult(
+            index_seq=self.applied_seq, block_size=block_size, prompt_blocks=len(seq), candidates=candidates
+        )
+
+    def _is_removed(self, worker_id: str) -> bool:
+        info = self._workers.get(worker_id)
+        return info is not None and info.removed_epoch is not None
+
+    def digest(self) -> int:
+        """Return an order-independent digest over every model's index content."""
+        total = 0
+        for model, by_size in sorted(self._indexes.items()):
+            for bs, index in sorted(by_size.items()):
+                total ^= xxhash.xxh3_64_intdigest(
+                    f"{model}\x00{bs}\x00{index.digest()}".encode(), seed=SEED
+                )
+        return total
+
+    def workers(self) -> dict[str, dict[str, object]]:
+        """Return per-worker bookkeeping: model, block size, epochs, last engine seq and timestamp."""
+        return {
+            w: {
+                "model": i.model,
+                "block_size": i.block_size,
+                "epochs": dict(i.epochs),
+                "last_seq": dict(i.last_seq),
+                "last_ts": i.last_ts,
+                "removed": i.removed_epoch is not None,
+                "blocks": sum(
+                    ix.block_count(Holder(w, r)) for ix in self._indexes.get(i.model, {}).values() for r in i.epochs
+                ),
+            }
+            for w, i in sorted(self._workers.items())
+        }
+
+    def block_total(self) -> int:
+        """Return the number of indexed (holder, block) entries over all models."""
+        return sum(ix.stats().blocks for by_size in self._indexes.values() for ix in by_size.values())

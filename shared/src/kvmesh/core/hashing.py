@@ -108,7 +108,7 @@ def local_block_hashes(
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     n_blocks = len(token_ids) // block_size
-    data = pack_tokens(token_ids[: n_blocks * block_size])
+    data = pack_tokens(token_ids)  # every token is validated, the dropped partial block's too
     seed = lora_seed(lora_name)
     step = block_size * 4
     view = memoryview(data)

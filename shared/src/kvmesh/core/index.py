@@ -355,7 +355,7 @@ class PrefixIndex:
         limit = self._ops - self._orphan_ttl_ops
         while state.orphans:
             key, (_parent, orphan) = next(iter(state.orphans.items()))
-            if orphan.op > limit:
+            if orphan.op >= limit:  # still inside its orphan_ttl_ops later stores
                 break
             del state.orphans[key]
             dropped += 1

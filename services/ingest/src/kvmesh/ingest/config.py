@@ -1,0 +1,54 @@
+"""Settings of `kvmesh ingest` (flags, ``KVMESH_INGEST_*`` variables, or a TOML file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.runtime import subjects
+from kvmesh.runtime.config import setting
+from kvmesh.runtime.nats import DEFAULT_NATS_URL
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IngestSettings:
+    """How one ingest attaches to one engine (all of its data-parallel ranks) and to NATS."""
+
+    worker_id: str = setting("", "worker id, as route replies name it (required)")
+    model: str = setting("", "model name the engine serves, as route requests name it (required)")
+    zmq_endpoint: str = setting(
+        "tcp://127.0.0.1:5557", "engine's KV-event PUB endpoint to connect to (vLLM's tcp://*:5557 on its host)"
+    )
+    replay_endpoint: str | None = setting(
+        None, "engine's replay ROUTER endpoint; used to fill sequence gaps (none: gaps resynchronise)"
+    )
+    data_parallel_size: int = setting(1, "data-parallel ranks; rank r is read on port + r (vLLM's rule)")
+    topic: str = setting("", "ZMQ topic prefix to subscribe to (vLLM's kv-events-config topic)")
+    block_size: int | None = setting(
+        None, "expected block size in tokens; events with another size are rejected (none: first event's)"
+    )
+    nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
+    stream: str = setting(subjects.STREAM, "JetStream stream name")
+    events_prefix: str = setting(subjects.EVENTS_PREFIX, "subject prefix of the events stream")
+    stream_replicas: int = setting(1, "replicas when this ingest creates the stream (3 on a cluster)")
+    stream_memory: bool = setting(False, "create the stream with memory storage (tests, demos)")
+    max_pending_acks: int = setting(256, "JetStream publishes awaiting their ack at once")
+    replay_timeout_s: float = setting(5.0, "seconds to wait for missing batches from the replay socket")
+    max_buffered_batches: int = setting(100_000, "batches buffered while NATS is unreachable; oldest dropped")
+    log_level: str = setting("INFO", "log level")
+
+    def validate(self) -> list[str]:
+        """Return every problem with these settings."""
+        problems = []
+        if not self.worker_id:
+            problems.append("--worker-id / KVMESH_INGEST_WORKER_ID is required")
+        if not self.model:
+            problems.append("--model / KVMESH_INGEST_MODEL is required")
+        if self.data_parallel_size < 1:
+            problems.append("--data-parallel-size must be ≥ 1")
+        if self.block_size is not None and self.block_size < 1:
+            problems.append("--block-size must be ≥ 1")
+        if self.max_pending_acks < 1:
+            problems.append("--max-pending-acks must be ≥ 1")
+        if self.replay_timeout_s <= 0:
+            problems.append("--replay-timeout-s must be > 0")
+        return problems

@@ -1,0 +1,504 @@
+"""The ingest service: engine ZMQ PUB (+ replay ROUTER) → decode → check → hash → JetStream.
+
+```
+ engine rank r ── SUB [topic, seq, payload] ──▶ SeqTracker ──▶ decode_batch ──▶ Normalizer ──▶ outbox
+        └── ROUTER replay ◀── DEALER on a gap ──┘   (gaps, restarts)     (wire)        (keys)       │
+                                                                                                  ▼
+                                           JetStream publish, acked, Nats-Msg-Id, bounded window
+```
+
+The ZMQ side never waits for NATS: batches go to a bounded outbox; when it is full the oldest batch is
+dropped and the (worker, dp_rank) resynchronised. Per (worker, dp_rank) the cursor (epoch, last engine
+sequence) is recovered on start from the last message on that rank's subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import zmq
+import zmq.asyncio
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from kvmesh.core import wire
+from kvmesh.core.endpoints import offset_endpoint
+from kvmesh.core.errors import WireError
+from kvmesh.core.events import Cleared, Event, EventsMessage, Removed, Stored, decode_message, encode_message
+from kvmesh.core.normalize import BlockSizeMismatchError, Normalizer
+from kvmesh.core.sequencing import Deliver, NewEpoch, ReplayDone, Resync, SeqTracker, StartReplay
+from kvmesh.ingest.config import IngestSettings
+from kvmesh.runtime import subjects
+from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream
+
+log = logging.getLogger("kvmesh.ingest")
+
+_PAYLOAD_HEADROOM = 4096
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    subject: str
+    msg_id: str
+    data: bytes
+    holder: tuple[str, int]
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    """Counters of one ingest (cumulative), shown by `kvmesh status`."""
+
+    batches: int = 0
+    published: int = 0
+    publish_retries: int = 0
+    decode_errors: int = 0
+    rejected_events: int = 0
+    dropped_batches: int = 0
+    split_batches: int = 0
+
+
+@dataclass(slots=True)
+class _Rank:
+    """State of one data-parallel rank's subscription."""
+
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    tracker: SeqTracker
+    normalizer: Normalizer
+    warned_block_size: bool = False
+    replay_task: asyncio.Task[None] | None = None
+    replay_queue: asyncio.Queue[tuple[str, int, bytes]] = field(default_factory=asyncio.Queue)
+
+
+class IngestService:
+    """One ingest: all data-parallel ranks of one engine, publishing to the events stream."""
+
+    def __init__(self, settings: IngestSettings) -> None:
+        self.settings = settings
+        self.counters = IngestCounters()
+        self._ctx = zmq.asyncio.Context()
+        self._nc: Client | None = None
+        self._js: JetStreamContext | None = None
+        self._outbox: deque[_Outgoing] = deque()
+        self._outbox_ready = asyncio.Event()
+        self._ranks: dict[int, _Rank] = {}
+        self._stop = asyncio.Event()
+        self._clear_serial = 0
+        self._nonce = os.urandom(4).hex()
+        self._max_payload = 1024 * 1024
+        self.ready = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """Connect, recover cursors, then read every rank and publish until `stop()`."""
+        s = self.settings
+        self._nc = await connect(s.nats_url, name=f"kvmesh-ingest-{s.worker_id}")
+        self._max_payload = self._nc.max_payload or self._max_payload
+        self._js = self._nc.jetstream()
+        await ensure_stream(
+            self._js,
+            StreamSettings(name=s.stream, prefix=s.events_prefix, replicas=s.stream_replicas, memory=s.stream_memory),
+        )
+        status_sub = await self._nc.subscribe(f"{subjects.STATUS_SUBJECT}.ingest", cb=self._on_status)
+        for r in range(s.data_parallel_size):
+            endpoint = offset_endpoint(s.zmq_endpoint, r)
+            replay = offset_endpoint(s.replay_endpoint, r) if s.replay_endpoint else None
+            tracker = await self._recover(r, replay is not None)
+            self._ranks[r] = _Rank(r, endpoint, replay, tracker, Normalizer(block_size=s.block_size))
+            # Announce the rank so routers see the worker before it caches anything.
+            self._enqueue_events(r, tracker.epoch, tracker.last_seq or 0, [], msg_id=self._unique_id(r, tracker, "hello"))
+        tasks = [asyncio.create_task(self._read_rank(rank)) for rank in self._ranks.values()]
+        tasks.append(asyncio.create_task(self._publish_loop()))
+        self.ready.set()
+        log.info(
+            "ingest %s: model %s, %d rank(s) from %s, replay %s, publishing to %s",
+            s.worker_id,
+            s.model,
+            s.data_parallel_size,
+            s.zmq_endpoint,
+            s.replay_endpoint or "off",
+            s.stream,
+        )
+        try:
+            await self._stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            for rank in self._ranks.values():
+                if rank.replay_task is not None:
+                    rank.replay_task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await status_sub.unsubscribe()
+            await self._flush(timeout_s=5.0)
+            await self._nc.drain()
+            self._ctx.destroy(linger=0)
+
+    def stop(self) -> None:
+        """Ask `run()` to finish (publishing what is buffered first, for a few seconds)."""
+        self._stop.set()
+
+    async def _recover(self, rank: int, has_replay: bool) -> SeqTracker:
+        assert self._js is not None
+        s = self.settings
+        subject = subjects.events_subject(s.events_prefix, s.model, s.worker_id, rank)
+        try:
+            raw = await self._js.get_last_msg(s.stream, subject)
+        except nats.js.errors.NotFoundError:
+            return SeqTracker(replay=has_replay)
+        try:
+            last = decode_message(raw.data or b"")
+        except WireError:
+            return SeqTracker(replay=has_replay)
+        if not isinstance(last, EventsMessage):
+            return SeqTracker(replay=has_replay)
+        log.info(
+            "ingest %s rank %d: resuming after epoch %d seq %d (from stream seq %s)",
+            s.worker_id,
+            rank,
+            last.epoch,
+            last.seq,
+            raw.seq,
+        )
+        return SeqTracker(epoch=last.epoch, last_seq=last.seq, replay=has_replay)
+
+    # ------------------------------------------------------------------ ZMQ side
+
+    async def _read_rank(self, rank: _Rank) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
+        sock.connect(rank.endpoint)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) != 3:
+                    self.counters.decode_errors += 1
+                    log.warning(
+                        "worker %s rank %d: live message with %d frames (want 3), dropped",
+                        self.settings.worker_id,
+                        rank.rank,
+                        len(frames),
+                    )
+                    continue
+                seq = wire.decode_seq(frames[1])
+                self._act(rank, rank.tracker.on_live(seq, frames[2]))
+        finally:
+            sock.close(linger=0)
+
+    def _act(self, rank: _Rank, actions: list[Any]) -> None:
+        s = self.settings
+        for a in actions:
+            if isinstance(a, Deliver):
+                self._deliver(rank, a.seq, a.payload)
+            elif isinstance(a, StartReplay):
+                log.warning(
+                    "worker %s rank %d: sequence gap before seq %d (last %s); replaying from %d",
+                    s.worker_id,
+                    rank.rank,
+                    rank.tracker.gap_end,
+                    rank.tracker.last_seq,
+                    a.from_seq,
+                )
+                if rank.replay_endpoint is not None:
+                    rank.replay_task = asyncio.create_task(self._replay(rank, a.from_seq))
+            elif isinstance(a, Resync):
+                log.warning(
+                    "worker %s rank %d: resynchronising after seq %s (%s): clearing its index entries",
+                    s.worker_id,
+                    rank.rank,
+                    a.after_seq,
+                    a.reason,
+                )
+                self._enqueue_clear(rank, a.reason)
+            elif isinstance(a, NewEpoch):
+                log.warning(
+                    "worker %s rank %d: engine restarted (seq %d); epoch %d, clearing its index entries",
+                    s.worker_id,
+                    rank.rank,
+                    a.first_seq,
+                    a.epoch,
+                )
+                self._enqueue_clear(rank, "restart")
+            elif isinstance(a, ReplayDone):
+                log.info("worker %s rank %d: replay done (healed=%s)", s.worker_id, rank.rank, a.healed)
+
+    async def _replay(self, rank: _Rank, from_seq: int) -> None:
+        """Ask the engine's replay ROUTER for batches from ``from_seq`` and feed them to the tracker."""
+        assert rank.replay_endpoint is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(rank.replay_endpoint)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.replay_timeout_s
+        try:
+            await sock.send_multipart(wire.encode_replay_request(from_seq))
+            while rank.tracker.replaying:
+                remaining = deadline - loop.time()
+                if remaining <= 0 or not await sock.poll(timeout=remaining * 1000):
+                    self._act(rank, rank.tracker.on_replay_end("replay_timeout"))
+                    return
+                frames = await sock.recv_multipart()
+                try:
+                    reply = wire.decode_replay_reply(frames)
+                except WireError as exc:
+                    log.warning("worker %s rank %d: bad replay reply: %s", self.settings.worker_id, rank.rank, exc)
+                    continue
+                if reply.is_end:
+                    self._act(rank, rank.tracker.on_replay_end("replay_incomplete"))
+                    return
+                self._act(rank, rank.tracker.on_replay(reply.seq, reply.payload))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("worker %s rank %d: replay failed", self.settings.worker_id, rank.rank)
+            self._act(rank, rank.tracker.on_replay_end("replay_error"))
+        finally:
+            sock.close(linger=0)
+
+    def _deliver(self, rank: _Rank, seq: int, payload: bytes) -> None:
+        s = self.settings
+        self.counters.batches += 1
+        try:
+            batch = wire.decode_batch(payload)
+        except WireError as exc:
+            self.counters.decode_errors += 1
+            log.warning("worker %s rank %d seq %d: undecodable batch dropped: %s", s.worker_id, rank.rank, seq, exc)
+            self._enqueue_clear(rank, "malformed")
+            return
+        result = rank.normalizer.normalize(batch)
+        for err in batch.errors:
+            self.counters.decode_errors += 1
+            log.warning("worker %s rank %d seq %d: malformed event dropped: %s", s.worker_id, rank.rank, seq, err)
+        for rej in result.rejections:
+            self.counters.rejected_events += 1
+            if isinstance(rej, BlockSizeMismatchError):
+                if not rank.warned_block_size:
+                    rank.warned_block_size = True
+                    log.error(
+                        "worker %s rank %d seq %d: events have block size %d but %d is expected; "
+                        "rejecting them (set --block-size to the engine's block size)",
+                        s.worker_id,
+                        rank.rank,
+                        seq,
+                        rej.got,
+                        rej.expected,
+                    )
+            else:
+                log.warning("worker %s rank %d seq %d: event rejected: %s", s.worker_id, rank.rank, seq, rej)
+        if batch.unknown_events:
+            log.info("worker %s rank %d seq %d: %d unknown event(s) skipped", s.worker_id, rank.rank, seq, batch.unknown_events)
+        dp_rank = batch.dp_rank if batch.dp_rank is not None else rank.rank
+        self._enqueue_events(dp_rank, rank.tracker.epoch, seq, result.events, ts=batch.ts)
+        if result.lost:
+            self._enqueue_clear(rank, "malformed")
+
+    # ------------------------------------------------------------------ NATS side
+
+    def _unique_id(self, rank: int, tracker: SeqTracker, kind: str) -> str:
+        self._clear_serial += 1
+        return f"{self.settings.worker_id}:{rank}:{tracker.epoch}:{tracker.last_seq}:{kind}:{self._nonce}:{self._clear_serial}"
+
+    def _enqueue_clear(self, rank: _Rank, reason: str) -> None:
+        t = rank.tracker
+        self._enqueue_events(
+            rank.rank, t.epoch, t.last_seq or 0, [Cleared(reason)], msg_id=self._unique_id(rank.rank, t, reason)
+        )
+
+    def _enqueue_events(
+        self,
+        dp_rank: int,
+        epoch: int,
+        seq: int,
+        events: list[Event],
+        *,
+        ts: float = 0.0,
+        msg_id: str | None = None,
+    ) -> None:
+        s = self.settings
+        subject = subjects.events_subject(s.events_prefix, s.model, s.worker_id, dp_rank)
+        base_id = msg_id or f"{s.worker_id}:{dp_rank}:{epoch}:{seq}"
+        block_size = self._block_size(dp_rank)
+        msg = EventsMessage(
+            worker_id=s.worker_id,
+            dp_rank=dp_rank,
+            model=s.model,
+            block_size=block_size,
+            epoch=epoch,
+            seq=seq,
+            ts=ts,
+            events=events,
+        )
+        data = encode_message(msg)
+        limit = self._max_payload - _PAYLOAD_HEADROOM
+        if len(data) <= limit:
+            self._push(_Outgoing(subject, base_id, data, (s.worker_id, dp_rank)))
+            return
+        self.counters.split_batches += 1
+        parts = _split_events(events, math.ceil(len(data) / limit) + 1)
+        for i, part in enumerate(parts):
+            pm = msgspec.structs.replace(msg, part=i, events=part)
+            self._push(_Outgoing(subject, f"{base_id}:{i}", encode_message(pm), (s.worker_id, dp_rank)))
+
+    def _block_size(self, dp_rank: int) -> int:
+        rank = self._ranks.get(dp_rank)
+        if rank is not None and rank.normalizer.block_size is not None:
+            return rank.normalizer.block_size
+        return self.settings.block_size or 0
+
+    def _push(self, out: _Outgoing) -> None:
+        if len(self._outbox) >= self.settings.max_buffered_batches:
+            dropped = self._outbox.popleft()
+            self.counters.dropped_batches += 1
+            log.error(
+                "worker %s: outbox full (%d batches, NATS unreachable?); dropped oldest %s and resynchronising",
+                self.settings.worker_id,
+                self.settings.max_buffered_batches,
+                dropped.msg_id,
+            )
+            rank = self._ranks.get(dropped.holder[1])
+            if rank is not None:
+                t = rank.tracker
+                clear = EventsMessage(
+                    worker_id=self.settings.worker_id,
+                    dp_rank=rank.rank,
+                    model=self.settings.model,
+                    block_size=self._block_size(rank.rank),
+                    epoch=t.epoch,
+                    seq=t.last_seq or 0,
+                    events=[Cleared("overflow")],
+                )
+                self._outbox.append(
+                    _Outgoing(dropped.subject, self._unique_id(rank.rank, t, "overflow"), encode_message(clear), dropped.holder)
+                )
+        self._outbox.append(out)
+        self._outbox_ready.set()
+
+    async def _publish_loop(self) -> None:
+        """Publish the outbox in order with a bounded window of outstanding acks; retry in order on failure."""
+        assert self._js is not None
+        js = self._js
+        window = self.settings.max_pending_acks
+        inflight: deque[tuple[_Outgoing, asyncio.Future[Any]]] = deque()
+        backoff = 0.1
+        while True:
+            if not self._outbox and not inflight:
+                self._outbox_ready.clear()
+                await self._outbox_ready.wait()
+                continue
+            failed = False
+            while self._outbox and len(inflight) < window:
+                out = self._outbox[0]
+                try:
+                    fut = await js.publish_async(
+                        out.subject, out.data, headers={"Nats-Msg-Id": out.msg_id}, wait_stall=5.0
+                    )
+                except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+                    log.debug("publish of %s failed: %r", out.msg_id, exc)
+                    failed = True
+                    break
+                self._outbox.popleft()
+                inflight.append((out, fut))
+            must_wait = failed or len(inflight) >= window or not self._outbox
+            while inflight and (must_wait or inflight[0][1].done()):
+                out, fut = inflight[0]
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), timeout=10.0)
+                except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+                    failed = True
+                    log.warning(
+                        "worker %s: publish of %s not acknowledged (%r); retrying in order",
+                        self.settings.worker_id,
+                        out.msg_id,
+                        exc,
+                    )
+                    # Put every unacknowledged message back in front, in order; the server drops the
+                    # ones that did land by their Nats-Msg-Id.
+                    while inflight:
+                        self._outbox.appendleft(inflight.pop()[0])
+                        self.counters.publish_retries += 1
+                    break
+                inflight.popleft()
+                self.counters.published += 1
+                backoff = 0.1
+                must_wait = must_wait and len(inflight) >= window
+            if failed:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    async def _flush(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        task = asyncio.create_task(self._publish_loop())
+        while self._outbox and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        """Return this ingest's cursors and counters (what `kvmesh status` shows)."""
+        s = self.settings
+        return {
+            "worker_id": s.worker_id,
+            "model": s.model,
+            "outbox": len(self._outbox),
+            "counters": asdict(self.counters),
+            "ranks": {
+                str(r.rank): {
+                    "endpoint": r.endpoint,
+                    "epoch": r.tracker.epoch,
+                    "last_seq": r.tracker.last_seq,
+                    "replaying": r.tracker.replaying,
+                    "block_size": r.normalizer.block_size,
+                    "sequence": asdict(r.tracker.stats),
+                    "events": asdict(r.normalizer.stats),
+                }
+                for r in self._ranks.values()
+            },
+        }
+
+    async def _on_status(self, msg: Any) -> None:
+        if msg.reply:
+            await msg.respond(msgspec.json.encode(self.status()))
+
+
+def _split_events(events: list[Event], parts: int) -> list[list[Event]]:
+    """Split events into about ``parts`` lists, cutting long Stored runs without breaking the parent chain."""
+    total = sum(len(e.engine_hashes) if isinstance(e, Stored | Removed) else 1 for e in events)
+    per_part = max(1, math.ceil(total / parts))
+    out: list[list[Event]] = [[]]
+    size = 0
+    for e in events:
+        if isinstance(e, Stored) and len(e.engine_hashes) > per_part:
+            parent = e.parent
+            for i in range(0, len(e.engine_hashes), per_part):
+                chunk = Stored(e.engine_hashes[i : i + per_part], parent, e.local_hashes[i : i + per_part], e.medium)
+                parent = chunk.engine_hashes[-1]
+                if size + len(chunk.engine_hashes) > per_part and out[-1]:
+                    out.append([])
+                    size = 0
+                out[-1].append(chunk)
+                size += len(chunk.engine_hashes)
+            continue
+        n = len(e.engine_hashes) if isinstance(e, Stored | Removed) else 1
+        if size + n > per_part and out[-1]:
+            out.append([])
+            size = 0
+        out[-1].append(e)
+        size += n
+    return out

@@ -1,0 +1,179 @@
+"""Turn decoded engine batches into kvmesh stream events (the ingest's pure middle).
+
+For each event of a `kvmesh.core.wire.EngineBatch` this module checks, keys and converts:
+
+* **BlockStored** → `Stored`: engine hashes become 64-bit keys (`wire.engine_key`, so int and ``bin`` forms
+  of one hash agree); local hashes are computed from ``token_ids`` under the event's LoRA adapter, cache salt
+  (block 0 only) and per-block multimodal keys (`kvmesh.core.hashing`). Rejected whole, never half-applied:
+  a block size other than the configured (or first seen) one, and ``len(token_ids) != len(block_hashes) ×
+  block_size`` (hybrid models skip null blocks, vLLM PR #44488). Events of KV-cache groups that are not
+  full attention (``kv_cache_spec_kind`` sliding_window, mamba, …; vLLM ≥ 0.22) are skipped, and the group
+  is remembered so that its BlockRemoved events (which carry only ``group_idx``) are skipped too.
+* **BlockRemoved** → `Removed`; **AllBlocksCleared** → `Cleared("engine")`.
+
+Extra keys (vLLM ≥ 0.17, one entry per block): the LoRA entry (its name, or ``lora_id`` before 0.13) is
+dropped since the adapter already seeds every block; on block 0 of a sequence the last remaining string is
+the ``cache_salt``; everything else (multimodal identifiers, prompt-embedding digests) is encoded into that
+block's extra bytes. A vLLM < 0.24 multimodal hash on block 0 with no salt is taken as a salt: the key still
+differs from every plain prompt, so the index under-states and never invents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+
+from kvmesh.core.errors import BlockAlignmentError, EventRejectedError, RequestError
+from kvmesh.core.events import Cleared, Event, Removed, Stored
+from kvmesh.core.hashing import local_block_hashes
+from kvmesh.core.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch, engine_key
+
+FULL_ATTENTION_KINDS: Final[frozenset[str | None]] = frozenset({None, "full_attention", "mla_attention"})
+"""``kv_cache_spec_kind`` values whose blocks are prefix-cache keys."""
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class BlockSizeMismatchError(EventRejectedError):
+    """An event's block size differs from the configured or first-seen one.
+
+    Attributes:
+        expected: the configured (or first-seen) block size in tokens.
+        got: the event's block size in tokens.
+    """
+
+    def __init__(self, *, expected: int, got: int) -> None:
+        super().__init__(f"event block_size {got} differs from the expected block size {expected}")
+        self.expected = expected
+        self.got = got
+
+
+@dataclass(slots=True)
+class NormalizeStats:
+    """Counters of one (worker, dp_rank)'s normalization (cumulative)."""
+
+    stored_events: int = 0
+    stored_blocks: int = 0
+    removed_events: int = 0
+    removed_blocks: int = 0
+    cleared_events: int = 0
+    skipped_non_full: int = 0
+    rejected_alignment: int = 0
+    rejected_block_size: int = 0
+    rejected_tokens: int = 0
+    unknown_events: int = 0
+    malformed_events: int = 0
+
+
+@dataclass(slots=True)
+class Normalizer:
+    """Per-(worker, dp_rank) normalization state.
+
+    Args:
+        block_size: configured block size in tokens, or None to take the first event's.
+    """
+
+    block_size: int | None = None
+    non_full_groups: set[int] = field(default_factory=set)
+    stats: NormalizeStats = field(default_factory=NormalizeStats)
+
+    def normalize(self, batch: EngineBatch) -> NormalizeResult:
+        """Convert one decoded batch.
+
+        Returns:
+            the stream events in order, and every rejection (the event and why), so the caller can log and
+            count them. ``lost`` is True when an event failed to decode (``batch.errors``): the holder may
+            now be wrong and should be resynchronised.
+        """
+        out: list[Event] = []
+        rejections: list[EventRejectedError | RequestError] = []
+        st = self.stats
+        st.unknown_events += batch.unknown_events
+        st.malformed_events += len(batch.errors)
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                try:
+                    stored = self._stored(ev)
+                except (EventRejectedError, RequestError) as exc:
+                    rejections.append(exc)
+                    continue
+                if stored is not None:
+                    out.append(stored)
+            elif isinstance(ev, BlockRemoved):
+                if ev.group_idx is not None and ev.group_idx in self.non_full_groups:
+                    st.skipped_non_full += 1
+                    continue
+                st.removed_events += 1
+                st.removed_blocks += len(ev.block_hashes)
+                out.append(Removed([engine_key(h) for h in ev.block_hashes], ev.medium))
+            elif isinstance(ev, AllBlocksCleared):
+                st.cleared_events += 1
+                out.append(Cleared("engine"))
+        return NormalizeResult(events=out, rejections=rejections, lost=bool(batch.errors))
+
+    def _stored(self, ev: BlockStored) -> Stored | None:
+        st = self.stats
+        if ev.kv_cache_spec_kind not in FULL_ATTENTION_KINDS:
+            if ev.group_idx is not None:
+                self.non_full_groups.add(ev.group_idx)
+            st.skipped_non_full += 1
+            return None
+        if self.block_size is None:
+            self.block_size = ev.block_size
+        elif ev.block_size != self.block_size:
+            st.rejected_block_size += 1
+            raise BlockSizeMismatchError(expected=self.block_size, got=ev.block_size)
+        n = len(ev.block_hashes)
+        if len(ev.token_ids) != n * ev.block_size:
+            st.rejected_alignment += 1
+            raise BlockAlignmentError(tokens=len(ev.token_ids), blocks=n, block_size=ev.block_size)
+        lora = ev.lora_name or (f"lora-id:{ev.lora_id}" if ev.lora_id is not None else None)
+        salt, extras = _split_extra_keys(ev, first_block=ev.parent_block_hash is None)
+        try:
+            local = local_block_hashes(
+                ev.token_ids, ev.block_size, lora_name=lora, cache_salt=salt, block_extras=extras
+            )
+        except RequestError:
+            st.rejected_tokens += 1
+            raise
+        st.stored_events += 1
+        st.stored_blocks += n
+        parent = engine_key(ev.parent_block_hash) if ev.parent_block_hash is not None else None
+        return Stored([engine_key(h) for h in ev.block_hashes], parent, local, ev.medium)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NormalizeResult:
+    """Output of `Normalizer.normalize`."""
+
+    events: list[Event]
+    rejections: list[EventRejectedError | RequestError]
+    lost: bool
+
+
+def _split_extra_keys(ev: BlockStored, *, first_block: bool) -> tuple[str | None, list[bytes | None] | None]:
+    salt = ev.cache_salt
+    keys = ev.extra_keys
+    if not keys:
+        return salt, None
+    lora_entries: set[Any] = {x for x in (ev.lora_name, ev.lora_id) if x is not None}
+    extras: list[bytes | None] = []
+    any_extra = False
+    for i, entry in enumerate(keys):
+        if not entry:
+            extras.append(None)
+            continue
+        items = [x for x in entry if not (isinstance(x, str | int) and not isinstance(x, bool) and x in lora_entries)]
+        if i == 0 and first_block and salt is None:
+            for j in range(len(items) - 1, -1, -1):
+                if isinstance(items[j], str):
+                    salt = items.pop(j)
+                    break
+        if items:
+            extras.append(_encode(items))
+            any_extra = True
+        else:
+            extras.append(None)
+    return salt, extras if any_extra else None

@@ -1,0 +1,221 @@
+"""Engine sequence tracking for one (worker, dp_rank): gaps, replays, restarts, duplicates.
+
+Pure state machine, fed by the ingest shell. Each engine publisher numbers its batches from 0, +1 per batch
+(frame 2 of every ZMQ message; vLLM and SGLang alike). The tracker turns what arrives — live messages from
+the SUB socket and replayed ones from the engine's replay ROUTER — into an ordered list of `Action`s:
+
+* `Deliver(seq, payload)`: publish this batch now; deliveries come in strictly rising sequence order.
+* `StartReplay(from_seq)`: a gap was seen; ask the replay socket for everything from ``from_seq``.
+* `Resync(reason)`: events were lost for good; clear this (worker, dp_rank) in the index so it under-states
+  rather than invents, then go on.
+* `NewEpoch(epoch)`: the engine restarted (its sequence went backwards); clear, then deliver under the new
+  incarnation number.
+* `ReplayDone(healed)`: the replay is over; ``healed`` is False when it ended in a resync.
+
+Rules (from vLLM's publisher, ``vllm/distributed/kv_events.py``, see docs/wire-protocol):
+
+* The live SUB stream of one incarnation only rises. A live sequence at or below the highest live sequence
+  seen is a new incarnation. A live sequence in (highest live, last delivered] was already delivered by a
+  replay and is dropped as a duplicate.
+* While a replay runs, live messages wait their turn (bounded by ``max_pending``).
+* A gap is healed once every missing sequence has arrived, even if the end marker never comes. If the replay
+  ends (end marker, timeout) with sequences still missing, or the first replayed sequence is past the one
+  asked for (the engine's buffer no longer reaches back), the tracker resynchronises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+DEFAULT_MAX_PENDING: Final[int] = 100_000
+"""Live batches held while a replay runs before the tracker gives up and resynchronises."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Publish this batch now."""
+
+    seq: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StartReplay:
+    """Ask the engine's replay socket for every batch from ``from_seq`` on."""
+
+    from_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """Clear the holder: events between ``after_seq`` and the next delivery are lost."""
+
+    reason: str
+    after_seq: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class NewEpoch:
+    """The engine restarted; ``epoch`` is its new incarnation number."""
+
+    epoch: int
+    first_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayDone:
+    """The replay is over; ``healed`` tells whether every missing batch arrived."""
+
+    healed: bool
+
+
+Action = Deliver | StartReplay | Resync | NewEpoch | ReplayDone
+
+
+@dataclass(slots=True)
+class TrackerStats:
+    """Counters of one tracker (cumulative)."""
+
+    delivered: int = 0
+    gaps: int = 0
+    missing_batches: int = 0
+    replays: int = 0
+    replayed_batches: int = 0
+    healed: int = 0
+    resyncs: int = 0
+    restarts: int = 0
+    duplicates: int = 0
+
+
+@dataclass(slots=True)
+class SeqTracker:
+    """Sequence cursor of one (worker, dp_rank).
+
+    Args:
+        epoch: current engine incarnation (recovered from the stream on ingest restart, else 0).
+        last_seq: last sequence delivered in this epoch, or None before the first.
+        replay: whether the engine has a replay socket; without one a gap resynchronises at once.
+        max_pending: live batches buffered during a replay before giving up.
+    """
+
+    epoch: int = 0
+    last_seq: int | None = None
+    replay: bool = True
+    max_pending: int = DEFAULT_MAX_PENDING
+    live_high: int | None = None
+    replaying: bool = False
+    gap_end: int = 0
+    """First live sequence after the gap (the gap is ``[last_seq + 1, gap_end)``)."""
+    pending: dict[int, bytes] = field(default_factory=dict)
+    stats: TrackerStats = field(default_factory=TrackerStats)
+
+    def __post_init__(self) -> None:
+        if self.live_high is None:
+            self.live_high = self.last_seq
+
+    # ------------------------------------------------------------------ live
+
+    def on_live(self, seq: int, payload: bytes) -> list[Action]:
+        """Take one live message from the SUB socket."""
+        actions: list[Action] = []
+        if self.live_high is not None and seq <= self.live_high:
+            if self.replaying:
+                self._abandon_replay(actions, "restart")
+            self.epoch += 1
+            self.stats.restarts += 1
+            self.last_seq = None
+            self.live_high = seq
+            actions.append(NewEpoch(self.epoch, seq))
+            self._deliver(seq, payload, actions)
+            return actions
+        self.live_high = seq
+        if self.last_seq is not None and seq <= self.last_seq:
+            self.stats.duplicates += 1  # already delivered by a replay
+            return actions
+        if self.replaying:
+            self.pending[seq] = payload
+            if len(self.pending) > self.max_pending:
+                self._abandon_replay(actions, "replay_overflow")
+            return actions
+        if self.last_seq is None or seq == self.last_seq + 1:
+            self._deliver(seq, payload, actions)
+            return actions
+        # A gap: [last_seq + 1, seq) is missing.
+        missing = seq - self.last_seq - 1
+        self.stats.gaps += 1
+        self.stats.missing_batches += missing
+        if not self.replay:
+            self.stats.resyncs += 1
+            actions.append(Resync("gap", self.last_seq))
+            self._deliver(seq, payload, actions)
+            return actions
+        self.replaying = True
+        self.gap_end = seq
+        self.pending[seq] = payload
+        self.stats.replays += 1
+        actions.append(StartReplay(self.last_seq + 1))
+        return actions
+
+    # ------------------------------------------------------------------ replay
+
+    def on_replay(self, seq: int, payload: bytes) -> list[Action]:
+        """Take one batch from the replay socket (never the end marker)."""
+        actions: list[Action] = []
+        if not self.replaying:
+            return actions
+        assert self.last_seq is not None
+        if seq <= self.last_seq:
+            self.stats.duplicates += 1
+            return actions
+        if seq > self.last_seq + 1:
+            # The engine's buffer no longer reaches back to what we miss.
+            self.stats.resyncs += 1
+            actions.append(Resync("replay_truncated", self.last_seq))
+            self.last_seq = seq - 1
+        self.stats.replayed_batches += 1
+        self.pending.pop(seq, None)
+        self._deliver(seq, payload, actions)
+        self._flush_contiguous(actions)
+        if self.last_seq is not None and self.last_seq >= self.gap_end:
+            self._finish(actions, healed=not any(isinstance(a, Resync) for a in actions))
+        return actions
+
+    def on_replay_end(self, reason: str = "replay_incomplete") -> list[Action]:
+        """The replay ended (end marker, timeout, or error) — resynchronise if anything is still missing."""
+        actions: list[Action] = []
+        if not self.replaying:
+            return actions
+        self._abandon_replay(actions, reason)
+        return actions
+
+    # ------------------------------------------------------------------ internals
+
+    def _deliver(self, seq: int, payload: bytes, actions: list[Action]) -> None:
+        self.last_seq = seq
+        self.stats.delivered += 1
+        actions.append(Deliver(seq, payload))
+
+    def _flush_contiguous(self, actions: list[Action]) -> None:
+        while self.last_seq is not None and (self.last_seq + 1) in self.pending:
+            nxt = self.last_seq + 1
+            self._deliver(nxt, self.pending.pop(nxt), actions)
+
+    def _abandon_replay(self, actions: list[Action], reason: str) -> None:
+        self._flush_contiguous(actions)
+        if self.pending:
+            self.stats.resyncs += 1
+            actions.append(Resync(reason, self.last_seq))
+            for seq in sorted(self.pending):
+                self._deliver(seq, self.pending[seq], actions)
+            self.pending.clear()
+            self._finish(actions, healed=False)
+        else:
+            self._finish(actions, healed=True)
+
+    def _finish(self, actions: list[Action], *, healed: bool) -> None:
+        self.replaying = False
+        self.pending.clear()
+        if healed:
+            self.stats.healed += 1
+        actions.append(ReplayDone(healed))

@@ -1,0 +1,848 @@
+"""Decode and encode the KV-cache event wire protocol of vLLM v1 and SGLang (ZeroMQ + msgpack).
+
+Handles every wire generation published by vLLM 0.9.0 – 0.33.0 (generations A–L) and SGLang
+0.4.6.post5 – 0.5.23. The rules come from the project's protocol notes (``wire-protocol.md``: §1 message
+classes and layouts, §2 transport and replay, §5 SGLang, §6 consumer guidance), which were checked against
+each release's own ``ZmqEventPublisher``; the captured frames in ``tests/data/frames`` are the regression
+reference.
+
+Live messages are three ZMQ frames ``[topic, seq (8-byte big-endian unsigned), payload]``. The payload is one
+msgpack ``KVEventBatch``: an array ``[ts, events]`` (vLLM 0.9.0.x, SGLang 0.4.6.x) or
+``[ts, events, dp_rank]`` (every later release). Each event is either
+
+* an **array** ``[tag, f1, f2, …]`` (vLLM 0.9.0 – 0.23.x, SGLang 0.4.6 – 0.5.19), decoded by position: a
+  shorter array leaves the missing trailing fields None, a longer one has its extra elements ignored; an
+  SGLang 0.5.18 – 0.5.19 salted ``BlockStored`` carries a trailing map ``{"cache_salt": s}`` as its 8th
+  element; or
+* a **map** ``{"type": tag, …}`` (vLLM ≥ 0.24, SGLang ≥ 0.5.20), decoded by name: key order is irrelevant,
+  unknown keys (``locality``, ``ownership``, ``lookahead_token_ids``, …) are ignored.
+
+Both shapes may be mixed within one batch. Block hashes are kept exactly as sent (msgpack int, signed or
+unsigned up to uint64, or ``bin`` of any width); `engine_key` folds them into one 64-bit key space.
+
+The module is pure: it imports only the standard library and msgspec, and does no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+import msgspec
+
+from kvmesh.core.errors import InvalidEventError, NotABatchError, PayloadDecodeError, WireError
+
+__all__ = [
+    "SEQ_END",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineBatch",
+    "EngineHash",
+    "KVEvent",
+    "ReplayReply",
+    "decode_batch",
+    "decode_replay_reply",
+    "decode_seq",
+    "encode_batch",
+    "encode_replay_request",
+    "encode_seq",
+    "engine_key",
+]
+
+EngineHash: TypeAlias = int | bytes
+"""A block hash exactly as sent: a msgpack int (signed int64 or unsigned uint64) or ``bin`` bytes of any
+width (32 B for vLLM sha256, 16 B for xxhash, k×32 B for multi-group models)."""
+
+_MASK64: Final[int] = (1 << 64) - 1
+_INT_MIN: Final[int] = -(1 << 63)
+_INT_END: Final[int] = 1 << 64
+
+SEQ_END: Final[int] = _MASK64
+"""Sequence number of the replay end marker (``ff`` × 8 on the wire, sent with an empty payload)."""
+
+_SEQ_END_FRAME: Final[bytes] = b"\xff" * 8
+
+
+# --------------------------------------------------------------------------------------------------------
+# Event types
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockStored:
+    """Blocks that entered an engine's prefix cache (one event per request, KV group and step).
+
+    Attributes:
+        block_hashes: hashes of the stored blocks, in order, as sent (int or bytes).
+        parent_block_hash: hash of the block preceding the first one, or None when the span starts at
+            block 0 (it may name a block that was never announced).
+        token_ids: the tokens of the stored blocks, flat (normally ``len(block_hashes) * block_size``).
+        block_size: tokens per block of this event's KV group (SGLang: tokens of this page).
+        lora_id: integer LoRA adapter id or None (vLLM all; SGLang always None).
+        medium: where the blocks live, e.g. ``"GPU"``, ``"CPU"``, ``"STORAGE"``, ``"CPU_PINNED"``
+            (vLLM ≥ 0.10.2, SGLang ≥ 0.5.9).
+        lora_name: LoRA adapter name (vLLM ≥ 0.14, SGLang ≥ 0.5.22).
+        extra_keys: one entry per block, None or a tuple of that block's extra hash keys (LoRA name,
+            ``(mm_id, offset)``, cache salt, prompt-embeds digest); nested arrays become tuples
+            (vLLM ≥ 0.17).
+        group_idx: KV-cache group index (vLLM ≥ 0.20).
+        kv_cache_spec_kind: the group's attention kind, e.g. ``"full_attention"`` (vLLM ≥ 0.22).
+        kv_cache_spec_sliding_window: the group's sliding window in tokens (vLLM ≥ 0.22).
+        cache_salt: SGLang cache salt (0.5.18 – 0.5.19 trailing ``{"cache_salt": s}`` map, 0.5.20+ map field).
+        session_id: request session id (vLLM ≥ 0.30, SGLang ≥ 0.5.20).
+    """
+
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockRemoved:
+    """Blocks evicted from an engine's prefix cache (vLLM: one hash per event; SGLang: many).
+
+    Attributes:
+        block_hashes: hashes of the removed blocks, as sent.
+        medium: the tier they were removed from (vLLM ≥ 0.10.2, SGLang ≥ 0.5.9).
+        group_idx: KV-cache group index scoping the removal (vLLM ≥ 0.20).
+    """
+
+    block_hashes: tuple[EngineHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The engine's whole prefix cache was reset (e.g. ``POST /reset_prefix_cache``)."""
+
+
+KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+"""Any decoded KV-cache event."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineBatch:
+    """One decoded ``KVEventBatch`` payload.
+
+    Attributes:
+        ts: publish time in seconds since the epoch (the engine's ``time.time()``).
+        events: the decoded events, in wire order (unknown and invalid events left out).
+        dp_rank: vLLM ``data_parallel_rank`` / SGLang ``attn_dp_rank``; None for 2-element batches
+            (vLLM 0.9.0, SGLang 0.4.6) or when sent as nil.
+        unknown_events: events whose type tag is a string kvmesh does not know; counted and skipped.
+        errors: one `InvalidEventError` per event that failed to decode (wrong shape or field type),
+            carrying its index and tag; the rest of the batch is still decoded.
+    """
+
+    ts: float
+    events: tuple[KVEvent, ...]
+    dp_rank: int | None
+    unknown_events: int = 0
+    errors: tuple[InvalidEventError, ...] = ()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Decoding
+
+_DECODER: Final = msgspec.msgpack.Decoder()
+_INT_TUPLE: Final = tuple[int, ...]
+_CONVERT_MIN: Final[int] = 64  # from this many tokens on, msgspec.convert beats a Python loop
+
+_STORED: Final[str] = "BlockStored"
+_REMOVED: Final[str] = "BlockRemoved"
+_CLEARED: Final[str] = "AllBlocksCleared"
+_ALL_CLEARED: Final[AllBlocksCleared] = AllBlocksCleared()
+_MISSING: Final[Any] = object()
+
+
+def decode_batch(payload: bytes) -> EngineBatch:
+    """Decode one ``KVEventBatch`` payload of any vLLM (0.9.0 – 0.33.0) or SGLang (0.4.6 – 0.5.23) release.
+
+    Args:
+        payload: the third frame of a live message (or the payload of a replay reply).
+
+    Returns:
+        The batch with its events decoded. Events with an unknown string tag are counted in
+        ``unknown_events``; events of the wrong shape or field type are reported in ``errors`` (index and
+        tag) and left out, without affecting the other events.
+
+    Raises:
+        PayloadDecodeError: the bytes are not one complete msgpack value (malformed, truncated, trailing
+            bytes, nested too deeply).
+        NotABatchError: the value is not an array of 2 or 3 elements with an array second, ``ts`` is not a
+            number, or ``dp_rank`` is neither an int nor nil.
+    """
+    try:
+        obj = _DECODER.decode(payload)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise PayloadDecodeError(f"payload is not msgpack: {exc}") from exc
+    if type(obj) is not list:
+        raise NotABatchError(f"payload is a msgpack {_kind(obj)}, not a KVEventBatch array")
+    n = len(obj)
+    if n == 3:
+        ts, events, dp_rank = obj
+        if dp_rank is not None and type(dp_rank) is not int:
+            raise NotABatchError(f"dp_rank is a {_kind(dp_rank)}, expected an int or nil")
+    elif n == 2:
+        ts, events = obj
+        dp_rank = None
+    else:
+        raise NotABatchError(f"KVEventBatch array has {n} elements, expected 2 or 3")
+    tts = type(ts)
+    if tts is int:
+        ts = float(ts)
+    elif tts is not float:
+        raise NotABatchError(f"ts is a {_kind(ts)}, expected a number")
+    if type(events) is not list:
+        raise NotABatchError(f"events is a {_kind(events)}, expected an array")
+
+    out: list[KVEvent] = []
+    errors: list[InvalidEventError] | None = None
+    unknown = 0
+    for index, ev in enumerate(events):
+        try:
+            tev = type(ev)
+            if tev is list:
+                decoded = _from_array(ev, index)
+            elif tev is dict:
+                decoded = _from_map(ev, index)
+            else:
+                raise InvalidEventError(f"event is a {_kind(ev)}, expected an array or a map", index=index)
+        except InvalidEventError as err:
+            if errors is None:
+                errors = []
+            errors.append(err)
+            continue
+        if decoded is None:
+            unknown += 1
+        else:
+            out.append(decoded)
+    return EngineBatch(
+        ts=ts,
+        events=tuple(out),
+        dp_rank=dp_rank,
+        unknown_events=unknown,
+        errors=() if errors is None else tuple(errors),
+    )
+
+
+def _from_array(ev: list[Any], index: int) -> KVEvent | None:
+    """Decode a position-based event ``[tag, f1, …]``; None for an unknown string tag."""
+    if not ev:
+        raise InvalidEventError("event is an empty array", index=index)
+    tag = ev[0]
+    n = len(ev)
+    if tag == _STORED:
+        if n < 5:
+            raise InvalidEventError(
+                f"BlockStored array has {n} elements, needs at least 5 "
+                "(tag, block_hashes, parent_block_hash, token_ids, block_size)",
+                index=index,
+                tag=tag,
+            )
+        hashes = _hashes(ev[1], "block_hashes", index, tag)
+        parent = _opt_hash(ev[2], index, tag)
+        tokens = _tokens(ev[3], index, tag)
+        block_size = _block_size(ev[4], index, tag)
+        lora_id = _opt_int(ev[5], "lora_id", index, tag) if n > 5 else None
+        medium = _opt_str(ev[6], "medium", index, tag) if n > 6 else None
+        lora_name = extra_keys = group_idx = kind = window = cache_salt = None
+        if n > 7:
+            eighth = ev[7]
+            if type(eighth) is dict:  # SGLang 0.5.18-0.5.19 BlockStoredWithMetadata
+                cache_salt = _opt_str(eighth.get("cache_salt"), "cache_salt", index, tag)
+            else:
+                lora_name = _opt_str(eighth, "lora_name", index, tag)
+                if n > 8:
+                    extra_keys = _extra_keys(ev[8], index, tag)
+                    if n > 9:
+                        group_idx = _opt_int(ev[9], "group_idx", index, tag)
+                        if n > 10:
+                            kind = _opt_str(ev[10], "kv_cache_spec_kind", index, tag)
+                            if n > 11:
+                                window = _opt_int(ev[11], "kv_cache_spec_sliding_window", index, tag)
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=tokens,
+            block_size=block_size,
+            lora_id=lora_id,
+            medium=medium,
+            lora_name=lora_name,
+            extra_keys=extra_keys,
+            group_idx=group_idx,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+            cache_salt=cache_salt,
+        )
+    if tag == _REMOVED:
+        if n < 2:
+            raise InvalidEventError("BlockRemoved array has no block_hashes", index=index, tag=tag)
+        return BlockRemoved(
+            block_hashes=_hashes(ev[1], "block_hashes", index, tag),
+            medium=_opt_str(ev[2], "medium", index, tag) if n > 2 else None,
+            group_idx=_opt_int(ev[3], "group_idx", index, tag) if n > 3 else None,
+        )
+    if tag == _CLEARED:
+        return _ALL_CLEARED
+    if type(tag) is str:
+        return None
+    raise InvalidEventError(f"event tag is a {_kind(tag)}, expected a string", index=index)
+
+
+def _from_map(ev: dict[Any, Any], index: int) -> KVEvent | None:
+    """Decode a name-based event ``{"type": tag, …}``; None for an unknown string tag."""
+    tag = ev.get("type", _MISSING)
+    get = ev.get
+    if tag == _STORED:
+        hashes = get("block_hashes", _MISSING)
+        tokens = get("token_ids", _MISSING)
+        block_size = get("block_size", _MISSING)
+        if hashes is _MISSING or tokens is _MISSING or block_size is _MISSING:
+            missing = [
+                k
+                for k, v in (("block_hashes", hashes), ("token_ids", tokens), ("block_size", block_size))
+                if v is _MISSING
+            ]
+            raise InvalidEventError(f"BlockStored map lacks {', '.join(missing)}", index=index, tag=tag)
+        return BlockStored(
+            block_hashes=_hashes(hashes, "block_hashes", index, tag),
+            parent_block_hash=_opt_hash(get("parent_block_hash"), index, tag),
+            token_ids=_tokens(tokens, index, tag),
+            block_size=_block_size(block_size, index, tag),
+            lora_id=_opt_int(get("lora_id"), "lora_id", index, tag),
+            medium=_opt_str(get("medium"), "medium", index, tag),
+            lora_name=_opt_str(get("lora_name"), "lora_name", index, tag),
+            extra_keys=_extra_keys(get("extra_keys"), index, tag),
+            group_idx=_opt_int(get("group_idx"), "group_idx", index, tag),
+            kv_cache_spec_kind=_opt_str(get("kv_cache_spec_kind"), "kv_cache_spec_kind", index, tag),
+            kv_cache_spec_sliding_window=_opt_int(
+                get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window", index, tag
+            ),
+            cache_salt=_opt_str(get("cache_salt"), "cache_salt", index, tag),
+            session_id=_opt_str(get("session_id"), "session_id", index, tag),
+        )
+    if tag == _REMOVED:
+        hashes = get("block_hashes", _MISSING)
+        if hashes is _MISSING:
+            raise InvalidEventError("BlockRemoved map lacks block_hashes", index=index, tag=tag)
+        return BlockRemoved(
+            block_hashes=_hashes(hashes, "block_hashes", index, tag),
+            medium=_opt_str(get("medium"), "medium", index, tag),
+            group_idx=_opt_int(get("group_idx"), "group_idx", index, tag),
+        )
+    if tag == _CLEARED:
+        return _ALL_CLEARED
+    if type(tag) is str:
+        return None
+    if tag is _MISSING:
+        raise InvalidEventError('event map has no "type" key', index=index)
+    raise InvalidEventError(f'event "type" is a {_kind(tag)}, expected a string', index=index)
+
+
+def _hashes(v: Any, field: str, index: int, tag: str) -> tuple[EngineHash, ...]:
+    """Validate a list of block hashes (int or non-empty bytes) and return it as a tuple."""
+    if type(v) is not list:
+        raise InvalidEventError(f"{field} is a {_kind(v)}, expected an array", index=index, tag=tag)
+    for h in v:
+        th = type(h)
+        if th is not int and (th is not bytes or not h):
+            raise InvalidEventError(f"{field} holds {_hash_problem(h)}", index=index, tag=tag)
+    return tuple(v)
+
+
+def _opt_hash(v: Any, index: int, tag: str) -> EngineHash | None:
+    """Validate ``parent_block_hash``: nil, an int or non-empty bytes."""
+    if v is None:
+        return None
+    tv = type(v)
+    if tv is int or (tv is bytes and v):
+        return v  # type: ignore[no-any-return]
+    raise InvalidEventError(f"parent_block_hash is {_hash_problem(v)}", index=index, tag=tag)
+
+
+def _hash_problem(h: Any) -> str:
+    if type(h) is bytes:
+        return "an empty bin (a hash needs at least one byte)"
+    return f"a {_kind(h)} (a hash must be an int or bin)"
+
+
+def _tokens(v: Any, index: int, tag: str) -> tuple[int, ...]:
+    """Validate ``token_ids`` (a flat array of ints) and return it as a tuple."""
+    if type(v) is list:
+        if len(v) >= _CONVERT_MIN:
+            try:
+                return msgspec.convert(v, _INT_TUPLE)
+            except msgspec.ValidationError:
+                pass
+        else:
+            for t in v:
+                if type(t) is not int:
+                    break
+            else:
+                return tuple(v)
+        for t in v:
+            if type(t) is list:
+                raise InvalidEventError(
+                    "token_ids are [a, b] pairs (SGLang EAGLE bigram keys); bigram keys are not supported",
+                    index=index,
+                    tag=tag,
+                )
+        bad = next(t for t in v if type(t) is not int)
+        raise InvalidEventError(f"token_ids holds a {_kind(bad)}, expected ints", index=index, tag=tag)
+    raise InvalidEventError(f"token_ids is a {_kind(v)}, expected an array", index=index, tag=tag)
+
+
+def _block_size(v: Any, index: int, tag: str) -> int:
+    if type(v) is not int:
+        raise InvalidEventError(f"block_size is a {_kind(v)}, expected an int", index=index, tag=tag)
+    if v < 1:
+        raise InvalidEventError(f"block_size is {v}, expected a positive int", index=index, tag=tag)
+    return v
+
+
+def _opt_int(v: Any, field: str, index: int, tag: str) -> int | None:
+    if v is None or type(v) is int:
+        return v
+    raise InvalidEventError(f"{field} is a {_kind(v)}, expected an int or nil", index=index, tag=tag)
+
+
+def _opt_str(v: Any, field: str, index: int, tag: str) -> str | None:
+    if v is None or type(v) is str:
+        return v
+    raise InvalidEventError(f"{field} is a {_kind(v)}, expected a string or nil", index=index, tag=tag)
+
+
+def _extra_keys(v: Any, index: int, tag: str) -> tuple[Any, ...] | None:
+    """Validate ``extra_keys`` (nil, or an array of nil / array per block); nested arrays become tuples."""
+    if v is None:
+        return None
+    if type(v) is not list:
+        raise InvalidEventError(f"extra_keys is a {_kind(v)}, expected an array or nil", index=index, tag=tag)
+    out: list[tuple[Any, ...] | None] = []
+    for entry in v:
+        if entry is None:
+            out.append(None)
+        elif type(entry) is list:
+            out.append(_freeze(entry))
+        else:
+            raise InvalidEventError(
+                f"extra_keys entry is a {_kind(entry)}, expected an array or nil", index=index, tag=tag
+            )
+    return tuple(out)
+
+
+def _freeze(v: list[Any]) -> tuple[Any, ...]:
+    return tuple(_freeze(x) if type(x) is list else x for x in v)
+
+
+_KINDS: Final[dict[type, str]] = {
+    type(None): "nil",
+    bool: "bool",
+    int: "int",
+    float: "float",
+    str: "string",
+    bytes: "bin",
+    list: "array",
+    dict: "map",
+}
+
+
+def _kind(v: Any) -> str:
+    """The msgpack kind of a generically decoded value, for error messages."""
+    return _KINDS.get(type(v), type(v).__name__)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Hash keys and sequence numbers
+
+
+def engine_key(h: EngineHash) -> int:
+    """Fold a wire block hash into an opaque unsigned 64-bit key, unique per worker.
+
+    ``int`` → ``h & (2**64 - 1)``, so the signed and unsigned forms of one 64-bit value agree.
+    ``bytes`` (any width) → ``int.from_bytes(h, "big") & (2**64 - 1)``, i.e. the last 8 bytes big-endian —
+    exactly vLLM's ``maybe_convert_block_hash`` (0.10.2+), so a block published as ``bin`` and one published
+    as int give the same key.
+
+    Args:
+        h: a block hash as decoded (`EngineHash`).
+
+    Returns:
+        An int in ``[0, 2**64)``.
+
+    Raises:
+        WireError: ``h`` is empty bytes or neither an int nor bytes (bools are rejected).
+    """
+    if type(h) is int:
+        return h & _MASK64
+    if type(h) is bytes and h:
+        return int.from_bytes(h[-8:], "big")
+    raise WireError(f"cannot make an engine key from {_hash_problem(h)}")
+
+
+def decode_seq(frame: bytes) -> int:
+    """Read a sequence-number frame: big-endian unsigned, normally 8 bytes (any length, as vLLM accepts).
+
+    Raises:
+        Nothing: every byte string is a number (empty → 0).
+    """
+    return int.from_bytes(frame, "big")
+
+
+def encode_seq(seq: int) -> bytes:
+    """Write a sequence number as the 8-byte big-endian frame vLLM and SGLang use.
+
+    Raises:
+        WireError: ``seq`` is outside ``[0, 2**64)``.
+    """
+    if not 0 <= seq <= _MASK64:
+        raise WireError(f"sequence number {seq} does not fit in 8 unsigned bytes")
+    return seq.to_bytes(8, "big")
+
+
+def encode_replay_request(start_seq: int) -> list[bytes]:
+    """Frames a DEALER sends to a publisher's ROUTER replay socket: ``[b"", start_seq as 8 bytes BE]``.
+
+    The publisher answers with every buffered batch whose seq ≥ ``start_seq``, then the end marker
+    (see `decode_replay_reply`). A REQ socket would receive only the first reply, so use a DEALER.
+
+    Raises:
+        WireError: ``start_seq`` is outside ``[0, 2**64)``.
+    """
+    return [b"", encode_seq(start_seq)]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayReply:
+    """One reply of a replay exchange, as received by a DEALER.
+
+    Attributes:
+        seq: the batch's sequence number (`SEQ_END` for the end marker).
+        payload: the batch payload, byte-identical to the live one (empty for the end marker).
+        topic: the topic frame (vLLM ≥ 0.26, SGLang ≥ 0.5.22; empty in their end marker), or None for the
+            older 3-frame replies.
+        is_end: True for the end marker (seq ``ff`` × 8 with an empty payload).
+    """
+
+    seq: int
+    payload: bytes
+    topic: bytes | None
+    is_end: bool
+
+
+def decode_replay_reply(frames: Sequence[bytes]) -> ReplayReply:
+    """Parse one replay reply as a DEALER receives it.
+
+    Shapes: ``[b"", seq8, payload]`` (vLLM ≤ 0.25, SGLang ≤ 0.5.21) or ``[b"", topic, seq8, payload]``
+    (vLLM ≥ 0.26, SGLang ≥ 0.5.22). The end marker is seq ``ff`` × 8 with an empty payload
+    (``[b"", END, b""]`` / ``[b"", b"", END, b""]``).
+
+    Raises:
+        WireError: a different frame count, a non-empty delimiter frame, a seq frame that is not 8 bytes,
+            or the end seq with a non-empty payload.
+    """
+    n = len(frames)
+    if n == 3:
+        delimiter, seq_frame, payload = frames
+        topic: bytes | None = None
+    elif n == 4:
+        delimiter, topic, seq_frame, payload = frames
+        topic = bytes(topic)
+    else:
+        raise WireError(f"replay reply has {n} frames, expected 3 or 4 (delimiter first)")
+    if len(delimiter) != 0:
+        raise WireError("replay reply does not start with the empty delimiter frame")
+    if len(seq_frame) != 8:
+        raise WireError(f"replay reply seq frame has {len(seq_frame)} bytes, expected 8")
+    seq = int.from_bytes(seq_frame, "big")
+    payload = bytes(payload)
+    if seq == SEQ_END:
+        if payload:
+            raise WireError("replay end marker carries a non-empty payload")
+        return ReplayReply(seq=seq, payload=payload, topic=topic, is_end=True)
+    return ReplayReply(seq=seq, payload=payload, topic=topic, is_end=False)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Encoding (what each release's publisher puts on the wire)
+
+_StructFactory: TypeAlias = Callable[..., msgspec.Struct]
+
+_R: Final[object] = object()  # marks a field without default (always written)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """How one release generation encodes a batch."""
+
+    name: str
+    batch: _StructFactory
+    has_dp_rank: bool
+    stored: _StructFactory
+    stored_fields: tuple[str, ...]  # BlockStored attributes this generation carries
+    removed: _StructFactory
+    removed_fields: tuple[str, ...]
+    cleared: _StructFactory
+    salted: _StructFactory | None = None  # SGLang 0.5.18-0.5.19 BlockStoredWithMetadata
+    bytes_hashes: bool = False  # may publish hashes as bin (vLLM >= 0.10.2)
+    int_from_bytes: bool = False  # converts bytes hashes to ints like maybe_convert_block_hash
+
+
+def _struct(
+    name: str, fields: Sequence[tuple[str, object]], *, array_like: bool, tag: bool
+) -> _StructFactory:
+    """A msgspec struct with the publisher's options (``omit_defaults=True, gc=False``, tag = class name)."""
+    spec = [(f, Any) if default is _R else (f, Any, None) for f, default in fields]
+    return msgspec.defstruct(
+        name,
+        spec,
+        array_like=array_like,
+        omit_defaults=True,
+        gc=False,
+        tag=name if tag else None,
+    )
+
+
+# vLLM field tables: (field, R or None default, first generation letter).
+_VLLM_STORED: Final = (
+    ("block_hashes", _R, "A"),
+    ("parent_block_hash", _R, "A"),
+    ("token_ids", _R, "A"),
+    ("block_size", _R, "A"),
+    ("lora_id", _R, "A"),
+    ("medium", _R, "C"),
+    ("lora_name", _R, "D"),
+    ("extra_keys", None, "E"),
+    ("group_idx", None, "F"),
+    ("kv_cache_spec_kind", None, "G"),
+    ("kv_cache_spec_sliding_window", None, "G"),
+    ("locality", None, "I"),
+    ("ownership", None, "J"),
+    ("session_id", None, "K"),
+    ("lookahead_token_ids", None, "L"),
+)
+_VLLM_REMOVED: Final = (
+    ("block_hashes", _R, "A"),
+    ("medium", _R, "C"),
+    ("group_idx", None, "F"),
+    ("locality", None, "I"),
+    ("ownership", None, "J"),
+)
+# (generation, first release); each generation runs up to the next one's first release.
+_VLLM_GENERATIONS: Final = (
+    ("A", (0, 9, 0)),
+    ("B", (0, 9, 1)),
+    ("C", (0, 10, 2)),
+    ("D", (0, 14, 0)),
+    ("E", (0, 17, 0)),
+    ("F", (0, 20, 0)),
+    ("G", (0, 22, 0)),
+    ("H", (0, 24, 0)),
+    ("I", (0, 26, 0)),
+    ("J", (0, 29, 0)),
+    ("K", (0, 30, 0)),
+    ("L", (0, 33, 0)),
+)
+_VLLM_AFTER_LAST: Final = (0, 34, 0)
+_SGLANG_AFTER_LAST: Final = (0, 5, 24)
+
+_STORED_ATTRS: Final = frozenset(BlockStored.__dataclass_fields__)
+_REMOVED_ATTRS: Final = frozenset(BlockRemoved.__dataclass_fields__)
+
+
+def _vllm_layout(gen: str) -> _Layout:
+    maps = gen >= "H"
+    stored = [(f, d) for f, d, since in _VLLM_STORED if since <= gen]
+    removed = [(f, d) for f, d, since in _VLLM_REMOVED if since <= gen]
+    batch: list[tuple[str, object]] = [("ts", _R), ("events", _R)]
+    if gen >= "B":
+        batch.append(("data_parallel_rank", None))
+    return _Layout(
+        name=f"vLLM generation {gen}",
+        batch=_struct("KVEventBatch", batch, array_like=True, tag=False),
+        has_dp_rank=gen >= "B",
+        stored=_struct(_STORED, stored, array_like=not maps, tag=True),
+        stored_fields=tuple(f for f, _ in stored if f in _STORED_ATTRS),
+        removed=_struct(_REMOVED, removed, array_like=not maps, tag=True),
+        removed_fields=tuple(f for f, _ in removed if f in _REMOVED_ATTRS),
+        cleared=_struct(_CLEARED, (), array_like=not maps, tag=True),
+        bytes_hashes=gen >= "C",
+        int_from_bytes=gen >= "C",
+    )
+
+
+_SG_BASE: Final[tuple[tuple[str, object], ...]] = (
+    ("block_hashes", _R),
+    ("parent_block_hash", _R),
+    ("token_ids", _R),
+    ("block_size", _R),
+    ("lora_id", _R),
+)
+
+
+def _sglang_layouts() -> tuple[tuple[tuple[int, int, int], _Layout], ...]:
+    """SGLang rows of the generation table (wire-protocol notes §5)."""
+    batch2 = _struct("KVEventBatch", [("ts", _R), ("events", _R)], array_like=True, tag=False)
+    batch3 = _struct(
+        "KVEventBatch", [("ts", _R), ("events", _R), ("attn_dp_rank", None)], array_like=True, tag=False
+    )
+    cleared_a = _struct(_CLEARED, (), array_like=True, tag=True)
+    cleared_m = _struct(_CLEARED, (), array_like=False, tag=True)
+    base_fields = tuple(f for f, _ in _SG_BASE)
+    stored_a5 = _struct(_STORED, _SG_BASE, array_like=True, tag=True)
+    removed_a1 = _struct(_REMOVED, [("block_hashes", _R)], array_like=True, tag=True)
+    stored_a6 = _struct(_STORED, [*_SG_BASE, ("medium", None)], array_like=True, tag=True)
+    removed_a2 = _struct(_REMOVED, [("block_hashes", _R), ("medium", None)], array_like=True, tag=True)
+    salted = _struct(_STORED, [*_SG_BASE, ("medium", None), ("metadata", None)], array_like=True, tag=True)
+    map_fields = [*_SG_BASE, ("medium", None), ("cache_salt", None), ("session_id", None)]
+    stored_m = _struct(_STORED, map_fields, array_like=False, tag=True)
+    stored_m_lora = _struct(_STORED, [*map_fields, ("lora_name", None)], array_like=False, tag=True)
+    removed_m = _struct(_REMOVED, [("block_hashes", _R), ("medium", None)], array_like=False, tag=True)
+
+    def row(name: str, **kw: Any) -> _Layout:
+        return _Layout(name=f"SGLang {name}", **kw)
+
+    return (
+        ((0, 4, 6), row("0.4.6.post5", batch=batch2, has_dp_rank=False, stored=stored_a5,
+                        stored_fields=base_fields, removed=removed_a1, removed_fields=("block_hashes",),
+                        cleared=cleared_a)),
+        ((0, 4, 7), row("0.4.7-0.5.8", batch=batch3, has_dp_rank=True, stored=stored_a5,
+                        stored_fields=base_fields, removed=removed_a1, removed_fields=("block_hashes",),
+                        cleared=cleared_a)),
+        ((0, 5, 9), row("0.5.9-0.5.17", batch=batch3, has_dp_rank=True, stored=stored_a6,
+                        stored_fields=(*base_fields, "medium"), removed=removed_a2,
+                        removed_fields=("block_hashes", "medium"), cleared=cleared_a)),
+        ((0, 5, 18), row("0.5.18-0.5.19", batch=batch3, has_dp_rank=True, stored=stored_a6,
+                         stored_fields=(*base_fields, "medium"), removed=removed_a2,
+                         removed_fields=("block_hashes", "medium"), cleared=cleared_a, salted=salted)),
+        ((0, 5, 20), row("0.5.20-0.5.21", batch=batch3, has_dp_rank=True, stored=stored_m,
+                         stored_fields=(*base_fields, "medium", "cache_salt", "session_id"),
+                         removed=removed_m, removed_fields=("block_hashes", "medium"), cleared=cleared_m)),
+        ((0, 5, 22), row("0.5.22-0.5.23", batch=batch3, has_dp_rank=True, stored=stored_m_lora,
+                         stored_fields=(*base_fields, "medium", "cache_salt", "session_id", "lora_name"),
+                         removed=removed_m, removed_fields=("block_hashes", "medium"), cleared=cleared_m)),
+    )  # fmt: skip
+
+
+_LAYOUTS: Final[dict[str, tuple[tuple[tuple[int, int, int], _Layout], ...]]] = {
+    "vllm": tuple((first, _vllm_layout(gen)) for gen, first in _VLLM_GENERATIONS),
+    "sglang": _sglang_layouts(),
+}
+_AFTER_LAST: Final[dict[str, tuple[int, int, int]]] = {"vllm": _VLLM_AFTER_LAST, "sglang": _SGLANG_AFTER_LAST}
+
+_VERSION_RE: Final = re.compile(
+    r"v?(\d+)\.(\d+)(?:\.(\d+))?"  # major.minor[.patch]
+    r"(?:\.\d+)*"  # 0.9.0.1, 0.10.1.1
+    r"(?:[.-]?(?:post|rc|a|b|dev)\d*)*"  # 0.4.6.post5, 0.24.0rc1, 0.5.0.dev3
+    r"(?:\+[0-9A-Za-z.]+)?"  # local tags: 0.10.2+cu128
+)
+_ENCODER: Final = msgspec.msgpack.Encoder()
+
+
+def _layout(producer: str, version: str) -> _Layout:
+    table = _LAYOUTS.get(producer.lower())
+    if table is None:
+        raise ValueError(f"unknown producer {producer!r}; expected 'vllm' or 'sglang'")
+    m = _VERSION_RE.fullmatch(version.strip())
+    if m is None:
+        raise ValueError(f"cannot read version {version!r}")
+    v = (int(m[1]), int(m[2]), int(m[3] or 0))
+    if v >= _AFTER_LAST[producer.lower()] or v < table[0][0]:
+        raise ValueError(f"{producer} {version} is outside the releases kvmesh knows the wire format of")
+    chosen = table[0][1]
+    for first, layout in table:
+        if v >= first:
+            chosen = layout
+    return chosen
+
+
+def encode_batch(
+    batch: EngineBatch, *, producer: str = "vllm", version: str = "0.33.0", hash_form: str = "int"
+) -> bytes:
+    """Encode a batch exactly as the given release's ``ZmqEventPublisher`` would.
+
+    Array events with the release's full field count before vLLM 0.24 / SGLang 0.5.20 (msgspec ignores
+    ``omit_defaults`` for array-like structs); maps afterwards, with required fields always present (nil when
+    None) and optional ones only when not None, header sized as msgspec does (``map16`` for vLLM 0.33's
+    16-field BlockStored). ``[ts, events]`` for vLLM 0.9.0.x / SGLang 0.4.6.x, else ``[ts, events, dp_rank]``.
+    SGLang 0.5.18 – 0.5.19 writes a salted BlockStored as 8 elements ending in ``{"cache_salt": s}``.
+    Fields the release does not carry are dropped, as are ``unknown_events`` and ``errors``; ``ts`` is
+    written as float64.
+
+    Args:
+        batch: the batch to encode.
+        producer: ``"vllm"`` or ``"sglang"``.
+        version: a release such as ``"0.10.2"``, ``"0.9.0.1"``, ``"0.4.6.post5"``; any release of a
+            generation maps to that generation.
+        hash_form: ``"int"`` (ints are written as they are; bytes hashes are converted like vLLM's
+            ``maybe_convert_block_hash`` on vLLM ≥ 0.10.2 and rejected elsewhere) or ``"bytes"``
+            (vLLM ≥ 0.10.2 with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; every hash must be bytes).
+
+    Returns:
+        The msgpack payload.
+
+    Raises:
+        ValueError: unknown producer, version or hash form; ``"bytes"`` for a release that cannot send bin
+            hashes; a hash that the chosen form cannot carry (wrong type, empty bytes, int outside
+            ``[-2**63, 2**64)``).
+    """
+    layout = _layout(producer, version)
+    if hash_form not in ("int", "bytes"):
+        raise ValueError(f"unknown hash_form {hash_form!r}; expected 'int' or 'bytes'")
+    if hash_form == "bytes" and not layout.bytes_hashes:
+        raise ValueError(f"{layout.name} ({producer} {version}) cannot publish hashes as bytes")
+    want_bytes = hash_form == "bytes"
+
+    def wire_hash(h: Any) -> EngineHash:
+        th = type(h)
+        if want_bytes:
+            if th is bytes and h:
+                return h  # type: ignore[no-any-return]
+            raise ValueError(f"hash_form='bytes' needs non-empty bytes hashes, got {h!r}")
+        if th is int:
+            if _INT_MIN <= h < _INT_END:
+                return h  # type: ignore[no-any-return]
+            raise ValueError(f"hash {h} does not fit in msgpack int64/uint64")
+        if th is bytes and h and layout.int_from_bytes:
+            return int.from_bytes(h[-8:], "big")
+        raise ValueError(f"{layout.name} publishes int hashes; cannot send {h!r}")
+
+    events: list[msgspec.Struct] = []
+    for ev in batch.events:
+        if type(ev) is BlockStored:
+            kw = {f: getattr(ev, f) for f in layout.stored_fields}
+            kw["block_hashes"] = tuple(wire_hash(h) for h in ev.block_hashes)
+            parent = ev.parent_block_hash
+            kw["parent_block_hash"] = None if parent is None else wire_hash(parent)
+            if layout.salted is not None and ev.cache_salt is not None:
+                events.append(layout.salted(**kw, metadata={"cache_salt": ev.cache_salt}))
+            else:
+                events.append(layout.stored(**kw))
+        elif type(ev) is BlockRemoved:
+            kw = {f: getattr(ev, f) for f in layout.removed_fields}
+            kw["block_hashes"] = tuple(wire_hash(h) for h in ev.block_hashes)
+            events.append(layout.removed(**kw))
+        elif type(ev) is AllBlocksCleared:
+            events.append(layout.cleared())
+        else:
+            raise ValueError(f"not a KV event: {ev!r}")
+    ts = float(batch.ts)
+    out = layout.batch(ts, events, batch.dp_rank) if layout.has_dp_rank else layout.batch(ts, events)
+    try:
+        return _ENCODER.encode(out)
+    except OverflowError as exc:
+        raise ValueError(f"a field does not fit in a msgpack int: {exc}") from exc

@@ -1,0 +1,144 @@
+"""NATS plumbing shared by the services: connecting, the events stream, error mapping.
+
+    TransportError (KvmeshError)       something between us and NATS failed
+    └── StreamUnavailableError         the events stream does not exist (yet) or JetStream is off
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from kvmesh.core.errors import KvmeshError
+from kvmesh.runtime import subjects
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NATS_URL: Final[str] = "nats://127.0.0.1:4222"
+
+
+class TransportError(KvmeshError):
+    """A NATS or ZMQ operation failed."""
+
+
+class StreamUnavailableError(TransportError):
+    """The events stream does not exist (yet), or JetStream is not enabled on the server."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamSettings:
+    """How the events stream is created when it is missing."""
+
+    name: str = subjects.STREAM
+    prefix: str = subjects.EVENTS_PREFIX
+    replicas: int = 1
+    """R1 on one server, R3 on a cluster."""
+    max_age_s: float = 24 * 3600.0
+    """Messages older than this are dropped (seconds)."""
+    max_bytes: int = 8 * 2**30
+    """Stream size bound in bytes (oldest dropped first)."""
+    duplicate_window_s: float = 120.0
+    """Window in which a repeated ``Nats-Msg-Id`` is dropped by the server (seconds)."""
+    memory: bool = False
+    """Memory storage instead of file storage (tests, demos)."""
+
+
+async def connect(url: str, *, name: str, **kwargs: Any) -> Client:
+    """Connect to NATS, retrying forever on disconnects (services must ride out server restarts).
+
+    Raises:
+        TransportError: the first connection could not be made.
+    """
+
+    async def _disconnected() -> None:
+        log.warning("nats: disconnected from %s (%s); reconnecting", url, name)
+
+    async def _reconnected() -> None:
+        log.info("nats: reconnected to %s (%s)", url, name)
+
+    async def _error(exc: Exception) -> None:
+        log.debug("nats: %s: %r", name, exc)
+
+    try:
+        return await nats.connect(
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            disconnected_cb=_disconnected,
+            reconnected_cb=_reconnected,
+            error_cb=_error,
+            **kwargs,
+        )
+    except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        raise TransportError(f"cannot connect to NATS at {url}: {exc}") from exc
+
+
+async def ensure_stream(js: JetStreamContext, settings: StreamSettings) -> None:
+    """Create the events stream if it is missing; leave an existing one as it is.
+
+    Raises:
+        StreamUnavailableError: JetStream is not enabled, or the stream cannot be created.
+    """
+    try:
+        await js.stream_info(settings.name)
+        return
+    except nats.js.errors.NotFoundError:
+        pass
+    except nats.errors.NoRespondersError as exc:
+        raise StreamUnavailableError("JetStream is not enabled on the NATS server (start it with -js)") from exc
+    config = StreamConfig(
+        name=settings.name,
+        subjects=[subjects.events_wildcard(settings.prefix)],
+        retention=RetentionPolicy.LIMITS,
+        discard=DiscardPolicy.OLD,
+        storage=StorageType.MEMORY if settings.memory else StorageType.FILE,
+        num_replicas=settings.replicas,
+        max_age=settings.max_age_s,
+        max_bytes=settings.max_bytes,
+        duplicate_window=settings.duplicate_window_s,
+        allow_direct=True,
+    )
+    try:
+        await js.add_stream(config)
+        log.info("created stream %s on %s.>", settings.name, settings.prefix)
+    except nats.js.errors.BadRequestError as exc:
+        # Another component created it between our lookup and our create: fine if it exists now.
+        try:
+            await js.stream_info(settings.name)
+        except nats.js.errors.NotFoundError:
+            raise StreamUnavailableError(f"cannot create stream {settings.name}: {exc}") from exc
+
+
+async def wait_for_stream(
+    js: JetStreamContext,
+    name: str,
+    *,
+    stop: asyncio.Event | None = None,
+    interval_s: float = 1.0,
+    on_wait: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Wait until the stream exists (services may start before any ingest created it)."""
+    warned = False
+    while stop is None or not stop.is_set():
+        try:
+            await js.stream_info(name)
+            return
+        except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            if not warned:
+                log.info("waiting for stream %s to exist", name)
+                warned = True
+            if on_wait is not None:
+                await on_wait()
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,419 @@
+"""The ZeroMQ side of a simulated engine: vLLM's ``ZmqEventPublisher`` (PUB + replay ROUTER), with faults.
+
+`EventPublisher` puts KV-event batches on the wire exactly as a vLLM (or SGLang) publisher does (see
+``docs/wire-protocol.md`` §2):
+
+* live: ``[topic, seq (8-byte big-endian), payload]`` on a PUB socket, ``seq`` from 0 per publisher, +1 per
+  batch, ``payload`` = msgpack ``KVEventBatch`` from `kvmesh.core.wire.encode_batch`;
+* replay: a ROUTER socket answers a DEALER request ``[b"", start_seq]`` with every buffered batch of seq >=
+  ``start_seq`` and then an END marker (seq ``ff×8``, empty payload); the reply framing depends on the
+  release: vLLM < 0.26 / SGLang < 0.5.22 ``[b"", seq, payload]`` + END ``[b"", ff×8, b""]``, newer
+  ``[b"", topic, seq, payload]`` + END ``[b"", b"", ff×8, b""]``; a request that is not exactly
+  ``[identity, delimiter, start]`` gets nothing.
+
+Threading: `publish` sends on the caller's thread (it never blocks: PUB drops at its high-water mark) and
+must be called from one thread only, like the engine's scheduler; a daemon thread services the replay
+socket, so an asyncio loop that calls `publish` is never blocked by a replay. The buffer is shared under a
+lock.
+
+Differences from vLLM, on purpose: the endpoints are always bound (vLLM *connects* a tcp endpoint without
+``*``/``::``), the live socket is an XPUB so tests can `wait_for_subscribers` instead of sleeping (a SUB
+peer sees no difference), batches are sent synchronously rather than through a queue, and fault-injection
+hooks exist: `drop_next`, `restart`, `replay_enabled`, `replay_truncate`, `publish_raw`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Final, Literal
+
+import zmq
+
+from kvmesh.core.wire import SEQ_END, EngineBatch, KVEvent, encode_batch, encode_seq
+from kvmesh.sim.blockpool import HashForm
+
+__all__ = ["EventPublisher", "replay_includes_topic"]
+
+DEFAULT_BUFFER_STEPS: Final[int] = 10_000
+"""Batches kept for replay (vLLM's ``buffer_steps`` default)."""
+DEFAULT_HWM: Final[int] = 100_000
+"""PUB high-water mark (vLLM's ``hwm`` default)."""
+END_SEQ_BYTES: Final[bytes] = encode_seq(SEQ_END)
+"""The seq frame of a replay's END marker: ``ff×8``."""
+
+_REPLAY_TOPIC_SINCE: Final[dict[str, tuple[int, ...]]] = {"vllm": (0, 26), "sglang": (0, 5, 22)}
+_SUBSCRIBE: Final[int] = 1
+_THREAD_JOIN_TIMEOUT_S: Final[float] = 5.0
+
+
+def _parse_version(version: str) -> tuple[int, ...]:
+    """Return the leading numeric components of a release string (``"0.10.1.1"`` → ``(0, 10, 1, 1)``)."""
+    parts: list[int] = []
+    for piece in version.split("."):
+        match = re.match(r"\d+", piece)
+        if match is None:
+            break
+        parts.append(int(match.group()))
+        if match.end() != len(piece):
+            break
+    if not parts:
+        raise ValueError(f"cannot parse release version {version!r}")
+    return tuple(parts)
+
+
+def replay_includes_topic(producer: str, version: str) -> bool:
+    """Return whether a release's replay replies carry the topic frame.
+
+    Args:
+        producer: ``"vllm"`` or ``"sglang"``.
+        version: the release, e.g. ``"0.33.0"``.
+
+    Returns:
+        True for vLLM >= 0.26 and SGLang >= 0.5.22.
+
+    Raises:
+        ValueError: an unknown producer or an unparsable version.
+    """
+    try:
+        since = _REPLAY_TOPIC_SINCE[producer]
+    except KeyError:
+        raise ValueError(f"unknown producer {producer!r}; expected 'vllm' or 'sglang'") from None
+    return _parse_version(version) >= since
+
+
+class EventPublisher:
+    """Publish KV-event batches like one vLLM DP rank's ``ZmqEventPublisher``, with fault injection.
+
+    Owns a live XPUB socket, an optional replay ROUTER socket with its service thread, the seq counter and
+    the replay buffer (the last ``buffer_steps`` encoded batches). Does not own the events (see
+    `kvmesh.sim.blockpool.BlockPool`) nor the DP-rank port offset: ``endpoint`` is bound as given (apply
+    `kvmesh.core.endpoints.offset_endpoint` first for rank > 0).
+
+    Args:
+        endpoint: live endpoint to bind, e.g. ``"tcp://127.0.0.1:5557"`` (``…:*`` or ``…:0`` pick a free
+            port; read it back from `endpoint`).
+        replay_endpoint: replay endpoint to bind, or None for no replay socket (vLLM's default).
+        topic: topic frame of every live message (and of replay replies in the newer framing).
+        dp_rank: data-parallel rank written into every batch.
+        producer: ``"vllm"`` or ``"sglang"``; with ``version`` selects payload layout and replay framing.
+        version: the release to imitate, e.g. ``"0.33.0"`` or ``"0.25.0"``.
+        hash_form: the `kvmesh.sim.blockpool.HashForm` of the events: ``"int"`` and ``"signed"`` are sent as
+            msgpack ints as they are, ``"bytes"`` as ``bin`` (vLLM >= 0.10.2 only).
+        buffer_steps: batches kept for replay (> 0).
+        hwm: live socket send high-water mark, in messages.
+        clock: returns the batch timestamp ``ts`` in seconds since the epoch.
+        context: ZMQ context; default the process-global ``zmq.Context.instance()`` (as vLLM).
+
+    Raises:
+        ValueError: bad ``buffer_steps``; a producer, version or hash form `kvmesh.core.wire.encode_batch`
+            does not know (or ``"bytes"`` for a release that cannot send bin hashes).
+        zmq.ZMQError: an endpoint cannot be bound (e.g. the port is in use).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        dp_rank: int = 0,
+        producer: str = "vllm",
+        version: str = "0.33.0",
+        hash_form: HashForm = "int",
+        buffer_steps: int = DEFAULT_BUFFER_STEPS,
+        hwm: int = DEFAULT_HWM,
+        clock: Callable[[], float] = time.time,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        if buffer_steps <= 0:
+            raise ValueError(f"buffer_steps must be > 0, got {buffer_steps}")
+        self._replay_topic = replay_includes_topic(producer, version)
+        # The pool's "signed" form is plain ints on the wire; "bytes" needs a release that sends bin.
+        self._wire_hash_form = "bytes" if hash_form == "bytes" else "int"
+        encode_batch(  # fail fast on an unknown producer, version or hash form
+            EngineBatch(ts=0.0, events=(), dp_rank=dp_rank),
+            producer=producer,
+            version=version,
+            hash_form=self._wire_hash_form,
+        )
+        self._topic = topic.encode("utf-8")
+        self._dp_rank = dp_rank
+        self._producer = producer
+        self._version = version
+        self._clock = clock
+        self._ctx = context if context is not None else zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self._drop_remaining = 0
+        self._subscriptions = 0
+        self._closed = False
+        self.replay_enabled: bool = True
+        """When False, replay requests are read and ignored: no batch, no END (the client times out)."""
+        self.replay_truncate: int | None = None
+        """When set, a replay sends at most this many batches before its END marker (0: only END)."""
+
+        self._pub: zmq.Socket[bytes] = self._ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.setsockopt(zmq.RCVHWM, hwm)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        try:
+            self._pub.bind(endpoint)
+        except zmq.ZMQError:
+            self._pub.close(linger=0)
+            raise
+        self._endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+
+        self._replay_endpoint: str | None = None
+        self._ctl: zmq.Socket[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        if replay_endpoint is not None:
+            self._start_replay(replay_endpoint, buffer_steps)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def endpoint(self) -> str:
+        """The bound live endpoint, with the actual port when a wildcard port was asked for."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The bound replay endpoint, or None without a replay socket."""
+        return self._replay_endpoint
+
+    @property
+    def topic(self) -> str:
+        """The topic frame as text."""
+        return self._topic.decode("utf-8")
+
+    @property
+    def dp_rank(self) -> int:
+        """The data-parallel rank stamped into every batch."""
+        return self._dp_rank
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next published batch will get."""
+        return self._next_seq
+
+    @property
+    def buffered_seqs(self) -> tuple[int, ...]:
+        """Seqs currently held for replay, oldest first."""
+        with self._lock:
+            return tuple(seq for seq, _ in self._buffer)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called."""
+        return self._closed
+
+    # ------------------------------------------------------------------ publishing
+
+    def publish(self, events: Iterable[KVEvent]) -> int:
+        """Encode one engine step's events as a batch, buffer it for replay and send it live.
+
+        Args:
+            events: the step's events in order (vLLM only publishes non-empty steps; empty is allowed).
+
+        Returns:
+            The batch's seq.
+
+        Raises:
+            RuntimeError: the publisher is closed.
+        """
+        batch = EngineBatch(ts=self._clock(), events=tuple(events), dp_rank=self._dp_rank)
+        payload = encode_batch(
+            batch, producer=self._producer, version=self._version, hash_form=self._wire_hash_form
+        )
+        return self.publish_raw(payload)
+
+    def publish_raw(self, payload: bytes) -> int:
+        """Publish an already encoded (possibly malformed, for fault tests) payload as the next batch.
+
+        Args:
+            payload: the third frame, sent and buffered byte for byte.
+
+        Returns:
+            The batch's seq.
+
+        Raises:
+            RuntimeError: the publisher is closed.
+        """
+        if self._closed:
+            raise RuntimeError("publisher is closed")
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq += 1
+            self._buffer.append((seq, payload))
+            drop = self._drop_remaining > 0
+            if drop:
+                self._drop_remaining -= 1
+        if not drop:
+            self._pub.send_multipart((self._topic, encode_seq(seq), payload), copy=False)
+        self._drain_subscriptions()
+        return seq
+
+    # ------------------------------------------------------------------ fault injection
+
+    def drop_next(self, n: int = 1) -> None:
+        """Make the next ``n`` batches consume their seq and enter the replay buffer without going live.
+
+        This is what a PUB high-water-mark drop looks like to a subscriber: a seq gap that replay fills.
+
+        Args:
+            n: batches to drop (>= 0); adds to any drops still pending.
+
+        Raises:
+            ValueError: ``n`` is negative.
+        """
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        with self._lock:
+            self._drop_remaining += n
+
+    def restart(self) -> None:
+        """Simulate an engine restart: seq starts again at 0 and the replay buffer is emptied.
+
+        The sockets stay bound (a subscriber sees only the seq going backwards, as after a real restart);
+        pending drops are cancelled.
+        """
+        with self._lock:
+            self._next_seq = 0
+            self._buffer.clear()
+            self._drop_remaining = 0
+
+    # ------------------------------------------------------------------ subscribers
+
+    @property
+    def subscriptions(self) -> int:
+        """Subscribe requests seen on the live socket so far (one per SUB ``subscribe`` call)."""
+        self._drain_subscriptions()
+        return self._subscriptions
+
+    async def wait_for_subscribers(
+        self, count: int = 1, *, timeout_s: float = 5.0, poll_s: float = 0.005
+    ) -> None:
+        """Wait until ``count`` subscriptions reached the live socket (no slow-joiner loss after that).
+
+        Call it from the thread that publishes. The subscription of a SUB is counted once it has reached
+        the publisher, so batches published afterwards are delivered to it.
+
+        Args:
+            count: total subscribe requests to wait for.
+            timeout_s: give up after this many seconds.
+            poll_s: polling interval in seconds.
+
+        Raises:
+            TimeoutError: fewer than ``count`` subscriptions arrived within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.subscriptions < count:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self._subscriptions} of {count} subscriptions after {timeout_s} s")
+            await asyncio.sleep(poll_s)
+
+    def _drain_subscriptions(self) -> None:
+        """Read pending (un)subscribe messages from the XPUB socket without blocking."""
+        if self._closed:
+            return
+        while True:
+            try:
+                msg = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg[:1] == bytes((_SUBSCRIBE,)):
+                self._subscriptions += 1
+
+    # ------------------------------------------------------------------ replay
+
+    def _start_replay(self, replay_endpoint: str, buffer_steps: int) -> None:
+        router: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+        try:
+            router.bind(replay_endpoint)
+        except zmq.ZMQError:
+            router.close(linger=0)
+            self._pub.close(linger=0)
+            raise
+        self._replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        ctl_address = f"inproc://kvmesh-sim-publisher-{uuid.uuid4().hex}"
+        ctl_rx: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
+        ctl_rx.setsockopt(zmq.LINGER, 0)
+        ctl_rx.bind(ctl_address)
+        self._ctl = self._ctx.socket(zmq.PAIR)
+        self._ctl.setsockopt(zmq.LINGER, 0)
+        self._ctl.connect(ctl_address)
+        self._thread = threading.Thread(
+            target=self._replay_loop, args=(router, ctl_rx), name="kvmesh-sim-replay", daemon=True
+        )
+        self._thread.start()
+
+    def _replay_loop(self, router: zmq.Socket[bytes], ctl_rx: zmq.Socket[bytes]) -> None:
+        """Service replay requests until told to stop; owns ``router`` and ``ctl_rx`` (closes them)."""
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(ctl_rx, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if ctl_rx in ready:
+                    return
+                if router in ready:
+                    self._service_replay(router, router.recv_multipart())
+        except zmq.ContextTerminated:
+            return
+        finally:
+            router.close(linger=0)
+            ctl_rx.close(linger=0)
+
+    def _service_replay(self, router: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        """Answer one replay request (vLLM's ``_service_replay``); invalid requests get nothing."""
+        if len(frames) != 3 or not self.replay_enabled:
+            return
+        identity, _delimiter, start_frame = frames
+        start_seq = int.from_bytes(start_frame, "big")
+        with self._lock:
+            items = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
+        limit = self.replay_truncate
+        if limit is not None:
+            items = items[: max(limit, 0)]
+        head: tuple[bytes, ...] = (identity, b"", self._topic) if self._replay_topic else (identity, b"")
+        for seq, payload in items:
+            router.send_multipart((*head, encode_seq(seq), payload), copy=False)
+        if self._replay_topic:
+            router.send_multipart((identity, b"", b"", END_SEQ_BYTES, b""))
+        else:
+            router.send_multipart((identity, b"", END_SEQ_BYTES, b""))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Stop the replay thread and close the sockets (linger 0); idempotent.
+
+        Returns once the replay thread has exited (it wakes up at once, so this does not stall a loop).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._ctl is not None:
+            self._ctl.send(b"stop")
+            if self._thread is not None:
+                self._thread.join(_THREAD_JOIN_TIMEOUT_S)
+            self._ctl.close(linger=0)
+        self._pub.close(linger=0)
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> Literal[False]:
+        self.close()
+        return False

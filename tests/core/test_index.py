@@ -1,0 +1,349 @@
+"""Exact-value unit tests of `kvmesh.core.index.PrefixIndex`."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.core.hashing import sequence_hashes
+from kvmesh.core.index import Holder, IndexStats, PrefixIndex, RemoveResult, StoreResult
+
+A0 = Holder("worker-a", 0)
+A1 = Holder("worker-a", 1)
+B0 = Holder("worker-b", 0)
+
+# Local hashes of a 4-block prompt and of a prompt that diverges from it after block 1.
+LOCAL = [101, 102, 103, 104]
+SEQ = sequence_hashes(LOCAL)
+OTHER_LOCAL = [101, 102, 903, 904]
+OTHER_SEQ = sequence_hashes(OTHER_LOCAL)
+# Local hashes of a prompt sharing nothing with LOCAL.
+DIFF_LOCAL = [201, 202, 203, 204]
+DIFF_SEQ = sequence_hashes(DIFF_LOCAL)
+
+# Engine hashes: opaque per-holder keys.
+E = [1001, 1002, 1003, 1004]
+F = [2001, 2002, 2003, 2004]
+
+
+def _stored(attached: int, duplicates: int = 0, held: bool = False, dropped: int = 0) -> StoreResult:
+    return StoreResult(attached=attached, duplicates=duplicates, held=held, dropped_orphans=dropped)
+
+
+def _removed(removed: int, decremented: int = 0, unknown: int = 0) -> RemoveResult:
+    return RemoveResult(removed=removed, decremented=decremented, unknown=unknown)
+
+
+# ---------------------------------------------------------------------------------------------- store / match
+
+
+def test_store_chain_then_match_prefixes() -> None:
+    """A stored chain matches every leading prefix of the prompt with its exact block count."""
+    index = PrefixIndex()
+    assert index.store(A0, E[:2], None, LOCAL[:2]) == _stored(2)
+    assert index.store(A0, E[2:], E[1], LOCAL[2:]) == _stored(2)
+    assert index.match(SEQ) == {A0: 4}
+    assert index.match(SEQ[:3]) == {A0: 3}
+    assert index.match(SEQ[:1]) == {A0: 1}
+    assert index.match(OTHER_SEQ) == {A0: 2}
+    assert index.match([*SEQ, 12345]) == {A0: 4}
+    assert index.match([]) == {}
+    assert index.match([12345, *SEQ[1:]]) == {}
+    assert index.block_count(A0) == 4
+    assert index.holds(A0, E[3]) is True
+    assert index.holds(A0, 9999) is False
+    assert index.holds(B0, E[0]) is False
+
+
+def test_store_chains_local_hashes_onto_parent_sequence_hash() -> None:
+    """A block stored under a parent gets the parent's sequence hash chained with its local hash."""
+    index = PrefixIndex()
+    index.store(A0, [E[0]], None, [LOCAL[0]])
+    index.store(A0, [E[1]], E[0], [LOCAL[1]])
+    assert sorted(index.dump()) == [(A0, E[0], SEQ[0], 1), (A0, E[1], SEQ[1], 1)]
+
+
+def test_store_rejects_mismatched_lengths() -> None:
+    """Engine and local hash lists of different lengths are a ValueError and change nothing."""
+    index = PrefixIndex()
+    with pytest.raises(ValueError, match="2 engine hashes but 1 local hashes"):
+        index.store(A0, E[:2], None, LOCAL[:1])
+    assert index.stats() == IndexStats(
+        holders=0, blocks=0, distinct_prefixes=0, held_orphans=0, orphans_expired=0, unknown_removals=0
+    )
+
+
+def test_match_counts_per_holder_overlap() -> None:
+    """Holders sharing a prefix each score the length of their own leading run."""
+    index = PrefixIndex()
+    index.store(A0, E, None, LOCAL)
+    index.store(A1, F[:2], None, LOCAL[:2])
+    index.store(B0, F[:4], None, OTHER_LOCAL)
+    assert index.match(SEQ) == {A0: 4, A1: 2, B0: 2}
+    assert index.match(OTHER_SEQ) == {A0: 2, A1: 2, B0: 4}
+    assert index.match(SEQ[:1]) == {A0: 1, A1: 1, B0: 1}
+
+
+def test_missing_middle_block_cuts_the_leading_run() -> None:
+    """A holder missing block i scores i even though it still holds the later blocks."""
+    index = PrefixIndex()
+    index.store(A0, E, None, LOCAL)
+    index.store(B0, F, None, LOCAL)
+    assert index.remove(A0, [E[1]]) == _removed(1)
+    assert index.holds(A0, E[2]) is True
+    assert index.holds(A0, E[3]) is True
+    assert index.match(SEQ) == {A0: 1, B0: 4}
+    assert index.match(SEQ[1:]) == {B0: 3}
+    assert index.remove(B0, [F[0]]) == _removed(1)
+    assert index.match(SEQ) == {A0: 1}
+    assert index.match(SEQ[1:]) == {B0: 3}
+
+
+# ---------------------------------------------------------------------------------------- parent resolution
+
+
+def test_parent_known_only_on_another_holder_is_held() -> None:
+    """An event whose parent engine hash exists only on another holder is held, never attached."""
+    index = PrefixIndex()
+    index.store(A0, E[:2], None, LOCAL[:2])
+    assert index.store(B0, [E[2]], E[1], [LOCAL[2]]) == _stored(0, held=True)
+    assert index.holds(B0, E[2]) is False
+    assert index.block_count(B0) == 0
+    assert index.match(SEQ) == {A0: 2}
+    # Not attached under the root either: its local hash as block 0 matches nothing.
+    assert index.match(sequence_hashes([LOCAL[2]])) == {}
+    assert index.stats() == IndexStats(
+        holders=2, blocks=2, distinct_prefixes=2, held_orphans=1, orphans_expired=0, unknown_removals=0
+    )
+
+
+def test_held_event_attaches_with_descendants_when_parent_arrives() -> None:
+    """A held event and its held descendants attach, without a resend, once the parent arrives on the holder."""
+    index = PrefixIndex()
+    index.store(A0, E[:2], None, LOCAL[:2])
+    assert index.store(B0, [E[2]], E[1], [LOCAL[2]]) == _stored(0, held=True)
+    assert index.store(B0, [E[3]], E[2], [LOCAL[3]]) == _stored(0, held=True)
+    assert index.stats().held_orphans == 2
+    assert index.match(SEQ) == {A0: 2}
+    # The parent arrives on B0 itself: 2 own blocks + 1 held child + 1 held grandchild.
+    assert index.store(B0, E[:2], None, LOCAL[:2]) == _stored(4)
+    assert index.match(SEQ) == {A0: 2, B0: 4}
+    assert sorted(x for x in index.dump() if x[0] == B0) == [(B0, E[i], SEQ[i], 1) for i in range(4)]
+    assert index.stats() == IndexStats(
+        holders=2, blocks=6, distinct_prefixes=4, held_orphans=0, orphans_expired=0, unknown_removals=0
+    )
+
+
+def test_held_events_attach_in_any_arrival_order() -> None:
+    """A grandchild held before its child still attaches when the chain is completed."""
+    index = PrefixIndex()
+    assert index.store(A0, [E[3]], E[2], [LOCAL[3]]) == _stored(0, held=True)
+    assert index.store(A0, [E[2]], E[1], [LOCAL[2]]) == _stored(0, held=True)
+    assert index.store(A0, [E[1]], E[0], [LOCAL[1]]) == _stored(0, held=True)
+    assert index.match(SEQ) == {}
+    assert index.store(A0, [E[0]], None, [LOCAL[0]]) == _stored(4)
+    assert index.match(SEQ) == {A0: 4}
+    assert index.stats().held_orphans == 0
+
+
+def test_orphan_bound_drops_oldest_and_counts_it() -> None:
+    """Past max_orphans held events per holder, the oldest is dropped, counted, and never attaches."""
+    index = PrefixIndex(max_orphans=2)
+    assert index.store(A0, [E[1]], E[0], [LOCAL[1]]) == _stored(0, held=True)
+    assert index.store(A0, [F[1]], F[0], [DIFF_LOCAL[1]]) == _stored(0, held=True)
+    # The bound is per holder: B0's held event does not push A0's out.
+    assert index.store(B0, [E[1]], E[0], [LOCAL[1]]) == _stored(0, held=True)
+    assert index.store(A0, [F[3]], F[2], [DIFF_LOCAL[3]]) == _stored(0, held=True, dropped=1)
+    assert index.stats() == IndexStats(
+        holders=2, blocks=0, distinct_prefixes=0, held_orphans=3, orphans_expired=1, unknown_removals=0
+    )
+    # The dropped (oldest) event waited for E[0]: the parent arrives but nothing else attaches.
+    assert index.store(A0, [E[0]], None, [LOCAL[0]]) == _stored(1)
+    assert index.match(SEQ) == {A0: 1}
+    # The kept one waited for F[0]: it attaches.
+    assert index.store(A0, [F[0]], None, [DIFF_LOCAL[0]]) == _stored(2)
+    assert index.match(DIFF_SEQ) == {A0: 2}
+    assert index.stats().held_orphans == 2  # A0's F[3] child and B0's event
+    assert index.stats().orphans_expired == 1
+
+
+def test_orphan_survives_ttl_later_stores_then_attaches() -> None:
+    """A held event still attaches when its parent arrives in the orphan_ttl_ops-th later store call."""
+    index = PrefixIndex(orphan_ttl_ops=2)
+    assert index.store(B0, [E[1]], E[0], [LOCAL[1]]) == _stored(0, held=True)  # op 1
+    assert index.store(A0, [F[0]], None, [DIFF_LOCAL[0]]) == _stored(1)  # op 2: 1st later store
+    assert index.store(B0, [E[0]], None, [LOCAL[0]]) == _stored(2)  # op 3: 2nd later store
+    assert index.match(SEQ) == {B0: 2}
+    assert index.stats().orphans_expired == 0
+
+
+def test_orphan_expires_after_ttl_store_operations() -> None:
+    """A held event expires once more than orphan_ttl_ops later store calls (on any holder) have run."""
+    index = PrefixIndex(orphan_ttl_ops=2)
+    assert index.store(B0, [E[1]], E[0], [LOCAL[1]]) == _stored(0, held=True)  # op 1
+    assert index.store(A0, [F[0]], None, [DIFF_LOCAL[0]]) == _stored(1)  # op 2
+    assert index.store(A0, [F[1]], F[0], [DIFF_LOCAL[1]]) == _stored(1)  # op 3
+    assert index.stats().held_orphans == 1
+    assert index.store(B0, [E[0]], None, [LOCAL[0]]) == _stored(1, dropped=1)  # op 4: expired first
+    assert index.match(SEQ) == {B0: 1}
+    assert index.holds(B0, E[1]) is False
+    assert index.stats() == IndexStats(
+        holders=2, blocks=3, distinct_prefixes=3, held_orphans=0, orphans_expired=1, unknown_removals=0
+    )
+
+
+# ----------------------------------------------------------------------------------- duplicates / removal
+
+
+def test_duplicate_store_needs_two_removes() -> None:
+    """A block stored twice stays matched after one removal and disappears after the second."""
+    index = PrefixIndex()
+    assert index.store(A0, E[:2], None, LOCAL[:2]) == _stored(2)
+    assert index.store(A0, E[:2], None, LOCAL[:2]) == _stored(0, duplicates=2)
+    assert sorted(index.dump()) == [(A0, E[0], SEQ[0], 2), (A0, E[1], SEQ[1], 2)]
+    assert index.remove(A0, [E[1]]) == _removed(0, decremented=1)
+    assert index.match(SEQ) == {A0: 2}
+    assert index.remove(A0, [E[1]]) == _removed(1)
+    assert index.match(SEQ) == {A0: 1}
+    assert index.block_count(A0) == 1
+    assert index.stats().blocks == 1
+
+
+def test_unknown_removal_is_counted_and_rest_applies() -> None:
+    """Unknown hashes in a removal are counted and skipped; the known ones are still removed."""
+    index = PrefixIndex()
+    index.store(A0, E, None, LOCAL)
+    assert index.remove(A0, [E[3], 9999, E[2], 8888]) == _removed(2, unknown=2)
+    assert index.match(SEQ) == {A0: 2}
+    assert index.remove(B0, [E[0]]) == _removed(0, unknown=1)
+    assert index.remove(A0, [E[3]]) == _removed(0, unknown=1)
+    assert index.stats() == IndexStats(
+        holders=1, blocks=2, distinct_prefixes=2, held_orphans=0, orphans_expired=0, unknown_removals=4
+    )
+
+
+def test_two_engine_hashes_with_same_content_on_one_holder() -> None:
+    """Two engine blocks with equal content on one holder count separately; the prefix stays until both go."""
+    index = PrefixIndex()
+    assert index.store(A0, [E[0]], None, [LOCAL[0]]) == _stored(1)
+    assert index.store(A0, [F[0]], None, [LOCAL[0]]) == _stored(1)
+    assert index.block_count(A0) == 2
+    assert index.stats() == IndexStats(
+        holders=1, blocks=2, distinct_prefixes=1, held_orphans=0, orphans_expired=0, unknown_removals=0
+    )
+    assert index.remove(A0, [E[0]]) == _removed(1)
+    assert index.match(SEQ) == {A0: 1}
+    assert index.remove(A0, [F[0]]) == _removed(1)
+    assert index.match(SEQ) == {}
+    assert index.stats().distinct_prefixes == 0
+
+
+# ------------------------------------------------------------------------------------ clear / remove_worker
+
+
+def test_clear_one_holder_leaves_other_dp_rank() -> None:
+    """Clearing (worker-a, 0) leaves (worker-a, 1) and its blocks untouched."""
+    index = PrefixIndex()
+    index.store(A0, E[:3], None, LOCAL[:3])
+    index.store(A1, F[:2], None, LOCAL[:2])
+    assert index.store(A0, [E[3]], 7777, [LOCAL[3]]).held is True  # held on A0, dropped by the clear
+    assert index.clear(A0) == 3
+    assert index.match(SEQ) == {A1: 2}
+    assert index.holders() == [A1]
+    assert index.block_count(A0) == 0
+    assert index.clear(A0) == 0
+    assert index.stats() == IndexStats(
+        holders=1, blocks=2, distinct_prefixes=2, held_orphans=0, orphans_expired=0, unknown_removals=0
+    )
+
+
+def test_remove_worker_drops_all_ranks() -> None:
+    """remove_worker drops every dp rank of the worker and nothing of other workers."""
+    index = PrefixIndex()
+    index.store(A0, E[:3], None, LOCAL[:3])
+    index.store(A1, F[:2], None, LOCAL[:2])
+    index.store(B0, F, None, LOCAL)
+    assert index.remove_worker("worker-a") == 5
+    assert index.holders() == [B0]
+    assert index.match(SEQ) == {B0: 4}
+    assert index.remove_worker("worker-a") == 0
+    assert index.remove_worker("worker-b") == 4
+    assert index.holders() == []
+    assert index.match(SEQ) == {}
+    assert index.stats().distinct_prefixes == 0
+
+
+# ------------------------------------------------------------------------------------------ digest / dump
+
+
+def _events() -> list[tuple[Holder, list[int], int | None, list[int]]]:
+    return [
+        (A0, E[:2], None, LOCAL[:2]),
+        (A0, E[2:], E[1], LOCAL[2:]),
+        (A1, F[:2], None, LOCAL[:2]),
+        (A1, F[:2], None, LOCAL[:2]),
+        (B0, [F[2], F[3]], E[1], OTHER_LOCAL[2:]),
+        (B0, E[:2], None, OTHER_LOCAL[:2]),
+    ]
+
+
+def _build(order: list[int]) -> PrefixIndex:
+    index = PrefixIndex()
+    events = _events()
+    for i in order:
+        index.store(*events[i])
+    return index
+
+
+def test_digest_is_order_independent() -> None:
+    """Indexes fed the same events in different orders have equal digests and dumps."""
+    first = _build([0, 1, 2, 3, 4, 5])
+    second = _build([5, 3, 1, 2, 4, 0])
+    assert first.digest() == second.digest()
+    assert sorted(first.dump()) == sorted(second.dump())
+    assert first.match(SEQ) == second.match(SEQ) == {A0: 4, A1: 2, B0: 2}
+    assert first.match(OTHER_SEQ) == {A0: 2, A1: 2, B0: 4}
+    assert PrefixIndex().digest() == 0
+
+
+def test_digest_changes_after_any_change() -> None:
+    """Removing, decrementing, adding, or clearing anything changes the digest."""
+    base = _build([0, 1, 2, 3, 4, 5]).digest()
+    changes = {
+        "remove-last": lambda ix: ix.remove(A0, [E[3]]),
+        "decrement-duplicate": lambda ix: ix.remove(A1, [F[0]]),
+        "duplicate": lambda ix: ix.store(A0, [E[0]], None, [LOCAL[0]]),
+        "new-block": lambda ix: ix.store(A1, [F[2]], F[1], [LOCAL[2]]),
+        "same-block-other-rank": lambda ix: ix.store(Holder("worker-b", 1), [E[0]], None, [LOCAL[0]]),
+        "clear": lambda ix: ix.clear(B0),
+    }
+    digests = {}
+    for name, change in changes.items():
+        index = _build([0, 1, 2, 3, 4, 5])
+        change(index)
+        digests[name] = index.digest()
+    assert base not in digests.values()
+    assert len(set(digests.values())) == len(changes)
+
+
+def test_digest_ignores_held_orphans() -> None:
+    """A held event does not change the digest until it attaches."""
+    index = _build([0, 1, 2, 3, 4, 5])
+    before = index.digest()
+    assert index.store(A0, [7001], 7000, [LOCAL[0]]).held is True
+    assert index.digest() == before
+
+
+def test_dump_replays_into_equal_index() -> None:
+    """Re-storing every dumped block as a root block whose local hash is its sequence hash rebuilds the index."""
+    original = _build([0, 1, 2, 3, 4, 5])
+    dumped = sorted(original.dump())
+    assert len(dumped) == 10
+    replica = PrefixIndex()
+    for holder, engine_hash, seq, count in dumped:
+        for _ in range(count):
+            # With no parent, a block's sequence hash is its local hash: sequence_hashes([x]) == [x].
+            replica.store(holder, [engine_hash], None, [seq])
+    assert replica.digest() == original.digest()
+    assert sorted(replica.dump()) == dumped
+    assert replica.match(SEQ) == original.match(SEQ)
+    assert replica.stats() == original.stats()

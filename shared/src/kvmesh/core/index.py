@@ -202,18 +202,34 @@ class PrefixIndex:
         self._unknown_removals += unknown
         return RemoveResult(removed=removed, decremented=decremented, unknown=unknown)
 
+    def touch(self, holder: Holder) -> None:
+        """Make a holder known with nothing cached (a worker that announced itself)."""
+        if holder not in self._holders:
+            self._holders[holder] = _HolderState(holder)
+
     def clear(self, holder: Holder) -> int:
-        """Drop every block and held event of one holder (AllBlocksCleared). Returns blocks dropped."""
-        state = self._holders.pop(holder, None)
+        """Drop every block and held event of one holder (AllBlocksCleared); the holder stays known.
+
+        Returns:
+            the number of blocks dropped.
+        """
+        state = self._holders.get(holder)
         if state is None:
             return 0
         for seq, _count in state.blocks.values():
             self._unwhere(seq, holder)
-        return len(state.blocks)
+        n = len(state.blocks)
+        state.blocks.clear()
+        state.orphans.clear()
+        return n
 
     def remove_worker(self, worker_id: str) -> int:
-        """Drop every holder (all dp ranks) of a worker. Returns blocks dropped."""
-        return sum(self.clear(h) for h in [h for h in self._holders if h.worker_id == worker_id])
+        """Forget every holder (all dp ranks) of a worker. Returns blocks dropped."""
+        gone = [h for h in self._holders if h.worker_id == worker_id]
+        n = sum(self.clear(h) for h in gone)
+        for h in gone:
+            del self._holders[h]
+        return n
 
     # ------------------------------------------------------------------ queries
 

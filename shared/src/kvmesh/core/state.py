@@ -138,6 +138,7 @@ class IndexState:
         if epoch is not None and msg.epoch > epoch:
             index.clear(holder)
             self.counters.clears += 1
+        index.touch(holder)
         info.epochs[msg.dp_rank] = msg.epoch
         info.last_seq[msg.dp_rank] = msg.seq
         info.last_ts = max(info.last_ts, msg.ts)

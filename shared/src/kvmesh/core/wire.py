@@ -471,7 +471,7 @@ def _kind(v: Any) -> str:
 
 
 def engine_key(h: EngineHash) -> int:
-    """Fold a wire block hash into an opaque unsigned 64-bit key, unique per worker.
+    """Fold a wire block hash into an opaque unsigned 64-bit key (meaningful within one worker's stream).
 
     ``int`` → ``h & (2**64 - 1)``, so the signed and unsigned forms of one 64-bit value agree.
     ``bytes`` (any width) → ``int.from_bytes(h, "big") & (2**64 - 1)``, i.e. the last 8 bytes big-endian —
@@ -495,10 +495,13 @@ def engine_key(h: EngineHash) -> int:
 
 
 def decode_seq(frame: bytes) -> int:
-    """Read a sequence-number frame: big-endian unsigned, normally 8 bytes (any length, as vLLM accepts).
+    """Read a sequence-number frame: big-endian unsigned, normally 8 bytes.
 
-    Raises:
-        Nothing: every byte string is a number (empty → 0).
+    Any length is accepted, as vLLM's ``int.from_bytes(frame, "big")`` does (a 1-byte ``04`` is 4, empty is
+    0), so this never raises.
+
+    Returns:
+        The sequence number (`SEQ_END` for the replay end marker).
     """
     return int.from_bytes(frame, "big")
 

@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], service: str)
             parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             parser.add_argument(*names, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
-    parser.add_argument("--config", dest="_config", type=Path, default=None, help="TOML file with settings")
+    parser.add_argument("--config", dest="_config", type=Path, default=None, metavar="FILE", help="TOML file with settings (a [service] table or top-level keys)")
     parser.add_argument(
         "--print-config", dest="_print_config", action="store_true", help="print the effective settings and exit"
     )

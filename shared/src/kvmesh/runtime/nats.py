@@ -61,7 +61,7 @@ async def connect(url: str, *, name: str, **kwargs: Any) -> Client:
     """
 
     async def _disconnected() -> None:
-        log.warning("nats: disconnected from %s (%s); reconnecting", url, name)
+        log.info("nats: disconnected from %s (%s); reconnecting", url, name)
 
     async def _reconnected() -> None:
         log.info("nats: reconnected to %s (%s)", url, name)

@@ -32,8 +32,9 @@ default, ``int.from_bytes(digest, "big") & (2**64 - 1)``), ``"bytes"`` = the 32-
 
 Not modelled: the null block (all ``num_blocks`` are usable), sliding-window / Mamba / hybrid KV-cache
 groups, multimodal or prompt-embeds extra keys, chunked prefill, scheduling, preemption and recompute,
-speculative decoding, KV connectors and offloading, ``kv_cache_report_mode="full"``, watermarks. The pool
-has no clock and does no I/O.
+speculative decoding, KV connectors and offloading, ``kv_cache_report_mode="full"``, watermarks. Events
+leave ``lora_id`` (vLLM: the adapter's int id), ``session_id`` and the SGLang-only ``cache_salt`` field
+None. The pool has no clock and does no I/O.
 """
 
 from __future__ import annotations

@@ -77,7 +77,9 @@ class SimWorker:
         topic: topic frame of every message.
         producer: ``"vllm"`` or ``"sglang"`` (wire layout).
         version: engine release to imitate on the wire, e.g. ``"0.33.0"``.
-        hash_form: how block hashes appear (``"int"``, ``"bytes"``, ``"signed"``).
+        hash_form: how block hashes appear (``"int"``, ``"bytes"``, ``"signed"``); imitate vLLM < 0.10.2
+            (builtin ``hash()``) with ``"signed"``, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` with
+            ``"bytes"``.
         seed: the pool's hash seed (equal seeds give equal hashes for equal tokens, as vLLM >= 0.29 with
             sha256 does across processes).
         buffer_steps: batches kept for replay.
@@ -216,7 +218,9 @@ class SimWorker:
         self.publisher.close()
 
     async def __aenter__(self) -> SimWorker:
+        """Return the worker (its sockets are already bound)."""
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        """Close the worker's publisher."""
         self.close()

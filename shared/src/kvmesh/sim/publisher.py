@@ -53,9 +53,9 @@ _THREAD_JOIN_TIMEOUT_S: Final[float] = 5.0
 
 
 def _parse_version(version: str) -> tuple[int, ...]:
-    """Return the leading numeric components of a release string (``"0.10.1.1"`` → ``(0, 10, 1, 1)``)."""
+    """Return the leading numeric components of a release (``"v0.24.0rc1"`` → ``(0, 24, 0)``)."""
     parts: list[int] = []
-    for piece in version.split("."):
+    for piece in version.strip().removeprefix("v").split("."):
         match = re.match(r"\d+", piece)
         if match is None:
             break
@@ -81,7 +81,7 @@ def replay_includes_topic(producer: str, version: str) -> bool:
         ValueError: an unknown producer or an unparsable version.
     """
     try:
-        since = _REPLAY_TOPIC_SINCE[producer]
+        since = _REPLAY_TOPIC_SINCE[producer.lower()]
     except KeyError:
         raise ValueError(f"unknown producer {producer!r}; expected 'vllm' or 'sglang'") from None
     return _parse_version(version) >= since
@@ -133,7 +133,6 @@ class EventPublisher:
     ) -> None:
         if buffer_steps <= 0:
             raise ValueError(f"buffer_steps must be > 0, got {buffer_steps}")
-        self._replay_topic = replay_includes_topic(producer, version)
         # The pool's "signed" form is plain ints on the wire; "bytes" needs a release that sends bin.
         self._wire_hash_form = "bytes" if hash_form == "bytes" else "int"
         encode_batch(  # fail fast on an unknown producer, version or hash form
@@ -142,6 +141,7 @@ class EventPublisher:
             version=version,
             hash_form=self._wire_hash_form,
         )
+        self._replay_topic = replay_includes_topic(producer, version)
         self._topic = topic.encode("utf-8")
         self._dp_rank = dp_rank
         self._producer = producer
@@ -412,8 +412,10 @@ class EventPublisher:
         self._pub.close(linger=0)
 
     def __enter__(self) -> EventPublisher:
+        """Return the publisher (already bound)."""
         return self
 
     def __exit__(self, *exc_info: object) -> Literal[False]:
+        """Close the publisher; exceptions propagate."""
         self.close()
         return False

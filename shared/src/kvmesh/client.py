@@ -1,0 +1,193 @@
+"""Async Python client of the route API (``kvmesh.route`` over NATS request-reply).
+
+    RouteError (KvmeshError)         the router answered with an error reply
+    ├── BadRequestError              code "bad_request" (``field`` names the culprit when known)
+    ├── UnknownModelError            code "unknown_model"
+    ├── NoWorkersError               code "no_workers"
+    ├── UnavailableError             code "unavailable", or no router answered in time
+    └── InternalError                code "internal"
+
+Example::
+
+    async with await Router.connect("nats://127.0.0.1:4222") as router:
+        reply = await router.route("my-model", [1, 2, 3], request_id="r-1")
+        print(reply.worker_id, reply.cached_tokens)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+
+from kvmesh.core.errors import KvmeshError
+from kvmesh.runtime import subjects
+from kvmesh.runtime.nats import connect
+
+
+class RouteError(KvmeshError):
+    """An error reply of the route API; ``code`` is its code, ``message`` the router's text."""
+
+    code = "internal"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class BadRequestError(RouteError, ValueError):
+    """The request was invalid (``bad_request``)."""
+
+    code = "bad_request"
+
+
+class UnknownModelError(RouteError, LookupError):
+    """No worker serves the model (``unknown_model``)."""
+
+    code = "unknown_model"
+
+
+class NoWorkersError(RouteError, LookupError):
+    """No candidate worker is left (``no_workers``)."""
+
+    code = "no_workers"
+
+
+class UnavailableError(RouteError):
+    """No router or indexer could answer in time (``unavailable``)."""
+
+    code = "unavailable"
+
+
+class InternalError(RouteError):
+    """The router failed (``internal``)."""
+
+    code = "internal"
+
+
+_ERRORS: dict[str, type[RouteError]] = {
+    c.code: c for c in (BadRequestError, UnknownModelError, NoWorkersError, UnavailableError, InternalError)
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteReply:
+    """A successful route answer (see the route API)."""
+
+    request_id: str | None
+    worker_id: str
+    dp_rank: int
+    overlap_blocks: int
+    cached_tokens: int
+    block_size: int
+    index_seq: int
+    scores: list[dict[str, Any]] | None = field(default=None)
+
+
+def reply_from_json(data: bytes) -> RouteReply:
+    """Turn a route reply body into a `RouteReply`, or raise the `RouteError` it carries."""
+    try:
+        body = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise InternalError(f"router reply is not JSON: {exc}") from exc
+    if "error" in body:
+        err = body["error"]
+        code = err.get("code", "internal")
+        raise _ERRORS.get(code, InternalError)(err.get("message", ""), code=code)
+    return RouteReply(
+        request_id=body.get("request_id"),
+        worker_id=body["worker_id"],
+        dp_rank=body["dp_rank"],
+        overlap_blocks=body["overlap_blocks"],
+        cached_tokens=body["cached_tokens"],
+        block_size=body["block_size"],
+        index_seq=body["index_seq"],
+        scores=body.get("scores"),
+    )
+
+
+class Router:
+    """Client of ``kvmesh.route`` on an existing NATS connection.
+
+    Args:
+        nc: a connected nats-py client.
+        subject: the route subject.
+        timeout_s: seconds to wait for a reply before raising `UnavailableError`.
+    """
+
+    def __init__(self, nc: Client, *, subject: str = subjects.ROUTE_SUBJECT, timeout_s: float = 2.0) -> None:
+        self._nc = nc
+        self._subject = subject
+        self._timeout_s = timeout_s
+        self._owns = False
+
+    @classmethod
+    async def connect(cls, url: str, **kwargs: Any) -> Router:
+        """Connect to NATS and return a client that closes the connection on `aclose`."""
+        router = cls(await connect(url, name="kvmesh-client"), **kwargs)
+        router._owns = True
+        return router
+
+    async def route(
+        self,
+        model: str,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        candidates: Sequence[str] | None = None,
+        request_id: str | None = None,
+        explain: bool = False,
+    ) -> RouteReply:
+        """Ask which worker should serve a prompt.
+
+        Raises:
+            RouteError: the subclass for the reply's error code; `UnavailableError` also when no router
+                answered within the timeout.
+        """
+        body: dict[str, Any] = {"model": model, "token_ids": list(token_ids)}
+        for k, v in (
+            ("lora_name", lora_name),
+            ("cache_salt", cache_salt),
+            ("request_id", request_id),
+            ("candidates", list(candidates) if candidates is not None else None),
+        ):
+            if v is not None:
+                body[k] = v
+        if explain:
+            body["explain"] = True
+        return reply_from_json(await self.request_raw(msgspec.json.encode(body)))
+
+    async def request_raw(self, body: bytes) -> bytes:
+        """Send a raw route request body and return the raw reply body.
+
+        Raises:
+            UnavailableError: no router answered within the timeout.
+        """
+        try:
+            msg = await self._nc.request(self._subject, body, timeout=self._timeout_s)
+        except nats.errors.NoRespondersError as exc:
+            raise UnavailableError("no router is serving " + self._subject) from exc
+        except nats.errors.TimeoutError as exc:
+            raise UnavailableError(f"no router answered within {self._timeout_s:g} s") from exc
+        return bytes(msg.data)
+
+    async def aclose(self) -> None:
+        """Close the NATS connection if this client opened it."""
+        if self._owns:
+            await self._nc.drain()
+
+    async def __aenter__(self) -> Router:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

@@ -241,18 +241,21 @@ def test_two_engine_hashes_with_same_content_on_one_holder() -> None:
 
 
 def test_clear_one_holder_leaves_other_dp_rank() -> None:
-    """Clearing (worker-a, 0) leaves (worker-a, 1) and its blocks untouched."""
+    """Clearing (worker-a, 0) empties it but keeps it known, and leaves (worker-a, 1) untouched."""
     index = PrefixIndex()
     index.store(A0, E[:3], None, LOCAL[:3])
     index.store(A1, F[:2], None, LOCAL[:2])
     assert index.store(A0, [E[3]], 7777, [LOCAL[3]]).held is True  # held on A0, dropped by the clear
     assert index.clear(A0) == 3
     assert index.match(SEQ) == {A1: 2}
-    assert index.holders() == [A1]
+    assert index.holders() == [A0, A1]
     assert index.block_count(A0) == 0
+    assert index.block_count(A1) == 2
     assert index.clear(A0) == 0
+    assert index.clear(B0) == 0
+    assert index.holders() == [A0, A1]
     assert index.stats() == IndexStats(
-        holders=1, blocks=2, distinct_prefixes=2, held_orphans=0, orphans_expired=0, unknown_removals=0
+        holders=2, blocks=2, distinct_prefixes=2, held_orphans=0, orphans_expired=0, unknown_removals=0
     )
 
 

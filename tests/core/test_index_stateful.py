@@ -169,15 +169,14 @@ class PrefixIndexMachine(RuleBasedStateMachine):
 
     @rule(holder=st.sampled_from(HOLDERS))
     def clear_holder(self, holder: Holder) -> None:
-        """Clear one (worker, dp_rank)."""
+        """Clear one (worker, dp_rank): its blocks and held events go, the holder stays known."""
         expected = len(self.model.pop(holder, {}))
-        self.live_holders.discard(holder)
         self.orphans.pop(holder, None)
         assert self.index.clear(holder) == expected
 
     @rule(worker=st.sampled_from(WORKERS))
     def remove_worker(self, worker: str) -> None:
-        """Remove every dp rank of one worker."""
+        """Remove every dp rank of one worker: blocks, held events and the holders themselves go."""
         expected = 0
         for holder in [h for h in HOLDERS if h.worker_id == worker]:
             expected += len(self.model.pop(holder, {}))

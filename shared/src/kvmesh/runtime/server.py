@@ -146,6 +146,8 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if proc is not None and proc.stderr is not None:
+            proc.stderr.close()
         if self._own_dir:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 

@@ -1,0 +1,107 @@
+"""End to end with real parts: simulated vLLM workers over real ZMQ → ingest → JetStream → indexer → router."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvmesh.client import BadRequestError, UnknownModelError
+from kvmesh.sim.engine import SimWorker
+from tests.pipeline import eventually, overlaps, pipeline
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.e2e]
+
+BS = 4
+P1 = list(range(100, 116))  # 4 blocks
+P2 = P1[:8] + [900, 901, 902, 903]  # shares 2 blocks with P1, then 1 of its own
+Q = list(range(2000, 2064))  # 16 distinct blocks: fills worker A's pool
+
+
+async def test_route_answers_exact_overlaps_through_evictions_and_clear(nats_url: str, uid: str) -> None:
+    """Two workers' events reach the router: exact overlaps before and after an eviction and a reset."""
+    a = SimWorker("worker-a", num_blocks=16, block_size=BS, endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", seed=1, version="0.9.1")
+    b = SimWorker("worker-b", num_blocks=64, block_size=BS, endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", seed=2, version="0.33.0")
+    try:
+        async with pipeline(nats_url, uid) as p:
+            for w in (a, b):
+                await p.start_ingest(w.worker_id, w.publisher.endpoint, w.publisher.replay_endpoint, block_size=BS)
+                await w.publisher.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router()
+
+            # Both workers announced themselves: nothing cached yet, both are candidates.
+            first = await eventually(lambda: p.route(P1, explain=True), lambda r: len(r.scores or []) == 2)
+            assert overlaps(first) == {"worker-a/0": 0, "worker-b/0": 0}
+
+            assert (await a.serve_request(P1, 0))["cached_tokens"] == 0
+            assert (await b.serve_request(P2, 0))["cached_tokens"] == 0
+            r1 = await eventually(
+                lambda: p.route(P1, explain=True, request_id="r-1"),
+                lambda r: overlaps(r) == {"worker-a/0": 4, "worker-b/0": 2},
+            )
+            assert (r1.request_id, r1.worker_id, r1.dp_rank, r1.cached_tokens, r1.block_size) == ("r-1", "worker-a", 0, 16, BS)
+            assert overlaps(r1) == {"worker-a/0": 4, "worker-b/0": 2}
+            r2 = await p.route(P2, explain=True)
+            assert (r2.worker_id, r2.overlap_blocks) == ("worker-b", 3)
+            assert overlaps(r2) == {"worker-a/0": 2, "worker-b/0": 3}
+            assert r2.scores is not None and [s["cost"] for s in r2.scores] == [0.0, 1.0]
+
+            # Q fills A's 16-block pool: P1's four cached blocks are evicted (four BlockRemoved).
+            assert (await a.serve_request(Q, 0))["cached_tokens"] == 0
+            r3 = await eventually(
+                lambda: p.route(P1, explain=True), lambda r: overlaps(r) == {"worker-a/0": 0, "worker-b/0": 2}
+            )
+            assert (r3.worker_id, r3.overlap_blocks) == ("worker-b", 2)
+            rq = await p.route(Q, explain=True)
+            assert overlaps(rq) == {"worker-a/0": 16, "worker-b/0": 0}
+
+            # Resetting B's prefix cache (AllBlocksCleared) leaves nothing of P2 anywhere.
+            assert await b.reset_prefix_cache() is True
+            r4 = await eventually(
+                lambda: p.route(P2, explain=True), lambda r: overlaps(r) == {"worker-a/0": 0, "worker-b/0": 0}
+            )
+            assert overlaps(r4) == {"worker-a/0": 0, "worker-b/0": 0}
+            # Tie at zero overlap: the worker with the fewest cached blocks (B, now empty) wins.
+            assert (r4.worker_id, r4.overlap_blocks) == ("worker-b", 0)
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_route_errors_have_codes_and_service_headers(nats_url: str, uid: str) -> None:
+    """Unknown model, empty token_ids, a non-integer token and a non-JSON body each get their error code."""
+    w = SimWorker("worker-e", num_blocks=16, block_size=BS, endpoint="tcp://127.0.0.1:*", seed=3)
+    try:
+        async with pipeline(nats_url, uid) as p:
+            await p.start_ingest(w.worker_id, w.publisher.endpoint, block_size=BS)
+            await w.publisher.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router()
+            await eventually(lambda: p.route(P1), lambda r: r.worker_id == "worker-e")
+
+            with pytest.raises(UnknownModelError) as unknown:
+                await p.route(P1, model="no-such-model")
+            assert unknown.value.code == "unknown_model"
+
+            nc = p._nc
+            cases = [
+                (b'{"model": "test-model", "token_ids": []}', "bad_request", "400", "token_ids must not be empty"),
+                (b'{"model": "test-model", "token_ids": [1, "x"]}', "bad_request", "400", "$.token_ids[1]"),
+                (b'{"model": "test-model", "token_ids": [1, 4294967296]}', "bad_request", "400", "outside [0, 2^32)"),
+                (b"not json", "bad_request", "400", "not valid JSON"),
+                (b'{"model": "no-such-model", "token_ids": [1, 2, 3, 4]}', "unknown_model", "404", "no-such-model"),
+            ]
+            for body, code, status, text in cases:
+                msg = await nc.request(p.route_subject, body, timeout=3)
+                reply = json.loads(msg.data)
+                assert reply["error"]["code"] == code, body
+                assert text in reply["error"]["message"], (body, reply)
+                assert msg.headers is not None
+                assert msg.headers["Nats-Service-Error-Code"] == status
+                assert msg.headers["Nats-Service-Error"].startswith(f"{code}: ")
+
+            with pytest.raises(BadRequestError):
+                await p.route([])
+    finally:
+        w.close()

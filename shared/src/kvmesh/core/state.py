@@ -75,6 +75,8 @@ class _WorkerInfo:
     last_seq: dict[int, int] = field(default_factory=dict)
     last_ts: float = 0.0
     removed_epoch: int | None = None
+    stale_through: int | None = None
+    """Epoch of the last WorkerRemoved: messages with an epoch ≤ it stay dropped even after a rejoin."""
 
 
 class UnknownModelError(KeyError):
@@ -120,11 +122,10 @@ class IndexState:
         info = self._workers.get(msg.worker_id)
         if info is None:
             info = self._workers[msg.worker_id] = _WorkerInfo(msg.model, msg.block_size)
-        if info.removed_epoch is not None:
-            if msg.epoch <= info.removed_epoch:
-                self.counters.stale_messages += 1
-                return
-            info.removed_epoch = None
+        if info.stale_through is not None and msg.epoch <= info.stale_through:
+            self.counters.stale_messages += 1
+            return
+        info.removed_epoch = None
         holder = Holder(msg.worker_id, msg.dp_rank)
         index = self._index(msg.model, msg.block_size)
         if info.model != msg.model or info.block_size != msg.block_size:
@@ -166,6 +167,7 @@ class IndexState:
         self.counters.workers_removed += 1
         if info is not None:
             info.removed_epoch = msg.epoch if msg.epoch is not None else max(info.epochs.values(), default=0)
+            info.stale_through = info.removed_epoch
 
     # ------------------------------------------------------------------ queries
 

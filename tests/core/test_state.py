@@ -1,0 +1,221 @@
+"""Exact-value tests of `kvmesh.core.state.IndexState`: stream order, epochs, worker removal, matching."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.core.errors import RequestError
+from kvmesh.core.events import (
+    Cleared,
+    Event,
+    EventsMessage,
+    Removed,
+    Stored,
+    WorkerRemoved,
+    decode_message,
+    encode_message,
+)
+from kvmesh.core.hashing import local_block_hashes
+from kvmesh.core.state import HolderMatch, IndexState, MatchResult, UnknownModelError
+
+MODEL = "llama"
+BS = 4
+TOKENS = list(range(16))  # 4 full blocks
+LOCAL = local_block_hashes(TOKENS, BS)
+OTHER_TOKENS = list(range(100, 116))
+OTHER_LOCAL = local_block_hashes(OTHER_TOKENS, BS)
+
+
+def _msg(
+    worker: str, rank: int, events: list[Event], *, epoch: int = 1, seq: int = 1, model: str = MODEL, bs: int = BS
+) -> EventsMessage:
+    return EventsMessage(
+        worker_id=worker, dp_rank=rank, model=model, block_size=bs, epoch=epoch, seq=seq, events=events
+    )
+
+
+def _hm(worker: str, rank: int, overlap: int, cached: int) -> HolderMatch:
+    return HolderMatch(worker_id=worker, dp_rank=rank, overlap_blocks=overlap, cached_blocks=cached)
+
+
+def _candidates(state: IndexState, tokens: list[int] = TOKENS, **kw: str) -> tuple[HolderMatch, ...]:
+    return state.match(MODEL, tokens, **kw).candidates
+
+
+def _fleet() -> IndexState:
+    """w1 rank 0 holds all 4 blocks, w1 rank 1 the first 2, w2 rank 0 one unrelated block."""
+    state = IndexState()
+    state.apply(1, _msg("w1", 0, [Stored([11, 12], None, LOCAL[:2]), Stored([13, 14], 12, LOCAL[2:])]))
+    state.apply(2, _msg("w1", 1, [Stored([21, 22], None, LOCAL[:2])]))
+    state.apply(3, _msg("w2", 0, [Stored([31], None, OTHER_LOCAL[:1])]))
+    return state
+
+
+def test_match_returns_every_holder_with_exact_overlap() -> None:
+    """Match lists every holder of the model, zero overlap included, with overlap, cache size and index_seq."""
+    state = _fleet()
+    assert state.match(MODEL, [*TOKENS, 99, 98]) == MatchResult(
+        index_seq=3,
+        block_size=BS,
+        prompt_blocks=4,
+        candidates=(_hm("w1", 0, 4, 4), _hm("w1", 1, 2, 2), _hm("w2", 0, 0, 1)),
+    )
+    assert _candidates(state, OTHER_TOKENS) == (_hm("w1", 0, 0, 4), _hm("w1", 1, 0, 2), _hm("w2", 0, 1, 1))
+    assert _candidates(state, TOKENS[:7]) == (_hm("w1", 0, 1, 4), _hm("w1", 1, 1, 2), _hm("w2", 0, 0, 1))
+    assert state.applied_seq == 3
+    assert state.block_total() == 7
+    assert state.models() == {MODEL: [BS]}
+    assert state.counters.messages == 3
+    assert state.counters.stored_blocks == 7
+
+
+def test_removed_and_cleared_events_apply() -> None:
+    """Removed cuts a holder's leading run and Cleared empties the holder, which stays a candidate."""
+    state = _fleet()
+    state.apply(4, _msg("w1", 0, [Removed([12, 999])], seq=2))
+    assert _candidates(state) == (_hm("w1", 0, 1, 3), _hm("w1", 1, 2, 2), _hm("w2", 0, 0, 1))
+    state.apply(5, _msg("w1", 1, [Cleared("engine")], seq=2))
+    assert _candidates(state) == (_hm("w1", 0, 1, 3), _hm("w1", 1, 0, 0), _hm("w2", 0, 0, 1))
+    assert (state.counters.removed_blocks, state.counters.unknown_removals, state.counters.clears) == (1, 1, 1)
+
+
+def test_older_stream_seq_is_ignored() -> None:
+    """A message whose stream sequence is not above the applied one changes nothing."""
+    state = _fleet()
+    before = state.digest()
+    state.apply(3, _msg("w1", 0, [Cleared("engine")], seq=2))
+    state.apply(2, _msg("w1", 0, [Removed([11])], seq=3))
+    assert state.applied_seq == 3
+    assert state.counters.messages == 3
+    assert state.digest() == before
+    assert _candidates(state) == (_hm("w1", 0, 4, 4), _hm("w1", 1, 2, 2), _hm("w2", 0, 0, 1))
+    state.apply(10, _msg("w1", 0, [Removed([11])], seq=2))
+    assert state.applied_seq == 10
+    assert _candidates(state) == (_hm("w1", 0, 0, 3), _hm("w1", 1, 2, 2), _hm("w2", 0, 0, 1))
+
+
+def test_older_epoch_is_dropped_and_newer_epoch_clears_first() -> None:
+    """An older engine epoch is stale; a newer one clears only that holder before its events apply."""
+    state = IndexState()
+    state.apply(1, _msg("w1", 0, [Stored([11, 12, 13, 14], None, LOCAL)], epoch=2))
+    state.apply(2, _msg("w1", 1, [Stored([21, 22], None, LOCAL[:2])], epoch=2))
+    state.apply(3, _msg("w1", 0, [Removed([11])], epoch=1, seq=9))
+    assert state.counters.stale_messages == 1
+    assert state.applied_seq == 3
+    assert _candidates(state) == (_hm("w1", 0, 4, 4), _hm("w1", 1, 2, 2))
+    state.apply(4, _msg("w1", 0, [Stored([51], None, LOCAL[:1])], epoch=3))
+    assert _candidates(state) == (_hm("w1", 0, 1, 1), _hm("w1", 1, 2, 2))
+    assert state.counters.clears == 1
+    assert state.counters.stale_messages == 1
+    assert state.workers()["w1"]["epochs"] == {0: 3, 1: 2}
+    assert state.workers()["w1"]["blocks"] == 3
+
+
+def test_worker_removed_drops_worker_until_newer_epoch() -> None:
+    """WorkerRemoved drops every rank; later messages of that epoch are stale; a newer epoch is accepted."""
+    state = _fleet()
+    state.apply(4, WorkerRemoved(worker_id="w1", model=MODEL, epoch=1))
+    assert _candidates(state) == (_hm("w2", 0, 0, 1),)
+    assert state.block_total() == 1
+    assert state.counters.workers_removed == 1
+    assert state.workers()["w1"]["removed"] is True
+    state.apply(5, _msg("w1", 0, [Stored([11], None, LOCAL[:1])], epoch=1, seq=5))
+    assert state.counters.stale_messages == 1
+    assert _candidates(state) == (_hm("w2", 0, 0, 1),)
+    state.apply(6, _msg("w1", 0, [Stored([61, 62], None, LOCAL[:2])], epoch=2, seq=1))
+    assert state.counters.stale_messages == 1
+    assert state.workers()["w1"]["removed"] is False
+    assert _candidates(state) == (_hm("w1", 0, 2, 2), _hm("w2", 0, 0, 1))
+
+
+def test_late_message_of_removed_epoch_stays_dropped_after_rejoin() -> None:
+    """After a newer epoch of one rank rejoins, a late message of another rank's removed epoch is still stale."""
+    state = _fleet()
+    state.apply(4, WorkerRemoved(worker_id="w1", model=MODEL, epoch=1))
+    state.apply(5, _msg("w1", 0, [Stored([61], None, LOCAL[:1])], epoch=2))
+    state.apply(6, _msg("w1", 1, [Stored([21, 22], None, LOCAL[:2])], epoch=1, seq=7))
+    assert state.counters.stale_messages == 1
+    assert _candidates(state) == (_hm("w1", 0, 1, 1), _hm("w2", 0, 0, 1))
+
+
+def test_removing_the_only_worker_makes_model_unknown() -> None:
+    """When every worker of a model is removed, matching that model raises UnknownModelError."""
+    state = IndexState()
+    state.apply(1, _msg("w1", 0, [Stored([11], None, LOCAL[:1])]))
+    state.apply(2, WorkerRemoved(worker_id="w1", model=MODEL, epoch=1))
+    with pytest.raises(UnknownModelError):
+        state.match(MODEL, TOKENS)
+
+
+def test_unknown_model_raises() -> None:
+    """Matching a model no worker registered raises UnknownModelError, a KeyError."""
+    state = _fleet()
+    with pytest.raises(UnknownModelError) as info:
+        state.match("no-such-model", TOKENS)
+    assert isinstance(info.value, KeyError)
+    assert info.value.args == ("no-such-model",)
+    with pytest.raises(UnknownModelError):
+        IndexState().match(MODEL, TOKENS)
+
+
+def test_match_rejects_bad_tokens() -> None:
+    """A token id outside [0, 2**32) in a match request raises RequestError on token_ids."""
+    state = _fleet()
+    with pytest.raises(RequestError) as info:
+        state.match(MODEL, [0, 1, 2, -3])
+    assert info.value.field == "token_ids"
+
+
+def test_same_messages_give_equal_digests() -> None:
+    """Two states fed the same messages (one through encode/decode) have equal digests; a missed one differs."""
+    messages = [
+        _msg("w1", 0, [Stored([11, 12], None, LOCAL[:2]), Stored([13], 12, LOCAL[2:3])]),
+        _msg("w1", 1, [Stored([21, 22], None, LOCAL[:2]), Stored([21], None, LOCAL[:1])]),
+        _msg("w2", 0, [Stored([33], 32, OTHER_LOCAL[2:3]), Stored([31, 32], None, OTHER_LOCAL[:2])]),
+        _msg("w1", 0, [Removed([12, 77])], seq=2),
+        _msg("w3", 0, [Stored([41, 42], None, OTHER_LOCAL[:2])], model="other", bs=8),
+    ]
+    first, second, partial = IndexState(), IndexState(), IndexState()
+    for i, m in enumerate(messages, start=1):
+        first.apply(i, m)
+        second.apply(i, decode_message(encode_message(m)))
+        if i != 4:
+            partial.apply(i, m)
+    assert first.digest() == second.digest()
+    assert first.digest() != partial.digest()
+    assert first.block_total() == second.block_total() == 9
+    assert partial.block_total() == 10
+    assert first.models() == {MODEL: [BS], "other": [8]}
+    assert _candidates(first, OTHER_TOKENS) == (_hm("w1", 0, 0, 2), _hm("w1", 1, 0, 2), _hm("w2", 0, 3, 3))
+
+
+def test_lora_and_salt_match_only_their_own_blocks() -> None:
+    """lora_name and cache_salt in a match find only blocks whose local hashes used the same rule."""
+    base = LOCAL
+    lora = local_block_hashes(TOKENS, BS, lora_name="adapter-1")
+    salted = local_block_hashes(TOKENS, BS, cache_salt="tenant-1")
+    state = IndexState()
+    state.apply(1, _msg("base", 0, [Stored([1, 2, 3, 4], None, base)]))
+    state.apply(2, _msg("lora", 0, [Stored([1, 2, 3, 4], None, lora)]))
+    state.apply(3, _msg("salt", 0, [Stored([1, 2, 3, 4], None, salted)]))
+    assert _candidates(state) == (_hm("base", 0, 4, 4), _hm("lora", 0, 0, 4), _hm("salt", 0, 0, 4))
+    assert _candidates(state, lora_name="adapter-1") == (
+        _hm("base", 0, 0, 4),
+        _hm("lora", 0, 4, 4),
+        _hm("salt", 0, 0, 4),
+    )
+    assert _candidates(state, cache_salt="tenant-1") == (
+        _hm("base", 0, 0, 4),
+        _hm("lora", 0, 0, 4),
+        _hm("salt", 0, 4, 4),
+    )
+    assert _candidates(state, lora_name="adapter-2") == (
+        _hm("base", 0, 0, 4),
+        _hm("lora", 0, 0, 4),
+        _hm("salt", 0, 0, 4),
+    )
+    assert _candidates(state, cache_salt="tenant-2") == (
+        _hm("base", 0, 0, 4),
+        _hm("lora", 0, 0, 4),
+        _hm("salt", 0, 0, 4),
+    )

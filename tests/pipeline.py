@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvmesh.client import RouteError, RouteReply, Router
+from kvmesh.client import RouteError, Router, RouteReply
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.indexer.service import IndexerService
 from kvmesh.ingest.config import IngestSettings
@@ -53,7 +53,9 @@ class Pipeline:
     def match_subject(self) -> str:
         return f"t{self.uid}.match"
 
-    async def start_ingest(self, worker_id: str, endpoint: str, replay: str | None = None, **kw: Any) -> IngestService:
+    async def start_ingest(
+        self, worker_id: str, endpoint: str, replay: str | None = None, **kw: Any
+    ) -> IngestService:
         settings = IngestSettings(
             worker_id=worker_id,
             model=kw.pop("model", self.model),
@@ -88,7 +90,9 @@ class Pipeline:
 
     async def start_router(self) -> Router:
         svc = RouterService(
-            RouterSettings(nats_url=self.nats_url, route_subject=self.route_subject, match_subject=self.match_subject)
+            RouterSettings(
+                nats_url=self.nats_url, route_subject=self.route_subject, match_subject=self.match_subject
+            )
         )
         self.router_service = svc
         self.tasks.append(asyncio.create_task(svc.run()))

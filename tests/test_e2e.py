@@ -5,27 +5,45 @@ from __future__ import annotations
 import json
 
 import pytest
+from tests.pipeline import eventually, overlaps, pipeline
 
 from kvmesh.client import BadRequestError, UnknownModelError
 from kvmesh.sim.engine import SimWorker
-from tests.pipeline import eventually, overlaps, pipeline
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.e2e]
 
 BS = 4
 P1 = list(range(100, 116))  # 4 blocks
-P2 = P1[:8] + [900, 901, 902, 903]  # shares 2 blocks with P1, then 1 of its own
+P2 = [*P1[:8], 900, 901, 902, 903]  # shares 2 blocks with P1, then 1 of its own
 Q = list(range(2000, 2064))  # 16 distinct blocks: fills worker A's pool
 
 
 async def test_route_answers_exact_overlaps_through_evictions_and_clear(nats_url: str, uid: str) -> None:
     """Two workers' events reach the router: exact overlaps before and after an eviction and a reset."""
-    a = SimWorker("worker-a", num_blocks=16, block_size=BS, endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", seed=1, version="0.9.1")
-    b = SimWorker("worker-b", num_blocks=64, block_size=BS, endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", seed=2, version="0.33.0")
+    a = SimWorker(
+        "worker-a",
+        num_blocks=16,
+        block_size=BS,
+        endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        seed=1,
+        version="0.9.1",
+    )
+    b = SimWorker(
+        "worker-b",
+        num_blocks=64,
+        block_size=BS,
+        endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        seed=2,
+        version="0.33.0",
+    )
     try:
         async with pipeline(nats_url, uid) as p:
             for w in (a, b):
-                await p.start_ingest(w.worker_id, w.publisher.endpoint, w.publisher.replay_endpoint, block_size=BS)
+                await p.start_ingest(
+                    w.worker_id, w.publisher.endpoint, w.publisher.replay_endpoint, block_size=BS
+                )
                 await w.publisher.wait_for_subscribers(1)
             await p.start_indexer()
             await p.start_router()
@@ -40,7 +58,13 @@ async def test_route_answers_exact_overlaps_through_evictions_and_clear(nats_url
                 lambda: p.route(P1, explain=True, request_id="r-1"),
                 lambda r: overlaps(r) == {"worker-a/0": 4, "worker-b/0": 2},
             )
-            assert (r1.request_id, r1.worker_id, r1.dp_rank, r1.cached_tokens, r1.block_size) == ("r-1", "worker-a", 0, 16, BS)
+            assert (r1.request_id, r1.worker_id, r1.dp_rank, r1.cached_tokens, r1.block_size) == (
+                "r-1",
+                "worker-a",
+                0,
+                16,
+                BS,
+            )
             assert overlaps(r1) == {"worker-a/0": 4, "worker-b/0": 2}
             r2 = await p.route(P2, explain=True)
             assert (r2.worker_id, r2.overlap_blocks) == ("worker-b", 3)
@@ -86,11 +110,26 @@ async def test_route_errors_have_codes_and_service_headers(nats_url: str, uid: s
 
             nc = p._nc
             cases = [
-                (b'{"model": "test-model", "token_ids": []}', "bad_request", "400", "token_ids must not be empty"),
+                (
+                    b'{"model": "test-model", "token_ids": []}',
+                    "bad_request",
+                    "400",
+                    "token_ids must not be empty",
+                ),
                 (b'{"model": "test-model", "token_ids": [1, "x"]}', "bad_request", "400", "$.token_ids[1]"),
-                (b'{"model": "test-model", "token_ids": [1, 4294967296]}', "bad_request", "400", "outside [0, 2^32)"),
+                (
+                    b'{"model": "test-model", "token_ids": [1, 4294967296]}',
+                    "bad_request",
+                    "400",
+                    "outside [0, 2^32)",
+                ),
                 (b"not json", "bad_request", "400", "not valid JSON"),
-                (b'{"model": "no-such-model", "token_ids": [1, 2, 3, 4]}', "unknown_model", "404", "no-such-model"),
+                (
+                    b'{"model": "no-such-model", "token_ids": [1, 2, 3, 4]}',
+                    "unknown_model",
+                    "404",
+                    "no-such-model",
+                ),
             ]
             for body, code, status, text in cases:
                 msg = await nc.request(p.route_subject, body, timeout=3)

@@ -7,8 +7,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "shared" / "src" / "kvmesh" / "core"
-SERVICES = {name: ROOT / "services" / name / "src" / "kvmesh" / name for name in ("ingest", "indexer", "router")}
-FORBIDDEN_IN_CORE = {"nats", "zmq", "anyio", "asyncio", "socket", "subprocess", "threading", "time", "os", "logging"}
+SERVICES = {
+    name: ROOT / "services" / name / "src" / "kvmesh" / name for name in ("ingest", "indexer", "router")
+}
+FORBIDDEN_IN_CORE = {
+    "nats",
+    "zmq",
+    "anyio",
+    "asyncio",
+    "socket",
+    "subprocess",
+    "threading",
+    "time",
+    "os",
+    "logging",
+}
 
 
 def imports_of(path: Path) -> set[str]:

@@ -118,7 +118,9 @@ def test_block_extras_change_only_their_block() -> None:
     assert extra1[2] == plain[2]
     assert extra1b[1] not in (plain[1], extra1[1])
     assert [extra1b[0], extra1b[2]] == [plain[0], plain[2]]
-    assert extra1[1] == xxhash.xxh3_64_intdigest(pack_tokens([4, 5, 6, 7]) + b"\x00kvmesh-mm\x00image-1", seed=1337)
+    assert extra1[1] == xxhash.xxh3_64_intdigest(
+        pack_tokens([4, 5, 6, 7]) + b"\x00kvmesh-mm\x00image-1", seed=1337
+    )
     assert local_block_hashes(tokens, 4, block_extras=[None, None, None]) == plain
 
 
@@ -152,9 +154,7 @@ def test_invalid_token_in_partial_block_raises_request_error(bad_token: object) 
 
 def test_max_token_id_is_accepted() -> None:
     """The largest uint32 token id is valid and hashes like any other."""
-    assert local_block_hashes([2**32 - 1] * 4, 4) == [
-        xxhash.xxh3_64_intdigest(b"\xff" * 16, seed=1337)
-    ]
+    assert local_block_hashes([2**32 - 1] * 4, 4) == [xxhash.xxh3_64_intdigest(b"\xff" * 16, seed=1337)]
 
 
 @pytest.mark.parametrize("block_size", [0, -4])

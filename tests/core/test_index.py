@@ -117,7 +117,7 @@ def test_parent_known_only_on_another_holder_is_held() -> None:
 
 
 def test_held_event_attaches_with_descendants_when_parent_arrives() -> None:
-    """A held event and its held descendants attach, without a resend, once the parent arrives on the holder."""
+    """A held event and its held descendants attach, without a resend, when the parent reaches its holder."""
     index = PrefixIndex()
     index.store(A0, E[:2], None, LOCAL[:2])
     assert index.store(B0, [E[2]], E[1], [LOCAL[2]]) == _stored(0, held=True)
@@ -337,7 +337,7 @@ def test_digest_ignores_held_orphans() -> None:
 
 
 def test_dump_replays_into_equal_index() -> None:
-    """Re-storing every dumped block as a root block whose local hash is its sequence hash rebuilds the index."""
+    """Re-storing each dumped block as a root whose local hash is its sequence hash rebuilds the index."""
     original = _build([0, 1, 2, 3, 4, 5])
     dumped = sorted(original.dump())
     assert len(dumped) == 10

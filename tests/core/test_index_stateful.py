@@ -64,7 +64,9 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         holder = data.draw(st.sampled_from(HOLDERS), label="holder")
         copy = data.draw(st.integers(0, 1), label="copy")
         blocks = self.model.get(holder, {})
-        parents = sorted(h for h, (seq, _c) in blocks.items() if len(self.paths[seq]) < MAX_DEPTH * BLOCK_SIZE)
+        parents = sorted(
+            h for h, (seq, _c) in blocks.items() if len(self.paths[seq]) < MAX_DEPTH * BLOCK_SIZE
+        )
         parent: int | None = None
         prefix: tuple[int, ...] = ()
         parent_seq: int | None = None
@@ -77,7 +79,7 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         tokens = tuple(
             data.draw(st.lists(st.integers(0, 1), min_size=n_new * BLOCK_SIZE, max_size=n_new * BLOCK_SIZE))
         )
-        self._store(holder, copy, parent, parent_seq, prefix, tokens)
+        self._store(holder, copy, parent, parent_seq, prefix=prefix, tokens=tokens)
 
     @precondition(lambda self: any(self.model.values()))
     @rule(data=st.data())
@@ -87,7 +89,7 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         holder = data.draw(st.sampled_from(holders), label="holder")
         engine_hash = data.draw(st.sampled_from(sorted(self.model[holder])), label="block")
         seq, _count = self.model[holder][engine_hash]
-        self._store(holder, self.copies[engine_hash], None, None, (), self.paths[seq])
+        self._store(holder, self.copies[engine_hash], None, None, prefix=(), tokens=self.paths[seq])
 
     def _store(
         self,
@@ -95,6 +97,7 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         copy: int,
         parent: int | None,
         parent_seq: int | None,
+        *,
         prefix: tuple[int, ...],
         tokens: tuple[int, ...],
     ) -> None:
@@ -238,4 +241,6 @@ PrefixIndexMachine.TestCase.settings = settings(
     max_examples=80, stateful_step_count=40, deadline=None, database=None, derandomize=False
 )
 test_prefix_index_matches_naive_model = PrefixIndexMachine.TestCase
-test_prefix_index_matches_naive_model.__doc__ = "PrefixIndex agrees with a naive per-holder model on every step."
+test_prefix_index_matches_naive_model.__doc__ = (
+    "PrefixIndex agrees with a naive per-holder model on every step."
+)

@@ -27,7 +27,14 @@ OTHER_LOCAL = local_block_hashes(OTHER_TOKENS, BS)
 
 
 def _msg(
-    worker: str, rank: int, events: list[Event], *, epoch: int = 1, seq: int = 1, model: str = MODEL, bs: int = BS
+    worker: str,
+    rank: int,
+    events: list[Event],
+    *,
+    epoch: int = 1,
+    seq: int = 1,
+    model: str = MODEL,
+    bs: int = BS,
 ) -> EventsMessage:
     return EventsMessage(
         worker_id=worker, dp_rank=rank, model=model, block_size=bs, epoch=epoch, seq=seq, events=events
@@ -52,7 +59,7 @@ def _fleet() -> IndexState:
 
 
 def test_match_returns_every_holder_with_exact_overlap() -> None:
-    """Match lists every holder of the model, zero overlap included, with overlap, cache size and index_seq."""
+    """Match lists every holder of the model, zero overlap included, with exact counts and index_seq."""
     state = _fleet()
     assert state.match(MODEL, [*TOKENS, 99, 98]) == MatchResult(
         index_seq=3,
@@ -76,7 +83,11 @@ def test_removed_and_cleared_events_apply() -> None:
     assert _candidates(state) == (_hm("w1", 0, 1, 3), _hm("w1", 1, 2, 2), _hm("w2", 0, 0, 1))
     state.apply(5, _msg("w1", 1, [Cleared("engine")], seq=2))
     assert _candidates(state) == (_hm("w1", 0, 1, 3), _hm("w1", 1, 0, 0), _hm("w2", 0, 0, 1))
-    assert (state.counters.removed_blocks, state.counters.unknown_removals, state.counters.clears) == (1, 1, 1)
+    assert (state.counters.removed_blocks, state.counters.unknown_removals, state.counters.clears) == (
+        1,
+        1,
+        1,
+    )
 
 
 def test_older_stream_seq_is_ignored() -> None:
@@ -129,7 +140,7 @@ def test_worker_removed_drops_worker_until_newer_epoch() -> None:
 
 
 def test_late_message_of_removed_epoch_stays_dropped_after_rejoin() -> None:
-    """After a newer epoch of one rank rejoins, a late message of another rank's removed epoch is still stale."""
+    """After one rank rejoins with a newer epoch, a late message of the removed epoch is still stale."""
     state = _fleet()
     state.apply(4, WorkerRemoved(worker_id="w1", model=MODEL, epoch=1))
     state.apply(5, _msg("w1", 0, [Stored([61], None, LOCAL[:1])], epoch=2))
@@ -167,7 +178,7 @@ def test_match_rejects_bad_tokens() -> None:
 
 
 def test_same_messages_give_equal_digests() -> None:
-    """Two states fed the same messages (one through encode/decode) have equal digests; a missed one differs."""
+    """States fed the same messages (one via encode/decode) have equal digests; missing one differs."""
     messages = [
         _msg("w1", 0, [Stored([11, 12], None, LOCAL[:2]), Stored([13], 12, LOCAL[2:3])]),
         _msg("w1", 1, [Stored([21, 22], None, LOCAL[:2]), Stored([21], None, LOCAL[:1])]),

@@ -81,14 +81,20 @@ def route_command(argv: Sequence[str]) -> int:
     parser.add_argument("--model", required=True, help="model name as the workers registered it")
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--token-ids", help="comma-separated token ids, e.g. 1,2,3")
-    group.add_argument("--token-ids-file", type=Path, help="file with token ids (JSON array, or comma/space separated)")
+    group.add_argument(
+        "--token-ids-file", type=Path, help="file with token ids (JSON array, or comma/space separated)"
+    )
     parser.add_argument("--lora-name", default=None, help="LoRA adapter name")
     parser.add_argument("--cache-salt", default=None, help="cache salt, as the engine received it")
     parser.add_argument("--candidates", default=None, help="comma-separated worker ids to choose from")
     parser.add_argument("--request-id", default=None, help="request id to echo back")
     parser.add_argument("--explain", action="store_true", help="include every candidate's score")
     parser.add_argument("--timeout-s", type=float, default=2.0, help="seconds to wait for a reply")
-    parser.add_argument("--nats-url", default=os.environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL), help="NATS URL [env KVMESH_NATS_URL]")
+    parser.add_argument(
+        "--nats-url",
+        default=os.environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL),
+        help="NATS URL [env KVMESH_NATS_URL]",
+    )
     parser.add_argument("--subject", default=subjects.ROUTE_SUBJECT, help="route subject")
     a = parser.parse_args(argv)
     text = a.token_ids if a.token_ids is not None else a.token_ids_file.read_text()
@@ -111,7 +117,9 @@ def route_command(argv: Sequence[str]) -> int:
         nc = await connect(a.nats_url, name="kvmesh-route", max_reconnect_attempts=0)
         try:
             try:
-                return await Router(nc, subject=a.subject, timeout_s=a.timeout_s).request_raw(msgspec.json.encode(body))
+                return await Router(nc, subject=a.subject, timeout_s=a.timeout_s).request_raw(
+                    msgspec.json.encode(body)
+                )
             except UnavailableError as exc:
                 return msgspec.json.encode({"error": {"code": "unavailable", "message": str(exc)}})
         finally:
@@ -129,10 +137,7 @@ def route_command(argv: Sequence[str]) -> int:
 
 def _parse_tokens(text: str) -> list[int]:
     text = text.strip()
-    if text.startswith("["):
-        values = json.loads(text)
-    else:
-        values = [v for v in text.replace(",", " ").split()]
+    values = json.loads(text) if text.startswith("[") else text.replace(",", " ").split()
     try:
         return [int(v) for v in values]
     except (TypeError, ValueError) as exc:
@@ -171,7 +176,11 @@ def status_command(argv: Sequence[str]) -> int:
         "sequence, lag, blocks, digest) and every ingest (per-rank cursors, gaps, replays, resyncs, rejected "
         "and dropped events) as JSON.",
     )
-    parser.add_argument("--nats-url", default=os.environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL), help="NATS URL [env KVMESH_NATS_URL]")
+    parser.add_argument(
+        "--nats-url",
+        default=os.environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL),
+        help="NATS URL [env KVMESH_NATS_URL]",
+    )
     parser.add_argument("--stream", default=subjects.STREAM, help="stream name")
     parser.add_argument("--wait-s", type=float, default=0.5, help="seconds to collect replies")
     a = parser.parse_args(argv)

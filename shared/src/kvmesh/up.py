@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import msgspec
 
@@ -254,7 +254,11 @@ class Up:
                     msg = await nc.request(
                         subjects.sim_subject(reply.worker_id),
                         msgspec.msgpack.encode(
-                            {"token_ids": tokens, "output_length": req.output_length, "dp_rank": reply.dp_rank}
+                            {
+                                "token_ids": tokens,
+                                "output_length": req.output_length,
+                                "dp_rank": reply.dp_rank,
+                            }
                         ),
                         timeout=60,
                     )
@@ -339,19 +343,41 @@ def print_table(out: TextIO, kv: Tally, rr: Tally, workers: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of ``kvmesh up``."""
-    p = argparse.ArgumentParser(prog="kvmesh up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvmesh up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     env = os.environ.get
-    p.add_argument("--nats-url", default=env("KVMESH_NATS_URL"), help="use this NATS server (with JetStream) instead of starting one [env KVMESH_NATS_URL]")
-    p.add_argument("--trace", type=Path, default=None, help="Mooncake-format trace (JSONL); default: the bundled 1,000-request excerpt")
+    p.add_argument(
+        "--nats-url",
+        default=env("KVMESH_NATS_URL"),
+        help="use this NATS server (with JetStream) instead of starting one [env KVMESH_NATS_URL]",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="Mooncake-format trace (JSONL); default: the bundled 1,000-request excerpt",
+    )
     p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--duration", type=float, default=None, help="stop replaying after S seconds")
     p.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
-    p.add_argument("--num-blocks", type=int, default=16384, help="KV blocks per simulated worker (default 16384)")
+    p.add_argument(
+        "--num-blocks", type=int, default=16384, help="KV blocks per simulated worker (default 16384)"
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16, vLLM's)")
     p.add_argument("--version", default="0.33.0", help="vLLM wire format the simulated workers speak")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
-    p.add_argument("--base-port", type=int, default=0, help="first ZMQ port of the simulated workers (default: a free range)")
-    p.add_argument("--log-dir", default=None, help="keep the processes' logs here (default: a temporary directory, removed)")
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=0,
+        help="first ZMQ port of the simulated workers (default: a free range)",
+    )
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="keep the processes' logs here (default: a temporary directory, removed)",
+    )
     return p
 
 

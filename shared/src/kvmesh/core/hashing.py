@@ -146,7 +146,11 @@ def sequence_hashes(local_hashes: Sequence[int], parent: int | None = None) -> l
     out: list[int] = []
     prev = parent
     for local in local_hashes:
-        prev = local if prev is None else _xxh3(prev.to_bytes(8, "little") + local.to_bytes(8, "little"), seed=SEED)
+        prev = (
+            local
+            if prev is None
+            else _xxh3(prev.to_bytes(8, "little") + local.to_bytes(8, "little"), seed=SEED)
+        )
         out.append(prev)
     return out
 
@@ -163,4 +167,6 @@ def prompt_sequence_hashes(
     Raises:
         RequestError: a token id is out of range or not an int.
     """
-    return sequence_hashes(local_block_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt))
+    return sequence_hashes(
+        local_block_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
+    )

@@ -75,7 +75,8 @@ def parse_route_request(body: bytes, *, max_tokens: int = DEFAULT_MAX_TOKENS) ->
         raise RequestError("token_ids must not be empty", field="token_ids")
     if len(req.token_ids) > max_tokens:
         raise RequestError(
-            f"token_ids has {len(req.token_ids)} tokens, more than the limit of {max_tokens}", field="token_ids"
+            f"token_ids has {len(req.token_ids)} tokens, more than the limit of {max_tokens}",
+            field="token_ids",
         )
     lo, hi = min(req.token_ids), max(req.token_ids)
     if lo < 0 or hi > MAX_TOKEN_ID:

@@ -34,7 +34,7 @@ class ConfigError(KvmeshError, ValueError):
         self.problems = list(problems)
 
 
-def setting(default: Any, help: str, *, flag: str | None = None, secret: bool = False) -> Any:  # noqa: A002
+def setting(default: Any, help: str, *, flag: str | None = None, secret: bool = False) -> Any:
     """Declare a settings field with its help text (and an optional short flag)."""
     if isinstance(default, list | dict):
         return dataclasses.field(
@@ -57,15 +57,27 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], service: str)
         names = [f"--{f.name.replace('_', '-')}"]
         if f.metadata.get("flag"):
             names.insert(0, f.metadata["flag"])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         help_text = f"{f.metadata.get('help', '')} [env {env_name(service, f.name)}; default {default!r}]"
         if f.type in ("bool", bool):
-            parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(
+                *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
             parser.add_argument(*names, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
-    parser.add_argument("--config", dest="_config", type=Path, default=None, metavar="FILE", help="TOML file with settings (a [service] table or top-level keys)")
     parser.add_argument(
-        "--print-config", dest="_print_config", action="store_true", help="print the effective settings and exit"
+        "--config",
+        dest="_config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML file with settings (a [service] table or top-level keys)",
+    )
+    parser.add_argument(
+        "--print-config",
+        dest="_print_config",
+        action="store_true",
+        help="print the effective settings and exit",
     )
 
 
@@ -98,15 +110,15 @@ def load(
                 problems.append(f"{config_file}: unknown setting {key!r}")
             else:
                 values[key] = value
-    for name in fields:
+    for name, f in fields.items():
         var = env_name(service, name)
         if var in environ:
-            values[name] = _parse_text(environ[var], fields[name])
+            values[name] = _parse_text(environ[var], f)
     if args is not None:
-        for name in fields:
+        for name, f in fields.items():
             value = getattr(args, name, None)
             if value is not None:
-                values[name] = _parse_text(value, fields[name]) if isinstance(value, str) else value
+                values[name] = _parse_text(value, f) if isinstance(value, str) else value
     for name, value in list(values.items()):
         try:
             msgspec.convert({name: value}, _single(cls, name), strict=False)

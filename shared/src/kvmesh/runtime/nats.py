@@ -1,7 +1,7 @@
 """NATS plumbing shared by the services: connecting, the events stream, error mapping.
 
-    TransportError (KvmeshError)       something between us and NATS failed
-    └── StreamUnavailableError         the events stream does not exist (yet) or JetStream is off
+TransportError (KvmeshError)       something between us and NATS failed
+└── StreamUnavailableError         the events stream does not exist (yet) or JetStream is off
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ async def connect(url: str, *, name: str, **kwargs: Any) -> Client:
             error_cb=_error,
             **kwargs,
         )
-    except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise TransportError(f"cannot connect to NATS at {url}: {exc}") from exc
 
 
@@ -97,7 +97,9 @@ async def ensure_stream(js: JetStreamContext, settings: StreamSettings) -> None:
     except nats.js.errors.NotFoundError:
         pass
     except nats.errors.NoRespondersError as exc:
-        raise StreamUnavailableError("JetStream is not enabled on the NATS server (start it with -js)") from exc
+        raise StreamUnavailableError(
+            "JetStream is not enabled on the NATS server (start it with -js)"
+        ) from exc
     config = StreamConfig(
         name=settings.name,
         subjects=[subjects.events_wildcard(settings.prefix)],

@@ -116,7 +116,9 @@ class NatsServer:
                 break
         if not ready or port is None:
             self.stop()
-            raise ServerError("nats-server did not start:\n" + b"".join(self._log[-20:]).decode(errors="replace"))
+            raise ServerError(
+                "nats-server did not start:\n" + b"".join(self._log[-20:]).decode(errors="replace")
+            )
         self.port = port
         threading.Thread(target=self._drain, daemon=True).start()
         return self
@@ -163,5 +165,3 @@ class NatsServer:
     def pid(self) -> int | None:
         """Process id, or None before start."""
         return self._proc.pid if self._proc is not None else None
-
-

@@ -110,9 +110,14 @@ class SimFleet:
                 self.workers[wid] = ranks
                 subs.append(await nc.subscribe(subjects.sim_subject(wid), cb=self._generate_handler(ranks)))
                 subs.append(
-                    await nc.subscribe(subjects.sim_subject(wid).replace(".generate", ".reset"), cb=self._reset_handler(ranks))
+                    await nc.subscribe(
+                        subjects.sim_subject(wid).replace(".generate", ".reset"),
+                        cb=self._reset_handler(ranks),
+                    )
                 )
-                log.info("sim worker %s: events on %s, replay on %s (%d rank(s))", wid, pub, replay, len(ranks))
+                log.info(
+                    "sim worker %s: events on %s, replay on %s (%d rank(s))", wid, pub, replay, len(ranks)
+                )
             await self._stop.wait()
         finally:
             for sub in subs:
@@ -155,7 +160,9 @@ class SimFleet:
 
 def command(argv: Sequence[str] | None = None, prog: str = "kvmesh sim") -> int:
     """Run a simulated fleet; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser, SimSettings, "sim")
     args = parser.parse_args(argv)
     try:

@@ -22,8 +22,12 @@ example: kvmesh indexer --nats-url nats://nats:4222
 
 def command(argv: Sequence[str] | None = None, prog: str = "kvmesh indexer") -> int:
     """Run the indexer service; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return run_service(parser, IndexerSettings, service="indexer", argv=argv, environ=os.environ, build=IndexerService)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    return run_service(
+        parser, IndexerSettings, service="indexer", argv=argv, environ=os.environ, build=IndexerService
+    )
 
 
 if __name__ == "__main__":

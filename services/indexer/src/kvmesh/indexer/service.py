@@ -64,6 +64,7 @@ class IndexerService:
         self._stop = asyncio.Event()
         self._nc: Client | None = None
         self._target_seq = 0
+        self._caught_up = asyncio.Event()
         self._stream_last_seq = 0
         self._started = time.monotonic()
         self._decoder = msgspec.msgpack.Decoder(MatchRequest)
@@ -144,26 +145,43 @@ class IndexerService:
         self._stop.set()
 
     async def _wait_caught_up(self) -> None:
-        while not self._stop.is_set() and self.state.applied_seq < self._target_seq:
-            await asyncio.sleep(0.02)
+        """Return once the consumer applied the stream's last sequence as of start-up (or on stop)."""
+        if self.state.applied_seq >= self._target_seq:
+            return
+        stop_wait = asyncio.create_task(self._stop.wait())
+        caught = asyncio.create_task(self._caught_up.wait())
+        await asyncio.wait({stop_wait, caught}, return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        caught.cancel()
 
     async def _consume(self, sub: Any) -> None:
         state = self.state
         async for msg in sub.messages:
             seq = msg.metadata.sequence.stream
+            if seq >= self._target_seq:
+                # Waiters wake only at our next await, after this message has been applied below.
+                self._caught_up.set()
             try:
                 message = decode_message(msg.data)
             except MessageDecodeError as exc:
                 self.decode_errors += 1
                 state.applied_seq = max(state.applied_seq, seq)
-                log.warning("indexer %s: stream seq %d (%s) undecodable, skipped: %s", self.replica, seq, msg.subject, exc)
+                log.warning(
+                    "indexer %s: stream seq %d (%s) undecodable, skipped: %s",
+                    self.replica,
+                    seq,
+                    msg.subject,
+                    exc,
+                )
                 continue
             try:
                 state.apply(seq, message)
             except Exception:
                 self.apply_errors += 1
                 state.applied_seq = max(state.applied_seq, seq)
-                log.exception("indexer %s: stream seq %d (%s) failed to apply, skipped", self.replica, seq, msg.subject)
+                log.exception(
+                    "indexer %s: stream seq %d (%s) failed to apply, skipped", self.replica, seq, msg.subject
+                )
 
     # ------------------------------------------------------------------ endpoints
 
@@ -199,7 +217,9 @@ class IndexerService:
 
     async def _error(self, req: Request, code: str, message: str, status: int) -> None:
         await req.respond_error(
-            str(status), f"{code}: {message}", self._encoder.encode({"error": {"code": code, "message": message}})
+            str(status),
+            f"{code}: {message}",
+            self._encoder.encode({"error": {"code": code, "message": message}}),
         )
 
     def status(self) -> dict[str, Any]:
@@ -212,7 +232,8 @@ class IndexerService:
             "blocks": st.block_total(),
             "digest": f"{st.digest():016x}",
             "models": st.models(),
-            "counters": asdict(st.counters) | {"decode_errors": self.decode_errors, "apply_errors": self.apply_errors},
+            "counters": asdict(st.counters)
+            | {"decode_errors": self.decode_errors, "apply_errors": self.apply_errors},
             "workers": st.workers(),
         }
 

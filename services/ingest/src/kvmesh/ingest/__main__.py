@@ -24,7 +24,9 @@ example: kvmesh ingest --worker-id vllm-0 --model meta-llama/Llama-3.1-8B \\
 
 def command(argv: Sequence[str] | None = None, prog: str = "kvmesh ingest") -> int:
     """Run the ingest service; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     return run_service(
         parser,
         IngestSettings,

@@ -16,7 +16,8 @@ class IngestSettings:
     worker_id: str = setting("", "worker id, as route replies name it (required)")
     model: str = setting("", "model name the engine serves, as route requests name it (required)")
     zmq_endpoint: str = setting(
-        "tcp://127.0.0.1:5557", "engine's KV-event PUB endpoint to connect to (vLLM's tcp://*:5557 on its host)"
+        "tcp://127.0.0.1:5557",
+        "engine's KV-event PUB endpoint to connect to (vLLM's tcp://*:5557 on its host)",
     )
     replay_endpoint: str | None = setting(
         None, "engine's replay ROUTER endpoint; used to fill sequence gaps (none: gaps resynchronise)"

@@ -22,8 +22,12 @@ example: kvmesh router --nats-url nats://nats:4222
 
 def command(argv: Sequence[str] | None = None, prog: str = "kvmesh router") -> int:
     """Run the router service; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return run_service(parser, RouterSettings, service="router", argv=argv, environ=os.environ, build=RouterService)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    return run_service(
+        parser, RouterSettings, service="router", argv=argv, environ=os.environ, build=RouterService
+    )
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ class RouterService:
                 queue_group=subjects.ROUTER_QUEUE,
             ),
         )
-        await service.add_endpoint(EndpointConfig(name="route", subject=s.route_subject, handler=self._on_route))
+        await service.add_endpoint(
+            EndpointConfig(name="route", subject=s.route_subject, handler=self._on_route)
+        )
         self.ready.set()
         log.info("router: serving %s (indexers on %s)", s.route_subject, s.match_subject)
         try:
@@ -96,12 +98,16 @@ class RouterService:
             if request_id is not None:
                 body["request_id"] = request_id
             log.info("route %s: %s: %s", request_id or "-", exc.code, exc.message)
-            await req.respond_error(str(ERROR_STATUS[exc.code]), f"{exc.code}: {exc.message}", self._json.encode(body))
+            await req.respond_error(
+                str(ERROR_STATUS[exc.code]), f"{exc.code}: {exc.message}", self._json.encode(body)
+            )
             return
         except Exception as exc:
             log.exception("route %s: internal error", request_id or "-")
             self.errors["internal"] = self.errors.get("internal", 0) + 1
-            await req.respond_error("500", f"internal: {exc}", self._json.encode(error_body("internal", str(exc))))
+            await req.respond_error(
+                "500", f"internal: {exc}", self._json.encode(error_body("internal", str(exc)))
+            )
             return
         self.routed += 1
         await req.respond(self._json.encode(reply))
@@ -117,10 +123,12 @@ class RouterService:
             }
         )
         try:
-            msg = await self._nc.request(self.settings.match_subject, query, timeout=self.settings.match_timeout_s)
+            msg = await self._nc.request(
+                self.settings.match_subject, query, timeout=self.settings.match_timeout_s
+            )
         except nats.errors.NoRespondersError as exc:
             raise RouteError("unavailable", "no indexer is ready to answer") from exc
-        except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise RouteError(
                 "unavailable", f"no indexer answered within {self.settings.match_timeout_s:g} s"
             ) from exc
@@ -129,12 +137,15 @@ class RouterService:
             code = answer["error"].get("code", "internal")
             raise RouteError(code if code in ERROR_STATUS else "internal", answer["error"].get("message", ""))
         candidates = [
-            HolderMatch(worker_id=w, dp_rank=r, overlap_blocks=o, cached_blocks=c) for w, r, o, c in answer["candidates"]
+            HolderMatch(worker_id=w, dp_rank=r, overlap_blocks=o, cached_blocks=c)
+            for w, r, o, c in answer["candidates"]
         ]
         decision = decide(candidates, prompt_blocks=answer["prompt_blocks"], allowed=parsed.candidates)
         if decision is None:
             if parsed.candidates is not None and candidates:
-                raise RouteError("no_workers", f"none of the candidates {parsed.candidates} serves {parsed.model!r}")
+                raise RouteError(
+                    "no_workers", f"none of the candidates {parsed.candidates} serves {parsed.model!r}"
+                )
             raise RouteError("no_workers", f"no worker serves model {parsed.model!r}")
         return _reply(parsed, decision, answer)
 

@@ -65,6 +65,7 @@ class Pipeline:
             stream=self.stream,
             events_prefix=self.prefix,
             stream_memory=True,
+            stream_max_bytes=64 * 2**20,
             **kw,
         )
         svc = IngestService(settings)
@@ -114,6 +115,11 @@ class Pipeline:
                 await asyncio.wait_for(t, 10)
         if self._nc is not None:
             await self._nc.close()
+        # Memory streams reserve their max_bytes on the shared server: delete ours.
+        nc = await connect(self.nats_url, name="test-cleanup")
+        with contextlib.suppress(Exception):
+            await nc.jetstream().delete_stream(self.stream)
+        await nc.close()
 
 
 @contextlib.asynccontextmanager

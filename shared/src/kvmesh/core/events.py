@@ -74,7 +74,7 @@ class WorkerRemoved(msgspec.Struct, tag="worker_removed", kw_only=True, frozen=T
     worker_id: str
     model: str
     epoch: int | None = None
-    """Events of this worker with an epoch ≤ this one that arrive later are dropped; None drops nothing later."""
+    """Later events of this worker with an epoch ≤ this one are dropped; None means the highest epoch known."""
     reason: str = "operator"
 
 

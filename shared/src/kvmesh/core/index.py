@@ -306,7 +306,10 @@ class PrefixIndex:
                 total = (
                     total
                     + xxhash.xxh3_64_intdigest(
-                        tag + h.to_bytes(8, "little") + seq.to_bytes(8, "little") + count.to_bytes(4, "little"),
+                        tag
+                        + h.to_bytes(8, "little")
+                        + seq.to_bytes(8, "little")
+                        + count.to_bytes(4, "little"),
                         seed=SEED,
                     )
                 ) & _MASK64
@@ -356,7 +359,9 @@ class PrefixIndex:
             if not holders:
                 del self._where[seq]
 
-    def _hold(self, state: _HolderState, parent: int, engine_hashes: tuple[int, ...], local: tuple[int, ...]) -> int:
+    def _hold(
+        self, state: _HolderState, parent: int, engine_hashes: tuple[int, ...], local: tuple[int, ...]
+    ) -> int:
         state.orphan_serial += 1
         state.orphans[(parent, state.orphan_serial)] = (parent, _Orphan(engine_hashes, local, self._ops))
         dropped = 0

@@ -165,7 +165,11 @@ def _split_extra_keys(ev: BlockStored, *, first_block: bool) -> tuple[str | None
         if not entry:
             extras.append(None)
             continue
-        items = [x for x in entry if not (isinstance(x, str | int) and not isinstance(x, bool) and x in lora_entries)]
+        items = [
+            x
+            for x in entry
+            if not (isinstance(x, str | int) and not isinstance(x, bool) and x in lora_entries)
+        ]
         if i == 0 and first_block and salt is None:
             for j in range(len(items) - 1, -1, -1):
                 if isinstance(items[j], str):

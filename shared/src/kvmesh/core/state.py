@@ -127,11 +127,18 @@ class IndexState:
             return
         info.removed_epoch = None
         holder = Holder(msg.worker_id, msg.dp_rank)
-        index = self._index(msg.model, msg.block_size)
-        if info.model != msg.model or info.block_size != msg.block_size:
+        # Block size 0 means the ingest has not learned it yet (no --block-size and no BlockStored seen on
+        # that rank: its hello, clears, removals, or any message after an ingest restart). It says nothing
+        # about the worker, so it must not move the worker: that would drop every other rank's blocks.
+        block_size = msg.block_size or info.block_size
+        index = self._index(msg.model, block_size)
+        if info.model != msg.model or info.block_size != block_size:
             # The worker moved to another model or block size: its old entries are meaningless now.
             self._index(info.model, info.block_size).remove_worker(msg.worker_id)
-            info.model, info.block_size = msg.model, msg.block_size
+            info.model, info.block_size = msg.model, block_size
+            # Its ranks stay known (with nothing cached) under the new size, as they were under the old.
+            for rank in info.epochs:
+                index.touch(Holder(msg.worker_id, rank))
         epoch = info.epochs.get(msg.dp_rank)
         if epoch is not None and msg.epoch < epoch:
             self.counters.stale_messages += 1
@@ -207,9 +214,20 @@ class IndexState:
         }
         if not live:
             raise UnknownModelError(model)
-        block_size, index = max(live.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))
-        seq = prompt_sequence_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
-        overlaps = index.match(seq)
+        # Block size 0 holds workers that announced themselves before their block size was known: they have
+        # nothing cached. They are zero-overlap candidates, but 0 is never the size a prompt is hashed with
+        # (hashing needs a positive block size; choosing it used to crash the match).
+        unsized = live.pop(0, None)
+        if live:
+            block_size, index = max(live.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))
+            seq = prompt_sequence_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
+            overlaps = index.match(seq)
+            holders = index.holders()
+        else:
+            prompt_sequence_hashes(token_ids, 1)  # still validate the token ids
+            block_size, index, seq, overlaps, holders = 0, PrefixIndex(), [], {}, []
+        if unsized is not None:
+            holders = sorted({*holders, *unsized.holders()})
         candidates = tuple(
             HolderMatch(
                 worker_id=h.worker_id,
@@ -217,7 +235,7 @@ class IndexState:
                 overlap_blocks=overlaps.get(h, 0),
                 cached_blocks=index.block_count(h),
             )
-            for h in index.holders()
+            for h in holders
             if not self._is_removed(h.worker_id)
         )
         return MatchResult(
@@ -233,9 +251,7 @@ class IndexState:
         total = 0
         for model, by_size in sorted(self._indexes.items()):
             for bs, index in sorted(by_size.items()):
-                total ^= xxhash.xxh3_64_intdigest(
-                    f"{model}\x00{bs}\x00{index.digest()}".encode(), seed=SEED
-                )
+                total ^= xxhash.xxh3_64_intdigest(f"{model}\x00{bs}\x00{index.digest()}".encode(), seed=SEED)
         return total
 
     def workers(self) -> dict[str, dict[str, object]]:
@@ -249,7 +265,9 @@ class IndexState:
                 "last_ts": i.last_ts,
                 "removed": i.removed_epoch is not None,
                 "blocks": sum(
-                    ix.block_count(Holder(w, r)) for ix in self._indexes.get(i.model, {}).values() for r in i.epochs
+                    ix.block_count(Holder(w, r))
+                    for ix in self._indexes.get(i.model, {}).values()
+                    for r in i.epochs
                 ),
             }
             for w, i in sorted(self._workers.items())

@@ -77,6 +77,8 @@ class _Rank:
     tracker: SeqTracker
     normalizer: Normalizer
     warned_block_size: bool = False
+    holder_rank: int = -1
+    """dp_rank the engine's batches carry (vLLM data_parallel_rank / SGLang attn_dp_rank); -1 until known."""
     replay_task: asyncio.Task[None] | None = None
     replay_queue: asyncio.Queue[tuple[str, int, bytes]] = field(default_factory=asyncio.Queue)
 
@@ -109,7 +111,14 @@ class IngestService:
         self._js = self._nc.jetstream()
         await ensure_stream(
             self._js,
-            StreamSettings(name=s.stream, prefix=s.events_prefix, replicas=s.stream_replicas, memory=s.stream_memory),
+            StreamSettings(
+                name=s.stream,
+                prefix=s.events_prefix,
+                replicas=s.stream_replicas,
+                memory=s.stream_memory,
+                max_bytes=s.stream_max_bytes,
+                max_age_s=s.stream_max_age_s,
+            ),
         )
         status_sub = await self._nc.subscribe(f"{subjects.STATUS_SUBJECT}.ingest", cb=self._on_status)
         for r in range(s.data_parallel_size):
@@ -118,7 +127,9 @@ class IngestService:
             tracker = await self._recover(r, replay is not None)
             self._ranks[r] = _Rank(r, endpoint, replay, tracker, Normalizer(block_size=s.block_size))
             # Announce the rank so routers see the worker before it caches anything.
-            self._enqueue_events(r, tracker.epoch, tracker.last_seq or 0, [], msg_id=self._unique_id(r, tracker, "hello"))
+            self._enqueue_events(
+                r, tracker.epoch, tracker.last_seq or 0, [], msg_id=self._unique_id(r, tracker, "hello")
+            )
         tasks = [asyncio.create_task(self._read_rank(rank)) for rank in self._ranks.values()]
         tasks.append(asyncio.create_task(self._publish_loop()))
         self.ready.set()
@@ -214,6 +225,11 @@ class IngestService:
                     a.from_seq,
                 )
                 if rank.replay_endpoint is not None:
+                    # A replay the tracker abandoned (engine restart, overflow) may still be waiting on its
+                    # socket; left running, its timeout or END would end this new replay early (the
+                    # tracker cannot tell the two apart) and its task would be orphaned.
+                    if rank.replay_task is not None and not rank.replay_task.done():
+                        rank.replay_task.cancel()
                     rank.replay_task = asyncio.create_task(self._replay(rank, a.from_seq))
             elif isinstance(a, Resync):
                 log.warning(
@@ -255,7 +271,9 @@ class IngestService:
                 try:
                     reply = wire.decode_replay_reply(frames)
                 except WireError as exc:
-                    log.warning("worker %s rank %d: bad replay reply: %s", self.settings.worker_id, rank.rank, exc)
+                    log.warning(
+                        "worker %s rank %d: bad replay reply: %s", self.settings.worker_id, rank.rank, exc
+                    )
                     continue
                 if reply.is_end:
                     self._act(rank, rank.tracker.on_replay_end("replay_incomplete"))
@@ -276,13 +294,17 @@ class IngestService:
             batch = wire.decode_batch(payload)
         except WireError as exc:
             self.counters.decode_errors += 1
-            log.warning("worker %s rank %d seq %d: undecodable batch dropped: %s", s.worker_id, rank.rank, seq, exc)
+            log.warning(
+                "worker %s rank %d seq %d: undecodable batch dropped: %s", s.worker_id, rank.rank, seq, exc
+            )
             self._enqueue_clear(rank, "malformed")
             return
         result = rank.normalizer.normalize(batch)
         for err in batch.errors:
             self.counters.decode_errors += 1
-            log.warning("worker %s rank %d seq %d: malformed event dropped: %s", s.worker_id, rank.rank, seq, err)
+            log.warning(
+                "worker %s rank %d seq %d: malformed event dropped: %s", s.worker_id, rank.rank, seq, err
+            )
         for rej in result.rejections:
             self.counters.rejected_events += 1
             if isinstance(rej, BlockSizeMismatchError):
@@ -300,8 +322,24 @@ class IngestService:
             else:
                 log.warning("worker %s rank %d seq %d: event rejected: %s", s.worker_id, rank.rank, seq, rej)
         if batch.unknown_events:
-            log.info("worker %s rank %d seq %d: %d unknown event(s) skipped", s.worker_id, rank.rank, seq, batch.unknown_events)
+            log.info(
+                "worker %s rank %d seq %d: %d unknown event(s) skipped",
+                s.worker_id,
+                rank.rank,
+                seq,
+                batch.unknown_events,
+            )
         dp_rank = batch.dp_rank if batch.dp_rank is not None else rank.rank
+        if dp_rank != rank.holder_rank and rank.holder_rank >= 0:
+            log.warning(
+                "worker %s endpoint rank %d seq %d: batches now carry dp_rank %d (was %d)",
+                s.worker_id,
+                rank.rank,
+                seq,
+                dp_rank,
+                rank.holder_rank,
+            )
+        rank.holder_rank = dp_rank
         self._enqueue_events(dp_rank, rank.tracker.epoch, seq, result.events, ts=batch.ts)
         if result.lost:
             self._enqueue_clear(rank, "malformed")
@@ -314,8 +352,9 @@ class IngestService:
 
     def _enqueue_clear(self, rank: _Rank, reason: str) -> None:
         t = rank.tracker
+        holder = rank.holder_rank if rank.holder_rank >= 0 else rank.rank
         self._enqueue_events(
-            rank.rank, t.epoch, t.last_seq or 0, [Cleared(reason)], msg_id=self._unique_id(rank.rank, t, reason)
+            holder, t.epoch, t.last_seq or 0, [Cleared(reason)], msg_id=self._unique_id(holder, t, reason)
         )
 
     def _enqueue_events(
@@ -382,7 +421,12 @@ class IngestService:
                     events=[Cleared("overflow")],
                 )
                 self._outbox.append(
-                    _Outgoing(dropped.subject, self._unique_id(rank.rank, t, "overflow"), encode_message(clear), dropped.holder)
+                    _Outgoing(
+                        dropped.subject,
+                        self._unique_id(rank.rank, t, "overflow"),
+                        encode_message(clear),
+                        dropped.holder,
+                    )
                 )
         self._outbox.append(out)
         self._outbox_ready.set()
@@ -487,7 +531,9 @@ def _split_events(events: list[Event], parts: int) -> list[list[Event]]:
         if isinstance(e, Stored) and len(e.engine_hashes) > per_part:
             parent = e.parent
             for i in range(0, len(e.engine_hashes), per_part):
-                chunk = Stored(e.engine_hashes[i : i + per_part], parent, e.local_hashes[i : i + per_part], e.medium)
+                chunk = Stored(
+                    e.engine_hashes[i : i + per_part], parent, e.local_hashes[i : i + per_part], e.medium
+                )
                 parent = chunk.engine_hashes[-1]
                 if size + len(chunk.engine_hashes) > per_part and out[-1]:
                     out.append([])

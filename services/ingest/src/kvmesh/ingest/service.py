@@ -450,7 +450,7 @@ class IngestService:
                     fut = await js.publish_async(
                         out.subject, out.data, headers={"Nats-Msg-Id": out.msg_id}, wait_stall=5.0
                     )
-                except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, nats.errors.Error, OSError) as exc:
                     log.debug("publish of %s failed: %r", out.msg_id, exc)
                     failed = True
                     break
@@ -461,7 +461,7 @@ class IngestService:
                 out, fut = inflight[0]
                 try:
                     await asyncio.wait_for(asyncio.shield(fut), timeout=10.0)
-                except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, nats.errors.Error, OSError) as exc:
                     failed = True
                     log.warning(
                         "worker %s: publish of %s not acknowledged (%r); retrying in order",
@@ -487,7 +487,8 @@ class IngestService:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         task = asyncio.create_task(self._publish_loop())
-        while self._outbox and loop.time() < deadline:
+        # The outbox is a plain deque with no "emptied" event; poll it for at most `timeout_s`.
+        while self._outbox and loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -29,11 +29,14 @@ commands:
   up        run a whole kvmesh on this machine: NATS (embedded), simulated workers, ingests, indexer,
             router, and replay a request trace through it
   ingest    read one engine's KV events (ZMQ) and publish them to the events stream
+  vllm      start vLLM with KV events on and an ingest attached (kvmesh vllm --worker-id W -- serve M)
+  sglang    start SGLang with KV events on and an ingest attached (kvmesh sglang --worker-id W -- ...)
   indexer   rebuild the prefix index from the stream and answer match queries
   router    answer kvmesh.route requests: which worker holds the longest cached prefix
   route     send one route request and print the reply
   status    show the stream, indexer replicas and ingests
   sim       run simulated vLLM workers that publish real KV events
+  bench     benchmarks: trace (routing policies on a Mooncake trace), index, ingest
 """
 
 
@@ -62,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvmesh.up import command as up_command  # noqa: PLC0415 - keep start-up light
 
         return up_command(rest)
+    if name == "bench":
+        from kvmesh.bench.cli import command as bench_command  # noqa: PLC0415 - keep start-up light
+
+        return bench_command(rest)
     services = _services()
     if name in services:
         return services[name](rest, prog=f"kvmesh {name}")
@@ -76,6 +83,7 @@ def route_command(argv: Sequence[str]) -> int:
     """``kvmesh route``: send one route request, print the reply JSON; exit 1 on an error reply."""
     parser = argparse.ArgumentParser(
         prog="kvmesh route",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Send one request to kvmesh.route and print the reply JSON (exit status 1 on an error reply).",
     )
     parser.add_argument("--model", required=True, help="model name as the workers registered it")
@@ -114,7 +122,7 @@ def route_command(argv: Sequence[str]) -> int:
     async def go() -> bytes:
         from kvmesh.client import Router, UnavailableError  # noqa: PLC0415
 
-        nc = await connect(a.nats_url, name="kvmesh-route", max_reconnect_attempts=0)
+        nc = await connect(a.nats_url, name="kvmesh-route", wait_s=3.0)
         try:
             try:
                 return await Router(nc, subject=a.subject, timeout_s=a.timeout_s).request_raw(
@@ -163,7 +171,12 @@ async def gather_status(nc: Any, subject: str, wait_s: float) -> list[dict[str, 
             msg = await sub.next_msg(timeout=remaining)
         except Exception:
             break
-        replies.append(json.loads(msg.data))
+        if not msg.data:  # the server's "no responders" status message
+            continue
+        try:
+            replies.append(json.loads(msg.data))
+        except ValueError:
+            continue
     await sub.unsubscribe()
     return replies
 
@@ -172,6 +185,7 @@ def status_command(argv: Sequence[str]) -> int:
     """``kvmesh status``: the stream, every indexer replica and every ingest, as JSON."""
     parser = argparse.ArgumentParser(
         prog="kvmesh status",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Show the events stream (messages, bytes, sequences), every indexer replica (applied "
         "sequence, lag, blocks, digest) and every ingest (per-rank cursors, gaps, replays, resyncs, rejected "
         "and dropped events) as JSON.",
@@ -186,7 +200,7 @@ def status_command(argv: Sequence[str]) -> int:
     a = parser.parse_args(argv)
 
     async def go() -> dict[str, Any]:
-        nc = await connect(a.nats_url, name="kvmesh-status", max_reconnect_attempts=0)
+        nc = await connect(a.nats_url, name="kvmesh-status", wait_s=3.0)
         try:
             out: dict[str, Any] = {}
             js = nc.jetstream()

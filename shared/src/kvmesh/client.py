@@ -12,11 +12,18 @@ Example::
     async with await Router.connect("nats://127.0.0.1:4222") as router:
         reply = await router.route("my-model", [1, 2, 3], request_id="r-1")
         print(reply.worker_id, reply.cached_tokens)
+        ...  # send the request to reply.worker_id
+        await router.mark_prefill_done("r-1")  # first token out: its prompt no longer loads the worker
+        await router.finish("r-1")  # done: its KV blocks no longer count
+
+Load accounting: a route with a ``request_id`` counts on the chosen worker in every router replica (active
+prefill tokens until `Router.mark_prefill_done`, active blocks until `Router.finish`, or until the routers'
+request TTL, 300 s by default). Call both (or at least ``finish``) for every routed request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -26,6 +33,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from kvmesh.core.errors import KvmeshError
+from kvmesh.core.load import RequestRef
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
 
@@ -122,10 +130,18 @@ class Router:
         timeout_s: seconds to wait for a reply before raising `UnavailableError`.
     """
 
-    def __init__(self, nc: Client, *, subject: str = subjects.ROUTE_SUBJECT, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        subject: str = subjects.ROUTE_SUBJECT,
+        timeout_s: float = 2.0,
+        requests_prefix: str = subjects.REQUESTS_PREFIX,
+    ) -> None:
         self._nc = nc
         self._subject = subject
         self._timeout_s = timeout_s
+        self._requests_prefix = requests_prefix
         self._owns = False
 
     @classmethod
@@ -145,8 +161,20 @@ class Router:
         candidates: Sequence[str] | None = None,
         request_id: str | None = None,
         explain: bool = False,
+        policy: Mapping[str, Any] | None = None,
     ) -> RouteReply:
         """Ask which worker should serve a prompt.
+
+        Args:
+            model: the model name as the workers registered it.
+            token_ids: the prompt's token ids.
+            lora_name: the LoRA adapter, or None for the base model.
+            cache_salt: the tenant salt as the engine receives it.
+            candidates: restrict the choice to these worker ids.
+            request_id: ties the request to load accounting (see `finish`); also seeds tie-breaking.
+            explain: ask for every candidate's score in `RouteReply.scores`.
+            policy: per-request overrides of the cost terms (``overlap_weight``, ``decode_weight``,
+                ``temperature``, ``tier_weights``, ``busy_kv_usage``, ``busy_waiting``).
 
         Raises:
             RouteError: the subclass for the reply's error code; `UnavailableError` also when no router
@@ -158,6 +186,7 @@ class Router:
             ("cache_salt", cache_salt),
             ("request_id", request_id),
             ("candidates", list(candidates) if candidates is not None else None),
+            ("policy", dict(policy) if policy is not None else None),
         ):
             if v is not None:
                 body[k] = v
@@ -178,6 +207,23 @@ class Router:
         except nats.errors.TimeoutError as exc:
             raise UnavailableError(f"no router answered within {self._timeout_s:g} s") from exc
         return bytes(msg.data)
+
+    async def mark_prefill_done(self, request_id: str) -> None:
+        """Tell every router that ``request_id``'s prompt is computed (its prefill tokens stop counting)."""
+        await self._lifecycle("prefill_done", request_id)
+
+    async def finish(self, request_id: str) -> None:
+        """Tell every router that ``request_id`` is over (its KV blocks stop counting)."""
+        await self._lifecycle("finished", request_id)
+
+    async def _lifecycle(self, event: str, request_id: str) -> None:
+        try:
+            await self._nc.publish(
+                subjects.requests_subject(self._requests_prefix, event),
+                msgspec.json.encode(RequestRef(request_id=request_id)),
+            )
+        except nats.errors.Error as exc:
+            raise UnavailableError(f"cannot publish {event} for {request_id!r}: {exc}") from exc
 
     async def aclose(self) -> None:
         """Close the NATS connection if this client opened it."""

@@ -1,9 +1,9 @@
-"""``kvmesh up``: the whole system on one machine, driven by a request trace.
+"""kvmesh up: the whole system on one machine, driven by a request trace.
 
-Starts (as child processes, each also runnable on its own): a private ``nats-server`` with JetStream in a
-temporary directory (unless ``--nats-url`` names one), ``kvmesh sim`` with N simulated vLLM workers, one
-``kvmesh ingest`` per worker, a ``kvmesh indexer`` and a ``kvmesh router``. Then it replays a Mooncake-format
-trace: every request is routed through ``kvmesh.route`` and sent to the chosen simulated worker, which
+Starts (as child processes, each also runnable on its own): a private nats-server with JetStream in a
+temporary directory (unless --nats-url names one), `kvmesh sim` with N simulated vLLM workers, one
+`kvmesh ingest` per worker, a `kvmesh indexer` and a `kvmesh router`. Then it replays a Mooncake-format
+trace: every request is routed through kvmesh.route and sent to the chosen simulated worker, which
 reports how many prompt tokens it served from its prefix cache. At the end it prints a table per worker next
 to what round-robin routing achieves on the same requests with the same pools (computed in-process).
 Ctrl-C stops every process it started and removes the temporary directory.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
 import shutil
@@ -113,7 +112,11 @@ class Up:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        proc = subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+        # A session of its own: a terminal Ctrl-C reaches only `kvmesh up`, which then stops the children in
+        # order (router and indexer first, NATS last) instead of all of them racing each other.
+        proc = subprocess.Popen(
+            [sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         self.procs.append((name, proc))
 
     def check_children(self) -> None:
@@ -124,7 +127,12 @@ class Up:
                 raise RuntimeError(f"{name} exited with status {proc.returncode}:\n  " + "\n  ".join(tail))
 
     def stop(self) -> None:
-        """Stop every child (SIGTERM, then SIGKILL), the embedded server, and remove the temporary directory."""
+        """Stop every child (SIGTERM, then SIGKILL), the embedded server, and remove the temporary directory.
+
+        Further Ctrl-C presses are ignored while this runs, so nothing is left behind.
+        """
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for _name, proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -221,7 +229,7 @@ class Up:
     async def replay(self, url: str, trace: list[TraceRequest]) -> tuple[Tally, int, float, list[float]]:
         """Route and serve every request; return the tally, failures, seconds taken and route latencies."""
         a = self.args
-        nc = await connect(url, name="kvmesh-up")
+        nc = await connect(url, name="kvmesh-up", wait_s=10.0)
         router = Router(nc, timeout_s=5.0)
         tally = Tally()
         failures = 0
@@ -365,7 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-blocks", type=int, default=16384, help="KV blocks per simulated worker (default 16384)"
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16, vLLM's)")
-    p.add_argument("--version", default="0.33.0", help="vLLM wire format the simulated workers speak")
+    p.add_argument(
+        "--version",
+        default="0.33.0",
+        help="vLLM release whose wire format the simulated workers speak, 0.9.0 … 0.33.0 (default 0.33.0)",
+    )
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     p.add_argument(
         "--base-port",
@@ -387,14 +399,22 @@ def command(argv: Sequence[str] | None = None) -> int:
     if args.workers < 1 or args.concurrency < 1:
         print("kvmesh up: --workers and --concurrency must be ≥ 1", file=sys.stderr)
         return 2
+    if args.requests is not None and args.requests < 1:
+        print("kvmesh up: --requests must be ≥ 1", file=sys.stderr)
+        return 2
     trace_path = args.trace or default_trace_path()
-    trace = load_trace(trace_path, limit=args.requests)
+    try:
+        trace = load_trace(trace_path, limit=args.requests)
+    except (OSError, ValueError) as exc:
+        print(f"kvmesh up: cannot read trace {trace_path}: {exc}", file=sys.stderr)
+        return 2
     up = Up(args)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         up.say(f"kvmesh up: {len(trace)} requests from {Path(trace_path).name}, {args.workers} workers")
         url = up.start()
         tally, failures, elapsed, latencies = asyncio.run(up.replay(url, trace))
+        up.say("replay done; stopping every process")
     except KeyboardInterrupt:
         up.say("\ninterrupted; stopping every process")
         return 130
@@ -410,7 +430,7 @@ def command(argv: Sequence[str] | None = None) -> int:
         p50 = latencies[len(latencies) // 2] * 1e3
         p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3
         up.say(f"route latency through NATS: p50 {p50:.2f} ms, p99 {p99:.2f} ms\n")
-    with contextlib.redirect_stdout(sys.stdout):
-        rr = round_robin(trace[:served] if served < len(trace) else trace, args)
+    up.say("computing the round-robin baseline on the same requests…")
+    rr = round_robin(trace[:served] if served < len(trace) else trace, args)
     print_table(sys.stdout, tally, rr, args.workers)
     return 0 if failures == 0 else 1

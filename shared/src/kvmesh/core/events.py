@@ -78,7 +78,19 @@ class WorkerRemoved(msgspec.Struct, tag="worker_removed", kw_only=True, frozen=T
     reason: str = "operator"
 
 
-Message = EventsMessage | WorkerRemoved
+class IndexReset(msgspec.Struct, tag="index_reset", kw_only=True, frozen=True):
+    """An operator reset (``kvmesh reset``): every replica forgets its whole index here and starts a new epoch.
+
+    A marker in the stream rather than a purge, so running replicas follow it at the same point.
+    """
+
+    v: int = SCHEMA_VERSION
+    epoch: int
+    """The new reset epoch (the previous one + 1, as the operator tool saw it)."""
+    reason: str = "operator"
+
+
+Message = EventsMessage | WorkerRemoved | IndexReset
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -1,30 +1,57 @@
-"""The route API's request parsing and the choice of a worker (pure).
+"""The route API's request parsing and the choice of a worker: affinity balanced against load (pure).
 
 Request (JSON, subject ``kvmesh.route``): ``model`` (str, required), ``token_ids`` (array of int, each
-0 ≤ id < 2³², required, non-empty), ``lora_name``, ``cache_salt``, ``request_id`` (str or null),
-``candidates`` (array of worker ids or null), ``explain`` (bool). Unknown fields are ignored; a known field of
-the wrong type is a `RequestError` naming it.
+0 ≤ id < 2³², required, non-empty, at most ``max_tokens``), ``lora_name``, ``cache_salt``, ``request_id``
+(str or null), ``candidates`` (array of worker ids or null), ``explain`` (bool), ``policy`` (object or null:
+per-request overrides of `Policy`, every key optional, unknown keys rejected). Unknown top-level fields are
+ignored; a known field of the wrong type is a `RequestError` naming it (``policy.temperature``).
 
-Choice (this release): the candidate with the longest overlap wins; ties go to the one with the fewest cached
-blocks (the emptier cache), then to the lowest (worker id, dp rank), so every router replica gives the same
-answer for the same index state. ``cost`` is the blocks the winner still has to prefill
-(``prompt_blocks − overlap_blocks``), the prefill term of the load-aware cost to come.
+Cost of a candidate (NVIDIA Dynamo's documented form; lowest wins)::
+
+    cost          = overlap_weight · prefill_blocks + decode_weight · decode_blocks
+    prefill_blocks = (prompt_tokens − cached_tokens + active_prefill_tokens) / block_size
+    decode_blocks  = active_blocks
+
+``cached_tokens`` is the candidate's leading overlap in tokens, each block weighted by its storage tier
+(`Policy.tier_weights`: GPU 1.0, CPU 0.5, DISK 0.25 by default; when the index reports no tiers every
+overlapping block counts as GPU). ``active_prefill_tokens`` and ``active_blocks`` come from the router's
+request ledger (`kvmesh.core.load.LoadLedger`). Dynamo adds the request's own new blocks to
+``decode_blocks``; kvmesh does not know which of them are already active on a worker, so that term would be
+the same for every candidate and is left out (it moves no winner and no normalised softmax). With no load
+and no tiers the cost is ``prompt_blocks − overlap_blocks`` (for whole-block prompts), so the longest overlap
+wins, as before load-awareness.
+
+Choice: candidates whose fresh engine report shows them busy (``kv_usage ≥ busy_kv_usage`` or ``waiting ≥
+busy_waiting``) are skipped while any other is free. With ``temperature == 0`` the lowest cost wins; ties go
+to the fewest cached blocks, then to a *seeded* random order: ``xxh3_64(worker_id ‖ 0 ‖ dp_rank, seed)``
+with the seed taken from the request (`route_seed`), so every router replica breaks the same tie the same
+way while different requests spread over tied workers. With ``temperature > 0`` the winner is sampled with
+probabilities ∝ ``exp(−normalised_cost / temperature)`` (costs scaled to 0–1 over the eligible candidates)
+from `random.Random(seed)`, so replicas still agree.
+
+Cost: O(candidates) per decision (plus a sort of the candidates); nothing here touches the index.
 """
 
 from __future__ import annotations
 
+import math
+import random
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import msgspec
+import xxhash
 
 from kvmesh.core.errors import RequestError
-from kvmesh.core.state import HolderMatch
+from kvmesh.core.load import ZERO_LOAD, ActiveLoad, WorkerLoad
 
 DEFAULT_MAX_TOKENS: Final[int] = 1_048_576
 MAX_TOKEN_ID: Final[int] = 2**32 - 1
+GPU_TIER: Final[str] = "GPU"
+UNKNOWN_TIER_WEIGHT: Final[float] = 0.5
+"""Weight of a block on a tier missing from `Policy.tier_weights`."""
 
 ERROR_STATUS: Final[dict[str, int]] = {
     "bad_request": 400,
@@ -34,6 +61,75 @@ ERROR_STATUS: Final[dict[str, int]] = {
     "internal": 500,
 }
 """Route error codes and the numeric ``Nats-Service-Error-Code`` each is sent with."""
+
+
+# ---------------------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Policy:
+    """The terms of the cost function and the busy thresholds (router settings; overridable per request)."""
+
+    overlap_weight: float = 1.0
+    """Weight ``w`` of the prefill term (Dynamo's ``overlap_score_weight``), ≥ 0."""
+    decode_weight: float = 1.0
+    """Weight of the decode term (active blocks), ≥ 0."""
+    temperature: float = 0.0
+    """0: lowest cost wins; > 0: softmax sampling over normalised costs."""
+    tier_weights: Mapping[str, float] = field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.5, "DISK": 0.25})
+    """How much a cached block counts per storage tier (upper-case medium name), each 0–1."""
+    busy_kv_usage: float = 0.95
+    """A worker whose reported KV usage is at least this (0–1) is busy; > 1 disables the check."""
+    busy_waiting: int = 8
+    """A worker with at least this many waiting requests is busy; 0 disables the check."""
+
+    def problems(self) -> list[str]:
+        """Return every invalid value, each naming its field."""
+        out = []
+        for name in ("overlap_weight", "decode_weight", "temperature"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                out.append(f"{name} must be a finite number ≥ 0, got {v!r}")
+        for tier, w in self.tier_weights.items():
+            if not 0 <= w <= 1:
+                out.append(f"tier_weights.{tier} must be within [0, 1], got {w!r}")
+        if not self.busy_kv_usage > 0:
+            out.append(f"busy_kv_usage must be > 0, got {self.busy_kv_usage!r}")
+        if self.busy_waiting < 0:
+            out.append(f"busy_waiting must be ≥ 0, got {self.busy_waiting!r}")
+        return out
+
+    def tier_weight(self, medium: str | None) -> float:
+        """Weight of a block stored on ``medium`` (None is GPU)."""
+        if medium is None:
+            return self.tier_weights.get(GPU_TIER, 1.0)
+        return self.tier_weights.get(medium.upper(), UNKNOWN_TIER_WEIGHT)
+
+
+class PolicyOverride(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Per-request overrides of `Policy` (the request's ``policy`` object); None keeps the router's value."""
+
+    overlap_weight: float | None = None
+    decode_weight: float | None = None
+    temperature: float | None = None
+    tier_weights: dict[str, float] | None = None
+    busy_kv_usage: float | None = None
+    busy_waiting: int | None = None
+
+    def apply(self, base: Policy) -> Policy:
+        """Return ``base`` with every non-None override set (tier weights merge into the base's)."""
+        changes: dict[str, Any] = {
+            f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None
+        }
+        if "tier_weights" in changes:
+            changes["tier_weights"] = {
+                **base.tier_weights,
+                **{k.upper(): v for k, v in changes["tier_weights"].items()},
+            }
+        return replace(base, **changes) if changes else base
+
+
+# ---------------------------------------------------------------------------------------- request
 
 
 class RouteRequest(msgspec.Struct, kw_only=True):
@@ -46,27 +142,44 @@ class RouteRequest(msgspec.Struct, kw_only=True):
     candidates: list[str] | None = None
     request_id: str | None = None
     explain: bool = False
+    policy: PolicyOverride | None = None
 
 
 _decoder = msgspec.json.Decoder(RouteRequest)
-_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z_.]*)")
 _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
 
-def parse_route_request(body: bytes, *, max_tokens: int = DEFAULT_MAX_TOKENS) -> RouteRequest:
+def parse_route_request(
+    body: bytes, *, max_tokens: int = DEFAULT_MAX_TOKENS, base_policy: Policy | None = None
+) -> RouteRequest:
     """Parse and check a route request body.
 
+    Args:
+        body: the JSON request.
+        max_tokens: the longest prompt accepted, in tokens.
+        base_policy: the router's policy, to check the request's overrides against (default `Policy()`).
+
     Raises:
-        RequestError: not JSON, not an object, a missing or mistyped field, an empty or too long
-            ``token_ids`` (more than ``max_tokens`` tokens), or a token id outside ``[0, 2**32)``;
-            ``field`` names the culprit when there is one.
+        RequestError: not JSON, not an object, a missing or mistyped field, an unknown ``policy`` key, an
+            out-of-range policy value, an empty or too long ``token_ids`` (more than ``max_tokens``
+            tokens), or a token id outside ``[0, 2**32)``; ``field`` names the culprit when there is one
+            (``token_ids``, ``policy.temperature``).
     """
     try:
         req = _decoder.decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        m = _PATH.search(text) or _MISSING.search(text)
-        raise RequestError(f"invalid request: {text}", field=m.group(1) if m else None) from exc
+        m = _PATH.search(text)
+        name = m.group(1) if m else None
+        u = _UNKNOWN.search(text)
+        if u is not None:
+            name = f"{name}.{u.group(1)}" if name else u.group(1)
+        elif name is None:
+            mm = _MISSING.search(text)
+            name = mm.group(1) if mm else None
+        raise RequestError(f"invalid request: {text}", field=name) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
     if not req.model:
@@ -82,57 +195,215 @@ def parse_route_request(body: bytes, *, max_tokens: int = DEFAULT_MAX_TOKENS) ->
     if lo < 0 or hi > MAX_TOKEN_ID:
         bad = lo if lo < 0 else hi
         raise RequestError(f"token id {bad} is outside [0, 2^32)", field="token_ids")
+    if req.policy is not None:
+        problems = req.policy.apply(base_policy or Policy()).problems()
+        if problems:
+            first = problems[0].split(" ", 1)[0]
+            raise RequestError("policy." + "; policy.".join(problems), field=f"policy.{first}")
     return req
+
+
+def route_seed(request_id: str | None, body: bytes) -> int:
+    """Return the 64-bit seed of a request's random choices: XXH3 of its ``request_id``, else of its body.
+
+    Every router replica derives the same seed from the same request, so ties and temperature sampling agree.
+    """
+    return xxhash.xxh3_64_intdigest(request_id.encode() if request_id is not None else body)
+
+
+# ---------------------------------------------------------------------------------------- decision
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """One (worker, dp rank) that may serve the request, with what the index knows of it."""
+
+    worker_id: str
+    dp_rank: int
+    overlap_blocks: int
+    """Leading full blocks of the prompt cached on this candidate (any tier)."""
+    cached_blocks: int
+    """All blocks indexed for this candidate (its cache size)."""
+    tiers: Mapping[str, int] | None = None
+    """Overlap blocks per storage medium (sum = ``overlap_blocks``), or None: all on GPU."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Score:
-    """One candidate's score."""
+    """One candidate's score: its affinity, its load and the resulting cost."""
 
     worker_id: str
     dp_rank: int
     overlap_blocks: int
     cached_blocks: int
+    cached_tokens: float
+    """Overlap in tokens, weighted by tier (equals ``overlap_blocks × block_size`` on GPU)."""
+    tier_tokens: Mapping[str, int]
+    """Unweighted overlap tokens per tier."""
+    prefill_blocks: float
+    decode_blocks: float
+    active: ActiveLoad
+    engine: WorkerLoad | None
+    busy: bool
     cost: float
+    probability: float | None = None
+    """Chance of being sampled (only with temperature > 0 and when eligible)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
-    """The chosen worker and every candidate's score (best first)."""
+    """The chosen candidate and every candidate's score (eligible ones first, best first)."""
 
     winner: Score
     scores: tuple[Score, ...]
 
 
+def _tiebreak(seed: int, worker_id: str, dp_rank: int) -> int:
+    return xxhash.xxh3_64_intdigest(f"{worker_id}\0{dp_rank}".encode(), seed=seed)
+
+
+def score(
+    c: Candidate,
+    *,
+    prompt_tokens: int,
+    block_size: int,
+    policy: Policy,
+    active: ActiveLoad = ZERO_LOAD,
+    engine: WorkerLoad | None = None,
+) -> Score:
+    """Compute one candidate's cost (see the module docstring for the formula).
+
+    A ``block_size`` of 0 (the model's block size is not known yet, so nothing is cached) counts in tokens.
+    """
+    block_size = max(block_size, 1)
+    if c.tiers is None:
+        tier_tokens = {GPU_TIER: c.overlap_blocks * block_size} if c.overlap_blocks else {}
+        cached = float(c.overlap_blocks * block_size) * policy.tier_weight(None)
+    else:
+        tier_tokens = {m: n * block_size for m, n in c.tiers.items() if n}
+        cached = float(sum(n * block_size * policy.tier_weight(m) for m, n in c.tiers.items()))
+    prefill = (prompt_tokens - cached + active.prefill_tokens) / block_size
+    decode = float(active.blocks)
+    busy = engine is not None and (
+        (engine.kv_usage is not None and engine.kv_usage >= policy.busy_kv_usage)
+        or (policy.busy_waiting > 0 and engine.waiting is not None and engine.waiting >= policy.busy_waiting)
+    )
+    return Score(
+        worker_id=c.worker_id,
+        dp_rank=c.dp_rank,
+        overlap_blocks=c.overlap_blocks,
+        cached_blocks=c.cached_blocks,
+        cached_tokens=cached,
+        tier_tokens=tier_tokens,
+        prefill_blocks=prefill,
+        decode_blocks=decode,
+        active=active,
+        engine=engine,
+        busy=busy,
+        cost=policy.overlap_weight * prefill + policy.decode_weight * decode,
+    )
+
+
 def decide(
-    candidates: Sequence[HolderMatch], *, prompt_blocks: int, allowed: Sequence[str] | None = None
+    candidates: Sequence[Candidate],
+    *,
+    prompt_tokens: int,
+    block_size: int,
+    policy: Policy | None = None,
+    active: Mapping[tuple[str, int], ActiveLoad] | None = None,
+    engine: Mapping[tuple[str, int], WorkerLoad] | None = None,
+    seed: int = 0,
+    allowed: Sequence[str] | None = None,
 ) -> Decision | None:
-    """Pick the worker for a prompt.
+    """Pick the (worker, dp rank) for a prompt.
 
     Args:
-        candidates: every holder of the model with its overlap (`IndexState.match`).
-        prompt_blocks: full blocks in the prompt.
+        candidates: every live (worker, dp rank) of the model with its overlap; see `merge_candidates`.
+        prompt_tokens: tokens in the prompt.
+        block_size: tokens per KV block of the model (0 when unknown: costs then count tokens).
+        policy: the cost terms and thresholds (default `Policy()`).
+        active: router-side load per (worker, dp rank); missing means none.
+        engine: fresh engine reports per (worker, dp rank); missing means none (never busy).
+        seed: the request's seed (`route_seed`), for ties and sampling.
         allowed: restrict the choice to these worker ids, or None for all.
 
     Returns:
         the decision, or None when no candidate is left.
     """
+    pol = policy or Policy()
+    act = active or {}
+    eng = engine or {}
     allow = set(allowed) if allowed is not None else None
     scores = [
-        Score(
-            worker_id=c.worker_id,
-            dp_rank=c.dp_rank,
-            overlap_blocks=c.overlap_blocks,
-            cached_blocks=c.cached_blocks,
-            cost=float(prompt_blocks - c.overlap_blocks),
+        score(
+            c,
+            prompt_tokens=prompt_tokens,
+            block_size=block_size,
+            policy=pol,
+            active=act.get((c.worker_id, c.dp_rank), ZERO_LOAD),
+            engine=eng.get((c.worker_id, c.dp_rank)),
         )
         for c in candidates
         if allow is None or c.worker_id in allow
     ]
     if not scores:
         return None
-    scores.sort(key=lambda s: (s.cost, s.cached_blocks, s.worker_id, s.dp_rank))
-    return Decision(winner=scores[0], scores=tuple(scores))
+    all_busy = all(s.busy for s in scores)
+    scores.sort(
+        key=lambda s: (
+            s.busy and not all_busy,
+            round(s.cost, 9),
+            s.cached_blocks,
+            _tiebreak(seed, s.worker_id, s.dp_rank),
+        )
+    )
+    eligible = [s for s in scores if all_busy or not s.busy]
+    if pol.temperature <= 0 or len(eligible) == 1:
+        return Decision(winner=scores[0], scores=tuple(scores))
+    probs = softmax_probabilities([s.cost for s in eligible], pol.temperature)
+    with_p = [replace(s, probability=p) for s, p in zip(eligible, probs, strict=True)]
+    # Sample over a replica-independent order: the sorted order above (cost, cached, seeded tiebreak).
+    r = random.Random(seed).random()
+    acc = 0.0
+    winner = with_p[-1]
+    for s in with_p:
+        acc += s.probability or 0.0
+        if r < acc:
+            winner = s
+            break
+    return Decision(winner=winner, scores=(*with_p, *scores[len(eligible) :]))
+
+
+def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:
+    """Return softmax probabilities of ``−normalised cost / temperature`` (costs scaled to [0, 1]).
+
+    Equal costs give equal probabilities. ``temperature`` must be > 0.
+    """
+    lo, hi = min(costs), max(costs)
+    span = hi - lo
+    logits = [-((c - lo) / span if span > 0 else 0.0) / temperature for c in costs]
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def merge_candidates(indexed: Sequence[Candidate], live: Sequence[tuple[str, int]] | None) -> list[Candidate]:
+    """Combine the index's candidates with a worker registry's live (worker, dp rank) list.
+
+    With ``live`` None (no registry), the index's candidates (every holder that announced itself) are
+    used as they are. Otherwise only live ones are kept, and a live one the index does not know joins
+    with zero overlap and zero cached blocks.
+    """
+    if live is None:
+        return list(indexed)
+    keep = set(live)
+    out = [c for c in indexed if (c.worker_id, c.dp_rank) in keep]
+    seen = {(c.worker_id, c.dp_rank) for c in out}
+    out.extend(
+        Candidate(worker_id=w, dp_rank=r, overlap_blocks=0, cached_blocks=0) for w, r in sorted(keep - seen)
+    )
+    return out
 
 
 def error_body(code: str, message: str) -> dict[str, Any]:

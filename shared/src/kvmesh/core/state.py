@@ -10,18 +10,24 @@ Rules applied here, besides the index's own:
   epoch is stale and dropped.
 * `WorkerRemoved` drops every dp rank of the worker; later messages of the removed incarnation (epoch ≤ the
   removed one) are dropped, a newer incarnation is accepted again.
+* `IndexReset` forgets everything (index and worker bookkeeping) and raises ``reset_epoch``.
+* After a gap in the stream (`mark_gap`: the messages between a snapshot and the stream's first one are
+  gone), every holder is *incomplete* until a Cleared (or a new engine epoch) rebuilds it from nothing.
+
+`export()` copies the whole state cheaply (dict copies, no per-block Python work) and `from_export()`
+rebuilds it; `kvmesh.core.snapshot` turns an export into bytes and back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import xxhash
 
-from kvmesh.core.events import Cleared, EventsMessage, Message, Removed, Stored, WorkerRemoved
+from kvmesh.core.events import Cleared, EventsMessage, IndexReset, Message, Removed, Stored, WorkerRemoved
 from kvmesh.core.hashing import SEED, prompt_sequence_hashes
-from kvmesh.core.index import Holder, PrefixIndex
+from kvmesh.core.index import Holder, IndexExport, PrefixIndex
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +85,38 @@ class _WorkerInfo:
     """Epoch of the last WorkerRemoved: messages with an epoch ≤ it stay dropped even after a rejoin."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerExport:
+    """One worker's bookkeeping, detached from the live state (see `IndexState.export`)."""
+
+    worker_id: str
+    model: str
+    block_size: int
+    epochs: dict[int, int]
+    """dp_rank → engine epoch."""
+    last_seq: dict[int, int]
+    """dp_rank → last engine sequence."""
+    last_ts: float
+    removed_epoch: int | None
+    stale_through: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateExport:
+    """An `IndexState`'s complete state as of ``applied_seq`` (what a snapshot holds)."""
+
+    applied_seq: int
+    reset_epoch: int
+    counters: dict[str, int]
+    workers: tuple[WorkerExport, ...]
+    indexes: tuple[tuple[str, int, IndexExport], ...]
+    """``(model, block_size, index)`` in the state's own order."""
+    gap_seq: int | None
+    """Stream sequence after which messages were lost (see `IndexState.mark_gap`), or None."""
+    healed: tuple[tuple[str, int], ...]
+    """Holders rebuilt from nothing since the gap."""
+
+
 class UnknownModelError(KeyError):
     """The model has no worker in the index."""
 
@@ -92,6 +130,12 @@ class IndexState:
         self.applied_seq = 0
         """Last stream sequence applied (0 before any)."""
         self.counters = _Counters()
+        self.reset_epoch = 0
+        """Operator resets applied so far (`IndexReset`)."""
+        self.gap_seq: int | None = None
+        """Stream sequence after which messages were lost, or None when the state is whole."""
+        self._healed: set[Holder] = set()
+        self._digest: tuple[tuple[int, int, int], int] | None = None
 
     # ------------------------------------------------------------------ apply
 
@@ -109,7 +153,38 @@ class IndexState:
         if isinstance(message, WorkerRemoved):
             self._remove_worker(message)
             return
+        if isinstance(message, IndexReset):
+            self._reset(message)
+            return
         self._apply_events(message)
+
+    def mark_gap(self, after_seq: int) -> None:
+        """Record that messages after ``after_seq`` were lost (the stream no longer holds them).
+
+        Every holder known now or seen later counts as incomplete until a Cleared or a new engine epoch
+        rebuilds it from nothing; `incomplete()` lists them. The index itself is unchanged.
+        """
+        self.gap_seq = after_seq
+        self._healed.clear()
+
+    def incomplete(self) -> list[tuple[str, int]]:
+        """Return the (worker, dp_rank) holders whose index may miss events since a gap, sorted."""
+        if self.gap_seq is None:
+            return []
+        return sorted(
+            (w, r)
+            for w, info in self._workers.items()
+            if info.removed_epoch is None
+            for r in info.epochs
+            if Holder(w, r) not in self._healed
+        )
+
+    def _reset(self, msg: IndexReset) -> None:
+        self._indexes.clear()
+        self._workers.clear()
+        self.reset_epoch = max(self.reset_epoch + 1, msg.epoch)
+        self.gap_seq = None
+        self._healed.clear()
 
     def _index(self, model: str, block_size: int) -> PrefixIndex:
         by_size = self._indexes.setdefault(model, {})
@@ -146,6 +221,8 @@ class IndexState:
         if epoch is not None and msg.epoch > epoch:
             index.clear(holder)
             self.counters.clears += 1
+            if self.gap_seq is not None:
+                self._healed.add(holder)
         index.touch(holder)
         info.epochs[msg.dp_rank] = msg.epoch
         info.last_seq[msg.dp_rank] = msg.seq
@@ -165,6 +242,8 @@ class IndexState:
             elif isinstance(event, Cleared):
                 index.clear(holder)
                 c.clears += 1
+                if self.gap_seq is not None:
+                    self._healed.add(holder)
 
     def _remove_worker(self, msg: WorkerRemoved) -> None:
         info = self._workers.get(msg.worker_id)
@@ -247,11 +326,19 @@ class IndexState:
         return info is not None and info.removed_epoch is not None
 
     def digest(self) -> int:
-        """Return an order-independent digest over every model's index content."""
+        """Return an order-independent digest over every model's index content.
+
+        O(total blocks) (about 1 s per million blocks); the last value is cached until the next applied
+        message, so repeated status calls on an idle replica are free.
+        """
+        key = (self.applied_seq, self.counters.messages, self.reset_epoch)
+        if self._digest is not None and self._digest[0] == key:
+            return self._digest[1]
         total = 0
         for model, by_size in sorted(self._indexes.items()):
             for bs, index in sorted(by_size.items()):
                 total ^= xxhash.xxh3_64_intdigest(f"{model}\x00{bs}\x00{index.digest()}".encode(), seed=SEED)
+        self._digest = (key, total)
         return total
 
     def workers(self) -> dict[str, dict[str, object]]:
@@ -273,6 +360,77 @@ class IndexState:
             for w, i in sorted(self._workers.items())
         }
 
+    def live_worker(self, worker_id: str) -> tuple[str, int] | None:
+        """Return a known, not removed worker's (model, highest epoch), or None."""
+        info = self._workers.get(worker_id)
+        if info is None or info.removed_epoch is not None:
+            return None
+        return info.model, max(info.epochs.values(), default=0)
+
+    def live_holders(self) -> list[tuple[str, str, int]]:
+        """Return ``(model, worker_id, dp_rank)`` of every rank of every worker not removed, sorted."""
+        return sorted(
+            (i.model, w, r) for w, i in self._workers.items() if i.removed_epoch is None for r in i.epochs
+        )
+
     def block_total(self) -> int:
         """Return the number of indexed (holder, block) entries over all models."""
         return sum(ix.stats().blocks for by_size in self._indexes.values() for ix in by_size.values())
+
+    # ------------------------------------------------------------------ snapshots
+
+    def export(self) -> StateExport:
+        """Copy the complete state out (index block maps, engine-hash maps, held orphans, duplicate counts,
+        worker epochs and cursors, counters), sharing nothing mutable with the live state.
+
+        Cheap: C-level dict copies, about 10–20 ms per million blocks; do it between two applied messages
+        and encode the result elsewhere (`kvmesh.core.snapshot.encode_snapshot`).
+        """
+        return StateExport(
+            applied_seq=self.applied_seq,
+            reset_epoch=self.reset_epoch,
+            counters=asdict(self.counters),
+            workers=tuple(
+                WorkerExport(
+                    worker_id=w,
+                    model=i.model,
+                    block_size=i.block_size,
+                    epochs=dict(i.epochs),
+                    last_seq=dict(i.last_seq),
+                    last_ts=i.last_ts,
+                    removed_epoch=i.removed_epoch,
+                    stale_through=i.stale_through,
+                )
+                for w, i in self._workers.items()
+            ),
+            indexes=tuple(
+                (model, bs, index.export())
+                for model, by_size in self._indexes.items()
+                for bs, index in by_size.items()
+            ),
+            gap_seq=self.gap_seq,
+            healed=tuple(sorted((h.worker_id, h.dp_rank) for h in self._healed)),
+        )
+
+    @classmethod
+    def from_export(cls, export: StateExport) -> IndexState:
+        """Rebuild a state from `export()` (taking ownership of its dicts); O(total blocks)."""
+        state = cls()
+        state.applied_seq = export.applied_seq
+        state.reset_epoch = export.reset_epoch
+        state.counters = _Counters(**export.counters)
+        for w in export.workers:
+            state._workers[w.worker_id] = _WorkerInfo(
+                w.model,
+                w.block_size,
+                dict(w.epochs),
+                dict(w.last_seq),
+                w.last_ts,
+                w.removed_epoch,
+                w.stale_through,
+            )
+        for model, bs, ix in export.indexes:
+            state._indexes.setdefault(model, {})[bs] = PrefixIndex.from_export(ix)
+        state.gap_seq = export.gap_seq
+        state._healed = {Holder(w, r) for w, r in export.healed}
+        return state

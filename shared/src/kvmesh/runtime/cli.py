@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -62,15 +63,33 @@ def run_service(
     return run_async(build(settings))
 
 
+STOP_GRACE_S = 10.0
+"""Seconds a service gets to finish after SIGINT/SIGTERM before its task is cancelled (a second signal: at once)."""
+
+
 def run_async(svc: Service) -> int:
-    """Run a service on a fresh event loop with signal handlers that call `stop()`."""
+    """Run a service on a fresh event loop; SIGINT/SIGTERM call `stop()`, then cancel after a grace period."""
     log = logging.getLogger("kvmesh")
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        signals = 0
+
+        def on_signal() -> None:
+            nonlocal signals
+            signals += 1
+            svc.stop()
+            if signals == 1:
+                loop.call_later(STOP_GRACE_S, task.cancel)
+            else:
+                task.cancel()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, svc.stop)
-        await svc.run()
+            loop.add_signal_handler(sig, on_signal)
+        with contextlib.suppress(asyncio.CancelledError):
+            await svc.run()
 
     try:
         asyncio.run(main())

@@ -7,6 +7,7 @@ TransportError (KvmeshError)       something between us and NATS failed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -53,15 +54,33 @@ class StreamSettings:
     """Memory storage instead of file storage (tests, demos)."""
 
 
-async def connect(url: str, *, name: str, **kwargs: Any) -> Client:
+async def connect(
+    url: str,
+    *,
+    name: str,
+    on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    wait_s: float | None = None,
+    **kwargs: Any,
+) -> Client:
     """Connect to NATS, retrying forever on disconnects (services must ride out server restarts).
 
+    Args:
+        url: server URL.
+        name: connection name shown by the server.
+        on_disconnect: awaited once per lost connection, before the client reconnects (and re-sends what
+            it buffered).
+        wait_s: give up on the first connection after this many seconds (tools); None keeps trying,
+            logging a warning every few seconds (services may start before the server).
+        **kwargs: further `nats.connect` options.
+
     Raises:
-        TransportError: the first connection could not be made.
+        TransportError: the first connection could not be made within ``wait_s``.
     """
 
     async def _disconnected() -> None:
         log.info("nats: disconnected from %s (%s); reconnecting", url, name)
+        if on_disconnect is not None:
+            await on_disconnect()
 
     async def _reconnected() -> None:
         log.info("nats: reconnected to %s (%s)", url, name)
@@ -69,20 +88,32 @@ async def connect(url: str, *, name: str, **kwargs: Any) -> Client:
     async def _error(exc: Exception) -> None:
         log.debug("nats: %s: %r", name, exc)
 
-    try:
-        return await nats.connect(
-            url,
-            name=name,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            connect_timeout=5,
-            disconnected_cb=_disconnected,
-            reconnected_cb=_reconnected,
-            error_cb=_error,
-            **kwargs,
-        )
-    except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise TransportError(f"cannot connect to NATS at {url}: {exc}") from exc
+    options: dict[str, Any] = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, "connect_timeout": 2}
+    options.update(kwargs)
+    loop = asyncio.get_running_loop()
+    deadline = None if wait_s is None else loop.time() + wait_s
+    attempt_s = 5.0 if wait_s is None else max(0.1, wait_s)
+    last: BaseException | None = None
+    while deadline is None or loop.time() < deadline:
+        try:
+            # nats-py retries a failed first connection forever with max_reconnect_attempts=-1; bound each
+            # attempt so the caller hears about an unreachable server.
+            return await asyncio.wait_for(
+                nats.connect(
+                    url,
+                    name=name,
+                    disconnected_cb=_disconnected,
+                    reconnected_cb=_reconnected,
+                    error_cb=_error,
+                    **options,
+                ),
+                timeout=attempt_s if deadline is None else max(0.1, deadline - loop.time()),
+            )
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            last = exc
+            if deadline is None:
+                log.warning("nats: cannot reach %s (%s); still trying", url, name)
+    raise TransportError(f"cannot connect to NATS at {url} within {wait_s:g} s: {last!r}")
 
 
 async def ensure_stream(js: JetStreamContext, settings: StreamSettings) -> None:
@@ -144,3 +175,14 @@ async def wait_for_stream(
             if on_wait is not None:
                 await on_wait()
             await asyncio.sleep(interval_s)
+
+
+async def close_quietly(nc: Client, *, timeout_s: float = 2.0) -> None:
+    """Drain a connection for at most ``timeout_s`` seconds, then close it; never raises (shutdown path)."""
+    try:
+        await asyncio.wait_for(nc.drain(), timeout=timeout_s)
+    except (TimeoutError, nats.errors.Error, OSError):
+        pass
+    if not nc.is_closed:
+        with contextlib.suppress(Exception):
+            await nc.close()

@@ -66,3 +66,48 @@ def control_subject(prefix: str) -> str:
 def sim_subject(worker_id: str) -> str:
     """Request subject of a simulated worker's generate endpoint."""
     return f"{SIM_PREFIX}.{token(worker_id)}.generate"
+
+
+REQUESTS_PREFIX: Final[str] = "kvmesh.requests"
+"""Request lifecycle (router load accounting): ``<prefix>.routed|prefill_done|finished`` and ``<prefix>.sync``."""
+LOAD_PREFIX: Final[str] = "kvmesh.load"
+"""Engine-reported load: ``<prefix>.<worker>`` (JSON `kvmesh.core.load.WorkerLoad`)."""
+
+
+def requests_subject(prefix: str, event: str) -> str:
+    """Subject of one request lifecycle event (``routed``, ``prefill_done``, ``finished``, ``sync``)."""
+    return f"{prefix}.{event}"
+
+
+def load_subject(prefix: str, worker_id: str) -> str:
+    """Subject on which one worker's engine load is published."""
+    return f"{prefix}.{token(worker_id)}"
+
+
+SNAPSHOT_SUBJECT: Final[str] = "kvmesh.index.snapshot"
+"""Ask indexer replicas to write a snapshot now (`kvmesh snapshot`); the lease holder does."""
+
+
+def snapshot_bucket(stream: str) -> str:
+    """Object Store bucket of one index group's snapshots (the group is the events stream)."""
+    return f"{stream}_SNAPSHOTS"
+
+
+def lease_bucket(stream: str) -> str:
+    """KV bucket holding the snapshot-writer lease of one index group."""
+    return f"{stream}_LEASE"
+
+
+def registry_bucket(stream: str) -> str:
+    """KV bucket of the worker registry (one key per worker, TTL heartbeats)."""
+    return f"{stream}_WORKERS"
+
+
+def kv_key(name: str) -> str:
+    """Escape a name into one KV key (`token` with ``=`` for ``~``, which KV keys do not allow)."""
+    return token(name).replace("~", "=")
+
+
+def from_kv_key(key: str) -> str:
+    """Reverse `kv_key`."""
+    return untoken(key.replace("=", "~"))

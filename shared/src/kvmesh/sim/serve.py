@@ -26,7 +26,7 @@ import msgspec
 from kvmesh.runtime import subjects
 from kvmesh.runtime.cli import run_async, setup_logging
 from kvmesh.runtime.config import add_arguments, load, setting
-from kvmesh.runtime.nats import DEFAULT_NATS_URL, connect
+from kvmesh.runtime.nats import DEFAULT_NATS_URL, close_quietly, connect
 from kvmesh.sim.engine import SimWorker
 
 log = logging.getLogger("kvmesh.sim")
@@ -126,8 +126,7 @@ class SimFleet:
             for ranks in self.workers.values():
                 for w in ranks:
                     w.close()
-            with contextlib.suppress(Exception):
-                await nc.drain()
+            await close_quietly(nc)
 
     def stop(self) -> None:
         """Ask `run()` to finish."""

@@ -20,11 +20,44 @@ class IndexerSettings:
     events_prefix: str = setting(subjects.EVENTS_PREFIX, "subject prefix of the events stream")
     match_subject: str = setting(subjects.MATCH_SUBJECT, "subject of match queries (queue group)")
     replica_id: str = setting("", "this replica's name in `kvmesh status` (default: host-pid)")
+    snapshot_bucket: str = setting("", "Object Store bucket of snapshots (default: <stream>_SNAPSHOTS)")
+    snapshot_every_messages: int = setting(100_000, "write a snapshot after this many applied messages (0: off)")
+    snapshot_every_s: float = setting(300.0, "write a snapshot when the last one is this old, in seconds (0: off)")
+    snapshot_keep: int = setting(3, "snapshots kept; older ones are deleted")
+    lease_bucket: str = setting("", "KV bucket of the snapshot-writer lease (default: <stream>_LEASE)")
+    lease_ttl_s: float = setting(30.0, "seconds a snapshot-writer lease lives without renewal")
+    registry_bucket: str = setting("", "KV bucket of the worker registry (default: <stream>_WORKERS)")
+    worker_ttl_s: float = setting(15.0, "worker registry TTL in seconds (when this replica creates the bucket)")
+    purge_after_snapshot: bool = setting(
+        True, "after a snapshot, purge stream messages no kept snapshot needs (never an ingest's last cursor)"
+    )
+    buckets_memory: bool = setting(False, "create snapshot, lease and registry buckets in memory (tests, demos)")
+    buckets_replicas: int = setting(1, "replicas of the buckets this replica creates (3 on a cluster)")
+    buckets_max_bytes: int = setting(-1, "size bound of the snapshot bucket in bytes (-1: none)")
     log_level: str = setting("INFO", "log level")
 
     def validate(self) -> list[str]:
         """Return every problem with these settings."""
-        return [] if self.match_subject else ["--match-subject must not be empty"]
+        problems = [] if self.match_subject else ["--match-subject must not be empty"]
+        if self.snapshot_keep < 1:
+            problems.append("--snapshot-keep must be ≥ 1")
+        if self.snapshot_every_messages < 0 or self.snapshot_every_s < 0:
+            problems.append("--snapshot-every-messages and --snapshot-every-s must be ≥ 0")
+        if self.lease_ttl_s <= 0 or self.worker_ttl_s <= 0:
+            problems.append("--lease-ttl-s and --worker-ttl-s must be > 0")
+        return problems
+
+    def snapshot_bucket_name(self) -> str:
+        """Return the snapshot bucket, derived from the stream when unset."""
+        return self.snapshot_bucket or subjects.snapshot_bucket(self.stream)
+
+    def lease_bucket_name(self) -> str:
+        """Return the lease bucket, derived from the stream when unset."""
+        return self.lease_bucket or subjects.lease_bucket(self.stream)
+
+    def registry_bucket_name(self) -> str:
+        """Return the registry bucket, derived from the stream when unset."""
+        return self.registry_bucket or subjects.registry_bucket(self.stream)
 
     def replica_name(self) -> str:
         """Return the replica id, or host-pid when none was set."""

@@ -1,9 +1,19 @@
 """The indexer service: stream → `IndexState` → match queries over NATS request-reply.
 
-Reads the events stream from its start with an ordered push consumer (no durable consumer, so nothing is
-orphaned when a replica goes away), applies every message in stream order, and joins the match queue group
-only once it has caught up with the stream's last sequence as of its start — a replica that is behind never
-answers. Match and status endpoints are a NATS micro service (``kvmesh-indexer``), so ``$SRV.PING``,
+On start it loads the newest snapshot that verifies from the group's Object Store bucket (falling back to
+older ones), then reads the events stream from the snapshot's sequence + 1 with an ordered push consumer
+(no durable consumer, so nothing is orphaned when a replica goes away), applies every message in stream
+order, and joins the match queue group only once it has caught up with the stream's last sequence as of
+its start — a replica that is behind never answers. When the stream no longer holds the messages after
+every usable snapshot, it starts from what the stream holds, marks the state incomplete
+(`IndexState.mark_gap`, shown by ``kvmesh status``) and logs it.
+
+While running, the holder of the group's snapshot-writer lease writes a snapshot every
+``snapshot_every_messages`` applied messages or ``snapshot_every_s`` seconds (and on ``kvmesh snapshot``):
+the state is copied between two applied messages (`IndexState.export`, tens of ms per million blocks),
+encoded in a thread, stored, the oldest snapshots beyond ``snapshot_keep`` deleted, and stream messages no
+kept snapshot needs purged. Every replica also watches the worker registry and publishes `WorkerRemoved`
+when a worker's key expires or is deleted (`kvmesh.runtime.registry`). Match and status endpoints are a NATS micro service (``kvmesh-indexer``), so ``$SRV.PING``,
 ``$SRV.INFO`` and ``$SRV.STATS`` discover it.
 
 Match protocol (msgpack): request ``{"model", "token_ids", "lora_name", "cache_salt"}``; reply
@@ -32,10 +42,13 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 
 from kvmesh.core.errors import MessageDecodeError, RequestError
 from kvmesh.core.events import decode_message
+from kvmesh.core.snapshot import SnapshotError, decode_snapshot, encode_snapshot
 from kvmesh.core.state import IndexState, UnknownModelError
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect, wait_for_stream
+from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, open_registry, publish_removal
+from kvmesh.runtime.snapshots import SnapshotLease, SnapshotStore, open_kv
 
 log = logging.getLogger("kvmesh.indexer")
 
@@ -69,6 +82,20 @@ class IndexerService:
         self._started = time.monotonic()
         self._decoder = msgspec.msgpack.Decoder(MatchRequest)
         self._encoder = msgspec.msgpack.Encoder()
+        self._js: Any = None
+        self._store: SnapshotStore | None = None
+        self._lease: SnapshotLease | None = None
+        self._registry_kv: Any = None
+        self._registry: dict[str, WorkerRecord] = {}
+        self._snapshot_lock = asyncio.Lock()
+        self._since_snapshot = 0
+        self._last_snapshot_at = time.monotonic()
+        self.read_messages = 0
+        """Stream messages this replica's consumer received."""
+        self.recovery: dict[str, Any] = {}
+        """How this replica started: snapshot used, skipped ones, start sequence, messages read to ready."""
+        self.snapshots: dict[str, Any] = {"written": 0, "last": None, "max_stall_ms": 0.0, "last_stall_ms": 0.0}
+        self.removals_published = 0
 
     async def run(self) -> None:
         """Catch up with the stream, then serve match queries until `stop()`."""
@@ -79,12 +106,37 @@ class IndexerService:
         if self._stop.is_set():
             await nc.drain()
             return
+        self._js = js
+        self._store = await SnapshotStore.open(
+            js,
+            s.snapshot_bucket_name(),
+            memory=s.buckets_memory,
+            max_bytes=s.buckets_max_bytes,
+            replicas=s.buckets_replicas,
+        )
+        self._lease = SnapshotLease(
+            await open_kv(
+                js, s.lease_bucket_name(), ttl_s=s.lease_ttl_s, memory=s.buckets_memory, replicas=s.buckets_replicas
+            ),
+            self.replica,
+        )
+        self._registry_kv = await open_registry(
+            js,
+            RegistrySettings(
+                bucket=s.registry_bucket_name(),
+                ttl_s=s.worker_ttl_s,
+                memory=s.buckets_memory,
+                replicas=s.buckets_replicas,
+            ),
+        )
         info = await js.stream_info(s.stream)
         self._target_seq = info.state.last_seq
+        start_seq = await self._recover(info.state.first_seq, info.state.last_seq)
         log.info(
-            "indexer %s: reading %s (%d messages, last seq %d)",
+            "indexer %s: reading %s from seq %d (%d messages, last seq %d)",
             self.replica,
             s.stream,
+            start_seq,
             info.state.messages,
             info.state.last_seq,
         )
@@ -92,10 +144,11 @@ class IndexerService:
             subjects.events_wildcard(s.events_prefix),
             stream=s.stream,
             ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq),
         )
         consume = asyncio.create_task(self._consume(sub))
         service = None
+        background: list[asyncio.Task[None]] = []
         try:
             await self._wait_caught_up()
             if self._stop.is_set():
@@ -114,14 +167,24 @@ class IndexerService:
                 EndpointConfig(name="match", subject=s.match_subject, handler=self._on_match)
             )
             status_sub = await nc.subscribe(subjects.STATUS_SUBJECT, cb=self._on_status)
+            snapshot_sub = await nc.subscribe(subjects.SNAPSHOT_SUBJECT, cb=self._on_snapshot)
+            await nc.flush()  # the server knows every subscription before anyone is told we are ready
+            self.recovery["read_to_ready"] = self.read_messages
+            self.recovery["ready_s"] = round(time.monotonic() - self._started, 3)
             self.ready.set()
             log.info(
-                "indexer %s: ready at stream seq %d (%d blocks) after %.2f s",
+                "indexer %s: ready at stream seq %d (%d blocks) after %.2f s, %d messages read",
                 self.replica,
                 self.state.applied_seq,
                 self.state.block_total(),
                 time.monotonic() - self._started,
+                self.read_messages,
             )
+            background = [
+                asyncio.create_task(self._lease_loop()),
+                asyncio.create_task(self._snapshot_loop()),
+                asyncio.create_task(self._watch_registry()),
+            ]
             stop_wait = asyncio.create_task(self._stop.wait())
             await asyncio.wait({consume, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
             stop_wait.cancel()
@@ -129,9 +192,16 @@ class IndexerService:
                 consume.result()
             with contextlib.suppress(Exception):
                 await status_sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await snapshot_sub.unsubscribe()
         finally:
+            for t in background:
+                t.cancel()
             consume.cancel()
-            await asyncio.gather(consume, return_exceptions=True)
+            await asyncio.gather(consume, *background, return_exceptions=True)
+            if self._lease is not None:
+                with contextlib.suppress(Exception):
+                    await self._lease.release()
             if service is not None:
                 with contextlib.suppress(Exception):
                     await service.stop()
@@ -154,10 +224,82 @@ class IndexerService:
         stop_wait.cancel()
         caught.cancel()
 
+    async def _recover(self, first_seq: int, last_seq: int) -> int:
+        """Load the newest usable snapshot into ``self.state``; return the stream sequence to read from."""
+        assert self._store is not None
+        skipped: list[list[Any]] = []
+        uncovered = None
+        for entry in await self._store.list():
+            if entry.applied_seq > last_seq:
+                skipped.append([entry.name, "beyond the stream's last sequence"])
+                continue
+            try:
+                export = decode_snapshot(await self._store.get(entry.name))
+            except SnapshotError as exc:
+                log.warning("indexer %s: snapshot %s skipped (%s): %s", self.replica, entry.name, exc.reason, exc)
+                skipped.append([entry.name, exc.reason])
+                continue
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.warning("indexer %s: snapshot %s unreadable, skipped: %r", self.replica, entry.name, exc)
+                skipped.append([entry.name, type(exc).__name__])
+                continue
+            if export.applied_seq + 1 >= first_seq or export.applied_seq >= last_seq:
+                self.state = IndexState.from_export(export)
+                self.recovery = {
+                    "snapshot": entry.name,
+                    "snapshot_seq": export.applied_seq,
+                    "skipped": skipped,
+                    "start_seq": export.applied_seq + 1,
+                    "gap": None,
+                }
+                log.info(
+                    "indexer %s: restored snapshot %s (seq %d, %d blocks)",
+                    self.replica,
+                    entry.name,
+                    export.applied_seq,
+                    self.state.block_total(),
+                )
+                return export.applied_seq + 1
+            log.warning(
+                "indexer %s: snapshot %s (seq %d) is older than the stream's first message %d; trying older",
+                self.replica,
+                entry.name,
+                export.applied_seq,
+                first_seq,
+            )
+            skipped.append([entry.name, "stream no longer holds its next message"])
+            if uncovered is None:
+                uncovered = (entry.name, export)
+        base_seq = 0
+        if uncovered is not None:
+            self.state = IndexState.from_export(uncovered[1])
+            base_seq = uncovered[1].applied_seq
+        self.recovery = {
+            "snapshot": uncovered[0] if uncovered else None,
+            "snapshot_seq": base_seq if uncovered else None,
+            "skipped": skipped,
+            "start_seq": first_seq,
+            "gap": None,
+        }
+        if first_seq > base_seq + 1 and last_seq >= first_seq:
+            self.state.mark_gap(base_seq)
+            self.recovery["gap"] = [base_seq + 1, first_seq - 1]
+            log.error(
+                "indexer %s: stream messages %d..%d are gone and no snapshot covers them: starting from seq %d; "
+                "the index is INCOMPLETE for every worker until it clears (see kvmesh status)",
+                self.replica,
+                base_seq + 1,
+                first_seq - 1,
+                first_seq,
+            )
+        return max(first_seq, base_seq + 1)
+
     async def _consume(self, sub: Any) -> None:
         state = self.state
         async for msg in sub.messages:
             seq = msg.metadata.sequence.stream
+            self.read_messages += 1
+            self._since_snapshot += 1
             if seq >= self._target_seq:
                 # Waiters wake only at our next await, after this message has been applied below.
                 self._caught_up.set()
@@ -182,6 +324,168 @@ class IndexerService:
                 log.exception(
                     "indexer %s: stream seq %d (%s) failed to apply, skipped", self.replica, seq, msg.subject
                 )
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def snapshot(self, *, force: bool = False) -> dict[str, Any]:
+        """Write a snapshot now if this replica holds (or can take) the writer lease.
+
+        Returns:
+            ``{"written": True, "name", "applied_seq", "bytes", "stall_ms", "encode_ms", "store_ms",
+            "deleted", "purged_before"}`` or ``{"written": False, "reason"}``.
+        """
+        assert self._store is not None and self._lease is not None
+        async with self._snapshot_lock:
+            if not await self._lease.try_acquire():
+                return {"written": False, "reason": f"lease held by {await self._lease.holder()}"}
+            last = self.snapshots["last"]
+            if not force and last is not None and last["applied_seq"] == self.state.applied_seq:
+                return {"written": False, "reason": "nothing new since the last snapshot"}
+            t0 = time.perf_counter()
+            export = self.state.export()
+            t1 = time.perf_counter()
+            self._since_snapshot = 0
+            self._last_snapshot_at = time.monotonic()
+            data = await asyncio.to_thread(encode_snapshot, export)
+            t2 = time.perf_counter()
+            entry = await self._store.put(export.applied_seq, data)
+            t3 = time.perf_counter()
+            deleted = await self._store.prune(self.settings.snapshot_keep)
+            purged = await self._purge() if self.settings.purge_after_snapshot else None
+            stall_ms = (t1 - t0) * 1e3
+            result = {
+                "written": True,
+                "replica": self.replica,
+                "name": entry.name,
+                "applied_seq": export.applied_seq,
+                "bytes": len(data),
+                "stall_ms": round(stall_ms, 2),
+                "encode_ms": round((t2 - t1) * 1e3, 1),
+                "store_ms": round((t3 - t2) * 1e3, 1),
+                "deleted": deleted,
+                "purged_before": purged,
+            }
+            self.snapshots["written"] += 1
+            self.snapshots["last"] = result
+            self.snapshots["last_stall_ms"] = result["stall_ms"]
+            self.snapshots["max_stall_ms"] = max(self.snapshots["max_stall_ms"], result["stall_ms"])
+            log.info(
+                "indexer %s: snapshot %s written (%d bytes, stall %.1f ms, encode %.0f ms, store %.0f ms)",
+                self.replica,
+                entry.name,
+                len(data),
+                stall_ms,
+                (t2 - t1) * 1e3,
+                (t3 - t2) * 1e3,
+            )
+            return result
+
+    async def _purge(self) -> int | None:
+        """Purge stream messages before the oldest kept snapshot's next one, but never an ingest's last
+        message on a live worker's rank subject (ingest resumes its cursor from it). Returns the cut."""
+        assert self._store is not None
+        s = self.settings
+        kept = await self._store.list()
+        if len(kept) < s.snapshot_keep:
+            return None  # keep the stream whole until K snapshots exist
+        cut = min(e.applied_seq for e in kept) + 1
+        for model, worker, rank in self.state.live_holders():
+            try:
+                last = await self._js.get_last_msg(s.stream, subjects.events_subject(s.events_prefix, model, worker, rank))
+            except nats.js.errors.NotFoundError:
+                continue
+            cut = min(cut, last.seq)
+        info = await self._js.stream_info(s.stream)
+        if cut <= info.state.first_seq:
+            return None
+        await self._js.purge_stream(s.stream, seq=cut)
+        log.info("indexer %s: purged stream %s before seq %d", self.replica, s.stream, cut)
+        return cut
+
+    async def _snapshot_loop(self) -> None:
+        s = self.settings
+        while True:
+            await asyncio.sleep(0.2)
+            due = (s.snapshot_every_messages and self._since_snapshot >= s.snapshot_every_messages) or (
+                s.snapshot_every_s
+                and self._since_snapshot > 0
+                and time.monotonic() - self._last_snapshot_at >= s.snapshot_every_s
+            )
+            if not due or self._lease is None or not self._lease.held:
+                continue
+            try:
+                await self.snapshot()
+            except Exception:
+                log.exception("indexer %s: snapshot failed", self.replica)
+                self._last_snapshot_at = time.monotonic()
+
+    async def _lease_loop(self) -> None:
+        assert self._lease is not None
+        while True:
+            try:
+                await self._lease.try_acquire()
+            except Exception as exc:
+                log.debug("indexer %s: lease renewal failed: %r", self.replica, exc)
+            await asyncio.sleep(self.settings.lease_ttl_s / 3)
+
+    async def _on_snapshot(self, msg: Any) -> None:
+        try:
+            result = await self.snapshot(force=True)
+        except Exception as exc:
+            log.exception("indexer %s: requested snapshot failed", self.replica)
+            result = {"written": False, "reason": f"error: {exc!r}"}
+        if msg.reply:
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(msgspec.json.encode({"replica": self.replica, **result}))
+
+    # ------------------------------------------------------------------ worker registry
+
+    async def _watch_registry(self) -> None:
+        """Publish `WorkerRemoved` when a registered worker's key expires or is deleted."""
+        kv = self._registry_kv
+        while True:
+            try:
+                watcher = await kv.watchall()
+                async for entry in watcher:
+                    if entry is not None:
+                        await self._on_registry(entry)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("indexer %s: registry watch failed (%r); restarting", self.replica, exc)
+                await asyncio.sleep(1.0)
+
+    async def _on_registry(self, entry: Any) -> None:
+        worker = subjects.from_kv_key(entry.key)
+        if entry.operation is None:
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                self._registry[worker] = msgspec.json.decode(entry.value or b"", type=WorkerRecord)
+            return
+        record = self._registry.pop(worker, None)
+        live = self.state.live_worker(worker)
+        if live is None:
+            return  # never indexed, or already removed at an earlier stream point
+        model, epoch = live
+        incarnation = record.incarnation if record is not None else epoch
+        reason = "expired" if entry.operation == "PURGE" else "deleted"
+        seq = await publish_removal(
+            self._js,
+            stream=self.settings.stream,
+            events_prefix=self.settings.events_prefix,
+            worker_id=worker,
+            model=record.model if record is not None else model,
+            incarnation=incarnation,
+            reason=reason,
+        )
+        self.removals_published += 1
+        log.warning(
+            "indexer %s: worker %s %s from the registry: published its removal (incarnation %d) at seq %d",
+            self.replica,
+            worker,
+            reason,
+            incarnation,
+            seq,
+        )
 
     # ------------------------------------------------------------------ endpoints
 
@@ -235,6 +539,13 @@ class IndexerService:
             "counters": asdict(st.counters)
             | {"decode_errors": self.decode_errors, "apply_errors": self.apply_errors},
             "workers": st.workers(),
+            "complete": st.gap_seq is None,
+            "incomplete": [f"{w}/{r}" for w, r in st.incomplete()],
+            "reset_epoch": st.reset_epoch,
+            "read_messages": self.read_messages,
+            "recovery": self.recovery,
+            "snapshots": self.snapshots,
+            "snapshot_writer": self._lease is not None and self._lease.held,
         }
 
     async def _on_status(self, msg: Any) -> None:

@@ -19,7 +19,8 @@ import contextlib
 import logging
 import math
 import os
-from collections import deque
+import time
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,11 +40,15 @@ from kvmesh.core.normalize import BlockSizeMismatchError, Normalizer
 from kvmesh.core.sequencing import Deliver, NewEpoch, ReplayDone, Resync, SeqTracker, StartReplay
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream
+from kvmesh.runtime.metrics import MetricsLoadPublisher
+from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, ensure_stream
+from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, heartbeat, open_registry, registry_keys
 
 log = logging.getLogger("kvmesh.ingest")
 
 _PAYLOAD_HEADROOM = 4096
+_ACK_TIMEOUT_S = 5.0
+"""Seconds to wait for a publish's ack on a live connection before re-sending from it on, in order."""
 
 
 @dataclass(slots=True)
@@ -52,6 +57,8 @@ class _Outgoing:
     msg_id: str
     data: bytes
     holder: tuple[str, int]
+    epoch: int = 0
+    seq: int = 0
 
 
 @dataclass(slots=True)
@@ -94,6 +101,11 @@ class IngestService:
         self._js: JetStreamContext | None = None
         self._outbox: deque[_Outgoing] = deque()
         self._outbox_ready = asyncio.Event()
+        self._inflight: deque[tuple[_Outgoing, asyncio.Future[Any]]] = deque()
+        self._queued: Counter[tuple[str, int]] = Counter()
+        """Outbox messages per holder (worker, dp_rank)."""
+        self._overflowed: dict[tuple[str, int], tuple[int, int]] = {}
+        """Holders whose oldest batches were dropped → (epoch, seq) of the last dropped; cleared lazily."""
         self._ranks: dict[int, _Rank] = {}
         self._stop = asyncio.Event()
         self._clear_serial = 0
@@ -106,7 +118,9 @@ class IngestService:
     async def run(self) -> None:
         """Connect, recover cursors, then read every rank and publish until `stop()`."""
         s = self.settings
-        self._nc = await connect(s.nats_url, name=f"kvmesh-ingest-{s.worker_id}")
+        self._nc = await connect(
+            s.nats_url, name=f"kvmesh-ingest-{s.worker_id}", on_disconnect=self._on_disconnect
+        )
         self._max_payload = self._nc.max_payload or self._max_payload
         self._js = self._nc.jetstream()
         await ensure_stream(
@@ -128,10 +142,14 @@ class IngestService:
             self._ranks[r] = _Rank(r, endpoint, replay, tracker, Normalizer(block_size=s.block_size))
             # Announce the rank so routers see the worker before it caches anything.
             self._enqueue_events(
-                r, tracker.epoch, tracker.last_seq or 0, [], msg_id=self._unique_id(r, tracker, "hello")
+                r, tracker.epoch, _cursor(tracker), [], msg_id=self._unique_id(r, tracker, "hello")
             )
         tasks = [asyncio.create_task(self._read_rank(rank)) for rank in self._ranks.values()]
         tasks.append(asyncio.create_task(self._publish_loop()))
+        tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        if s.metrics_url:  # engine load for the routers (vLLM's Prometheus page)
+            scraper = MetricsLoadPublisher(self._nc, url=s.metrics_url, worker_id=s.worker_id)
+            tasks.append(asyncio.create_task(scraper.run()))
         self.ready.set()
         log.info(
             "ingest %s: model %s, %d rank(s) from %s, replay %s, publishing to %s",
@@ -154,7 +172,7 @@ class IngestService:
             with contextlib.suppress(Exception):
                 await status_sub.unsubscribe()
             await self._flush(timeout_s=5.0)
-            await self._nc.drain()
+            await close_quietly(self._nc)
             self._ctx.destroy(linger=0)
 
     def stop(self) -> None:
@@ -183,7 +201,8 @@ class IngestService:
             last.seq,
             raw.seq,
         )
-        return SeqTracker(epoch=last.epoch, last_seq=last.seq, replay=has_replay)
+        # seq -1: this ingest announced the rank but saw no batch of the epoch; the next one due is 0.
+        return SeqTracker(epoch=last.epoch, last_seq=max(last.seq, -1), replay=has_replay)
 
     # ------------------------------------------------------------------ ZMQ side
 
@@ -354,7 +373,7 @@ class IngestService:
         t = rank.tracker
         holder = rank.holder_rank if rank.holder_rank >= 0 else rank.rank
         self._enqueue_events(
-            holder, t.epoch, t.last_seq or 0, [Cleared(reason)], msg_id=self._unique_id(holder, t, reason)
+            holder, t.epoch, _cursor(t), [Cleared(reason)], msg_id=self._unique_id(holder, t, reason)
         )
 
     def _enqueue_events(
@@ -383,14 +402,15 @@ class IngestService:
         )
         data = encode_message(msg)
         limit = self._max_payload - _PAYLOAD_HEADROOM
+        holder = (s.worker_id, dp_rank)
         if len(data) <= limit:
-            self._push(_Outgoing(subject, base_id, data, (s.worker_id, dp_rank)))
+            self._push(_Outgoing(subject, base_id, data, holder, epoch, seq))
             return
         self.counters.split_batches += 1
         parts = _split_events(events, math.ceil(len(data) / limit) + 1)
         for i, part in enumerate(parts):
             pm = msgspec.structs.replace(msg, part=i, events=part)
-            self._push(_Outgoing(subject, f"{base_id}:{i}", encode_message(pm), (s.worker_id, dp_rank)))
+            self._push(_Outgoing(subject, f"{base_id}:{i}", encode_message(pm), holder, epoch, seq))
 
     def _block_size(self, dp_rank: int) -> int:
         rank = self._ranks.get(dp_rank)
@@ -399,99 +419,222 @@ class IngestService:
         return self.settings.block_size or 0
 
     def _push(self, out: _Outgoing) -> None:
-        if len(self._outbox) >= self.settings.max_buffered_batches:
+        """Append to the outbox; when it is full, drop the oldest batch and mark its holder for a resync.
+
+        The clear that resynchronises a holder is not queued here (it would take a slot and need its own
+        drop rule): `_next_outgoing` emits one right before the holder's next message, or at once when none
+        of its messages is left, so any number of drops of one holder costs one clear.
+        """
+        while len(self._outbox) >= self.settings.max_buffered_batches:
             dropped = self._outbox.popleft()
+            self._queued[dropped.holder] -= 1
             self.counters.dropped_batches += 1
-            log.error(
-                "worker %s: outbox full (%d batches, NATS unreachable?); dropped oldest %s and resynchronising",
-                self.settings.worker_id,
-                self.settings.max_buffered_batches,
-                dropped.msg_id,
-            )
-            rank = self._ranks.get(dropped.holder[1])
-            if rank is not None:
-                t = rank.tracker
-                clear = EventsMessage(
-                    worker_id=self.settings.worker_id,
-                    dp_rank=rank.rank,
-                    model=self.settings.model,
-                    block_size=self._block_size(rank.rank),
-                    epoch=t.epoch,
-                    seq=t.last_seq or 0,
-                    events=[Cleared("overflow")],
+            if dropped.holder not in self._overflowed:
+                log.error(
+                    "worker %s: outbox full (%d batches, NATS unreachable?); dropping the oldest (%s) and "
+                    "resynchronising dp rank %d",
+                    self.settings.worker_id,
+                    self.settings.max_buffered_batches,
+                    dropped.msg_id,
+                    dropped.holder[1],
                 )
-                self._outbox.append(
-                    _Outgoing(
-                        dropped.subject,
-                        self._unique_id(rank.rank, t, "overflow"),
-                        encode_message(clear),
-                        dropped.holder,
-                    )
-                )
+            self._overflowed[dropped.holder] = (dropped.epoch, dropped.seq)
         self._outbox.append(out)
+        self._queued[out.holder] += 1
         self._outbox_ready.set()
 
+    def _next_outgoing(self) -> _Outgoing | None:
+        """Return the next message to publish (leaving it in the outbox), emitting due overflow clears first."""
+        for holder, (epoch, seq) in list(self._overflowed.items()):
+            if self._queued[holder] == 0 or (self._outbox and self._outbox[0].holder == holder):
+                del self._overflowed[holder]
+                s = self.settings
+                clear = EventsMessage(
+                    worker_id=holder[0],
+                    dp_rank=holder[1],
+                    model=s.model,
+                    block_size=self._block_size(holder[1]),
+                    epoch=epoch,
+                    seq=seq,
+                    events=[Cleared("overflow")],
+                )
+                self._clear_serial += 1
+                msg_id = f"{holder[0]}:{holder[1]}:{epoch}:{seq}:overflow:{self._nonce}:{self._clear_serial}"
+                subject = subjects.events_subject(s.events_prefix, s.model, holder[0], holder[1])
+                self._outbox.appendleft(_Outgoing(subject, msg_id, encode_message(clear), holder, epoch, seq))
+                self._queued[holder] += 1
+                break
+        return self._outbox[0] if self._outbox else None
+
+    async def _on_disconnect(self) -> None:
+        """Take our unsent publishes out of the client's reconnect buffer.
+
+        nats-py re-sends what it buffered as soon as it reconnects, before we learn of it; those would land
+        ahead of the in-flight messages the dead connection lost, out of order. The publish loop re-sends
+        everything unacknowledged itself, in order (the server drops what did land by its Nats-Msg-Id).
+        """
+        nc, js = self._nc, self._js
+        prefix = getattr(js, "_async_reply_prefix", None)
+        if nc is None or not prefix:
+            return
+        marker = b" " + bytes(prefix)
+        pending: list[bytes] = nc._pending  # private: nats-py has no way to withdraw buffered publishes
+        keep = [
+            c for c in pending if not (c.startswith((b"HPUB ", b"PUB ")) and marker in c[: c.find(b"\r\n")])
+        ]
+        if len(keep) != len(pending):
+            log.info(
+                "worker %s: withdrew %d buffered publish(es) to re-send in order",
+                self.settings.worker_id,
+                len(pending) - len(keep),
+            )
+            nc._pending = keep
+            nc._pending_data_size = sum(len(c) for c in keep)
+
+    def _requeue_inflight(self) -> None:
+        """Put every unacknowledged message back at the front of the outbox, in order."""
+        inflight = self._inflight
+        while inflight:
+            out, fut = inflight.pop()
+            fut.cancel()  # frees nats-py's pending-ack slot; a late ack is ignored
+            self._outbox.appendleft(out)
+            self._queued[out.holder] += 1
+            self.counters.publish_retries += 1
+
     async def _publish_loop(self) -> None:
-        """Publish the outbox in order with a bounded window of outstanding acks; retry in order on failure."""
-        assert self._js is not None
-        js = self._js
+        """Publish the outbox in order with a bounded window of outstanding acks; retry in order on failure.
+
+        Nothing is handed to the client while it is disconnected (it would buffer it and send it ahead of
+        the messages the dead connection lost): on a disconnect, or an ack that fails or does not come
+        within `_ACK_TIMEOUT_S`, every unacknowledged message goes back to the front of the outbox and is
+        re-sent, in order, once connected; ``Nats-Msg-Id`` makes the server drop those that had landed.
+        """
+        assert self._js is not None and self._nc is not None
+        js, nc = self._js, self._nc
         window = self.settings.max_pending_acks
-        inflight: deque[tuple[_Outgoing, asyncio.Future[Any]]] = deque()
+        inflight = self._inflight
         backoff = 0.1
-        while True:
-            if not self._outbox and not inflight:
-                self._outbox_ready.clear()
-                await self._outbox_ready.wait()
-                continue
-            failed = False
-            while self._outbox and len(inflight) < window:
-                out = self._outbox[0]
-                try:
-                    fut = await js.publish_async(
-                        out.subject, out.data, headers={"Nats-Msg-Id": out.msg_id}, wait_stall=5.0
-                    )
-                except (TimeoutError, nats.errors.Error, OSError) as exc:
-                    log.debug("publish of %s failed: %r", out.msg_id, exc)
-                    failed = True
-                    break
-                self._outbox.popleft()
-                inflight.append((out, fut))
-            must_wait = failed or len(inflight) >= window or not self._outbox
-            while inflight and (must_wait or inflight[0][1].done()):
-                out, fut = inflight[0]
-                try:
-                    await asyncio.wait_for(asyncio.shield(fut), timeout=10.0)
-                except (TimeoutError, nats.errors.Error, OSError) as exc:
-                    failed = True
-                    log.warning(
-                        "worker %s: publish of %s not acknowledged (%r); retrying in order",
-                        self.settings.worker_id,
-                        out.msg_id,
-                        exc,
-                    )
-                    # Put every unacknowledged message back in front, in order; the server drops the
-                    # ones that did land by their Nats-Msg-Id.
-                    while inflight:
-                        self._outbox.appendleft(inflight.pop()[0])
-                        self.counters.publish_retries += 1
-                    break
-                inflight.popleft()
-                self.counters.published += 1
-                backoff = 0.1
-                must_wait = must_wait and len(inflight) >= window
-            if failed:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+        try:
+            while True:
+                if not nc.is_connected:
+                    self._requeue_inflight()
+                    while not nc.is_connected and not nc.is_closed:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                    if nc.is_closed:
+                        return
+                    continue
+                if not self._outbox and not inflight and not self._overflowed:
+                    self._outbox_ready.clear()
+                    await self._outbox_ready.wait()
+                    continue
+                failed = False
+                while len(inflight) < window and nc.is_connected:
+                    out = self._next_outgoing()
+                    if out is None:
+                        break
+                    try:
+                        fut = await js.publish_async(
+                            out.subject, out.data, headers={"Nats-Msg-Id": out.msg_id}, wait_stall=5.0
+                        )
+                    except (TimeoutError, nats.errors.Error, OSError) as exc:
+                        log.debug("publish of %s failed: %r", out.msg_id, exc)
+                        failed = True
+                        break
+                    self._outbox.popleft()
+                    self._queued[out.holder] -= 1
+                    inflight.append((out, fut))
+                must_wait = failed or len(inflight) >= window or not self._outbox
+                while inflight and (must_wait or inflight[0][1].done()):
+                    out, fut = inflight[0]
+                    try:
+                        acked = await self._await_ack(nc, fut)
+                    except (nats.errors.Error, OSError) as exc:
+                        log.warning(
+                            "worker %s: publish of %s failed (%r); retrying in order",
+                            self.settings.worker_id,
+                            out.msg_id,
+                            exc,
+                        )
+                        acked = False
+                    if not acked:
+                        failed = failed or nc.is_connected
+                        self._requeue_inflight()
+                        break
+                    inflight.popleft()
+                    self.counters.published += 1
+                    backoff = 0.1
+                    must_wait = must_wait and len(inflight) >= window
+                if failed:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+        finally:
+            self._requeue_inflight()
+
+    async def _await_ack(self, nc: Client, fut: asyncio.Future[Any]) -> bool:
+        """Wait for one publish's ack: True when acknowledged, False on a disconnect or after the timeout.
+
+        Raises:
+            nats.errors.Error: the server answered with an error (e.g. no stream responders yet).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _ACK_TIMEOUT_S
+        while not fut.done():
+            if not nc.is_connected or loop.time() >= deadline:
+                return False
+            await asyncio.wait([fut], timeout=0.05)
+        fut.result()
+        return True
 
     async def _flush(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         task = asyncio.create_task(self._publish_loop())
         # The outbox is a plain deque with no "emptied" event; poll it for at most `timeout_s`.
-        while self._outbox and loop.time() < deadline:  # noqa: ASYNC110
+        while (self._outbox or self._inflight or self._overflowed) and loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+    # ------------------------------------------------------------------ registry
+
+    async def _heartbeat_loop(self) -> None:
+        """Keep this worker's registry key alive (every TTL/3). If the key vanished while we were away (TTL
+        expired: the worker was removed from the index), start a new incarnation on every rank so the
+        worker's later events are not dropped as the removed incarnation's."""
+        assert self._js is not None
+        s = self.settings
+        bucket = s.registry_bucket or subjects.registry_bucket(s.stream)
+        registered = False
+        kv = None
+        while True:
+            try:
+                if kv is None:
+                    kv = await open_registry(
+                        self._js, RegistrySettings(bucket=bucket, ttl_s=s.worker_ttl_s, memory=s.stream_memory)
+                    )
+                if registered and subjects.kv_key(s.worker_id) not in await registry_keys(kv):
+                    log.warning("worker %s: registry entry expired; rejoining as a new incarnation", s.worker_id)
+                    for rank in self._ranks.values():
+                        rank.tracker.epoch += 1
+                        self._enqueue_clear(rank, "rejoin")
+                epochs = [r.tracker.epoch for r in self._ranks.values()]
+                await heartbeat(
+                    kv,
+                    WorkerRecord(
+                        worker_id=s.worker_id,
+                        model=s.model,
+                        dp_ranks=s.data_parallel_size,
+                        block_size=s.block_size,
+                        incarnation=max(epochs, default=0),
+                        heartbeat_ts=time.time(),
+                    ),
+                )
+                registered = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("worker %s: heartbeat failed: %r", s.worker_id, exc)
+            await asyncio.sleep(s.worker_ttl_s / 3)
 
     # ------------------------------------------------------------------ status
 
@@ -501,7 +644,7 @@ class IngestService:
         return {
             "worker_id": s.worker_id,
             "model": s.model,
-            "outbox": len(self._outbox),
+            "outbox": len(self._outbox) + len(self._inflight),
             "counters": asdict(self.counters),
             "ranks": {
                 str(r.rank): {
@@ -520,6 +663,15 @@ class IngestService:
     async def _on_status(self, msg: Any) -> None:
         if msg.reply:
             await msg.respond(msgspec.json.encode(self.status()))
+
+
+def _cursor(tracker: SeqTracker) -> int:
+    """Engine seq an ingest-made message records: the last one delivered, or -1 before any of the epoch.
+
+    A restarted ingest resumes after it (`_recover`), so a message made before the engine's first batch must
+    not claim seq 0, or that batch would never be replayed.
+    """
+    return -1 if tracker.last_seq is None else tracker.last_seq
 
 
 def _split_events(events: list[Event], parts: int) -> list[list[Event]]:

@@ -4,22 +4,62 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.core.route import DEFAULT_MAX_TOKENS
+from kvmesh.core.load import DEFAULT_LOAD_TTL_S, DEFAULT_REQUEST_TTL_S
+from kvmesh.core.route import DEFAULT_MAX_TOKENS, Policy
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
 
+_DEFAULT = Policy()
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RouterSettings:
-    """How one router replica answers ``kvmesh.route``."""
+    """How one router replica answers ``kvmesh.route`` and weighs affinity against load."""
 
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
     route_subject: str = setting(subjects.ROUTE_SUBJECT, "subject of route requests (queue group)")
     match_subject: str = setting(subjects.MATCH_SUBJECT, "subject of the indexers' match queries")
+    requests_prefix: str = setting(
+        subjects.REQUESTS_PREFIX,
+        "subject prefix of request lifecycle events (routed, prefill_done, finished, sync)",
+    )
+    load_prefix: str = setting(
+        subjects.LOAD_PREFIX, "subject prefix of engine load reports (<prefix>.<worker>)"
+    )
     match_timeout_s: float = setting(1.0, "seconds to wait for an indexer before answering unavailable")
     max_tokens: int = setting(DEFAULT_MAX_TOKENS, "longest prompt accepted, in tokens")
+    overlap_weight: float = setting(_DEFAULT.overlap_weight, "weight of the prefill term of the cost")
+    decode_weight: float = setting(
+        _DEFAULT.decode_weight, "weight of the decode (active blocks) term of the cost"
+    )
+    temperature: float = setting(
+        _DEFAULT.temperature, "0: lowest cost wins; > 0: softmax sampling over costs"
+    )
+    tier_weights: dict[str, float] = setting(  # noqa: RUF009 - setting() copies the dict per instance
+        dict(_DEFAULT.tier_weights), "weight of a cached block per storage tier (JSON object, 0-1 each)"
+    )
+    busy_kv_usage: float = setting(
+        _DEFAULT.busy_kv_usage, "KV usage (0-1) at which a worker is busy (>1: off)"
+    )
+    busy_waiting: int = setting(_DEFAULT.busy_waiting, "waiting requests at which a worker is busy (0: off)")
+    request_ttl_s: float = setting(
+        DEFAULT_REQUEST_TTL_S, "seconds after which an unfinished request stops counting"
+    )
+    load_ttl_s: float = setting(DEFAULT_LOAD_TTL_S, "seconds after which an engine load report is ignored")
+    sync_timeout_s: float = setting(0.5, "seconds to wait for a peer's accounting snapshot at start-up")
     log_level: str = setting("INFO", "log level")
+
+    def policy(self) -> Policy:
+        """Return the cost policy these settings describe."""
+        return Policy(
+            overlap_weight=self.overlap_weight,
+            decode_weight=self.decode_weight,
+            temperature=self.temperature,
+            tier_weights={k.upper(): v for k, v in self.tier_weights.items()},
+            busy_kv_usage=self.busy_kv_usage,
+            busy_waiting=self.busy_waiting,
+        )
 
     def validate(self) -> list[str]:
         """Return every problem with these settings."""
@@ -28,4 +68,13 @@ class RouterSettings:
             problems.append("--match-timeout-s must be > 0")
         if self.max_tokens < 1:
             problems.append("--max-tokens must be ≥ 1")
+        if self.request_ttl_s <= 0:
+            problems.append("--request-ttl-s must be > 0")
+        if self.load_ttl_s <= 0:
+            problems.append("--load-ttl-s must be > 0")
+        if self.sync_timeout_s < 0:
+            problems.append("--sync-timeout-s must be ≥ 0")
+        for p in self.policy().problems():
+            flag = p.split(" ", 1)[0].split(".", 1)[0].replace("_", "-")
+            problems.append(f"--{flag}: {p}")
         return problems

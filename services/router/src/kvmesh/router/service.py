@@ -1,8 +1,24 @@
-"""The router service: ``kvmesh.route`` requests → indexer match → choice → JSON reply.
+"""The router service: ``kvmesh.route`` requests → indexer match → cost over affinity and load → JSON reply.
 
-A NATS micro service (``kvmesh-router``, queue group ``kvmesh-router``) with one endpoint, ``route``. Every
-error reply carries ``{"error": {"code", "message"}}`` and the NATS service-error headers
+A NATS micro service (``kvmesh-router``, queue group ``kvmesh-router``) with one endpoint, ``route``, so
+``$SRV.PING``, ``$SRV.INFO`` and ``$SRV.STATS`` find it (the endpoint's stats ``data`` carries the ledger's
+counters). Every error reply carries ``{"error": {"code", "message"}}`` and the NATS service-error headers
 (``Nats-Service-Error``: ``"<code>: <message>"``; ``Nats-Service-Error-Code``: 400/404/503/500).
+
+Load, shared by every replica (plain subscriptions, no queue group, so each replica sees every event):
+
+* ``<requests_prefix>.routed`` — published by the replica that routed a request with a ``request_id``
+  (before it replies), applied by all, itself included (idempotent);
+* ``<requests_prefix>.prefill_done`` / ``.finished`` — published by clients (`kvmesh.client.Router`);
+* ``<requests_prefix>.sync`` — a starting replica asks its peers for their ledger (`LedgerSnapshot`), so a
+  restart loses nothing other replicas hold; it subscribes to the lifecycle events first, so nothing falls
+  between the snapshot and the live events;
+* ``<load_prefix>.<worker>`` — engine load reports (`WorkerLoad`, JSON), kept ``load_ttl_s``.
+
+Requests without a ``request_id`` are routed but not accounted (nobody could finish them).
+
+Candidates are what the indexer returns for the model (every worker that announced itself, nothing cached
+included); a `WorkerRegistry` (heartbeats) can be passed in to narrow and complete them.
 """
 
 from __future__ import annotations
@@ -10,25 +26,54 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import msgspec
 import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.micro import add_service
 from nats.micro.request import Request
-from nats.micro.service import EndpointConfig, ServiceConfig
+from nats.micro.service import EndpointConfig, EndpointStats, ServiceConfig
 
 from kvmesh.core.errors import RequestError
-from kvmesh.core.route import ERROR_STATUS, Decision, decide, error_body, parse_route_request
-from kvmesh.core.state import HolderMatch
+from kvmesh.core.load import (
+    ActiveLoad,
+    EngineLoads,
+    LedgerSnapshot,
+    LoadLedger,
+    RequestRef,
+    Routed,
+    WorkerLoad,
+)
+from kvmesh.core.route import (
+    ERROR_STATUS,
+    Candidate,
+    Decision,
+    RouteRequest,
+    decide,
+    error_body,
+    merge_candidates,
+    parse_route_request,
+    route_seed,
+)
 from kvmesh.router.config import RouterSettings
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
 
 log = logging.getLogger("kvmesh.router")
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"
+
+
+class WorkerRegistry(Protocol):
+    """Live (worker, dp rank)s per model (heartbeats); None means "no opinion, use the index's list"."""
+
+    def live(self, model: str) -> Sequence[tuple[str, int]] | None:
+        """Return the live (worker id, dp rank)s registered for ``model``, or None."""
+        ...
 
 
 class RouteError(Exception):
@@ -40,42 +85,96 @@ class RouteError(Exception):
         self.message = message
 
 
-class RouterService:
-    """One router replica."""
+_routed_dec = msgspec.json.Decoder(Routed)
+_ref_dec = msgspec.json.Decoder(RequestRef)
+_load_dec = msgspec.json.Decoder(WorkerLoad)
+_snap_dec = msgspec.msgpack.Decoder(LedgerSnapshot)
 
-    def __init__(self, settings: RouterSettings) -> None:
+
+class RouterService:
+    """One router replica.
+
+    Args:
+        settings: the replica's settings.
+        registry: live workers per model; None uses the indexer's candidates as they are.
+        clock: monotonic seconds (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        registry: WorkerRegistry | None = None,
+        clock: Any = time.monotonic,
+    ) -> None:
         self.settings = settings
+        self.policy = settings.policy()
+        self.registry = registry
+        self.ledger = LoadLedger(ttl_s=settings.request_ttl_s)
+        self.engine_loads = EngineLoads(ttl_s=settings.load_ttl_s)
+        self.synced_requests = 0
+        self._clock = clock
         self._stop = asyncio.Event()
         self._nc: Client | None = None
         self._enc = msgspec.msgpack.Encoder()
         self._json = msgspec.json.Encoder()
+        self._pruned_s = 0.0
         self.ready = asyncio.Event()
         self.routed = 0
         self.errors: dict[str, int] = {}
 
     async def run(self) -> None:
-        """Serve route requests until `stop()`."""
+        """Join the shared accounting, then serve route requests until `stop()`."""
         s = self.settings
         self._nc = nc = await connect(s.nats_url, name="kvmesh-router")
+        subs = [
+            await nc.subscribe(subjects.requests_subject(s.requests_prefix, "routed"), cb=self._on_routed),
+            await nc.subscribe(
+                subjects.requests_subject(s.requests_prefix, "prefill_done"), cb=self._on_prefill_done
+            ),
+            await nc.subscribe(
+                subjects.requests_subject(s.requests_prefix, "finished"), cb=self._on_finished
+            ),
+            await nc.subscribe(f"{s.load_prefix}.>", cb=self._on_load),
+        ]
+        await nc.flush()
+        await nc.flush()  # see below: subscribed for live events before asking peers for their snapshot
+        await self._sync_from_peers()
+        subs.append(
+            await nc.subscribe(subjects.requests_subject(s.requests_prefix, "sync"), cb=self._on_sync)
+        )
         service = await add_service(
             nc,
             ServiceConfig(
                 name="kvmesh-router",
                 version=VERSION,
-                description="kvmesh KV-cache-aware router",
+                description="kvmesh KV-cache-aware router (affinity balanced against load)",
                 queue_group=subjects.ROUTER_QUEUE,
+                stats_handler=self._stats,
             ),
         )
         await service.add_endpoint(
             EndpointConfig(name="route", subject=s.route_subject, handler=self._on_route)
         )
+        # The server must know every subscription before anyone is told we are ready. nats-py writes PING
+        # straight to the socket but SUB through its pending buffer, so one flush can overtake the SUB.
+        await nc.flush()
+        await nc.flush()
         self.ready.set()
-        log.info("router: serving %s (indexers on %s)", s.route_subject, s.match_subject)
+        log.info(
+            "router: serving %s (indexers on %s, %d in-flight requests from peers)",
+            s.route_subject,
+            s.match_subject,
+            self.synced_requests,
+        )
         try:
             await self._stop.wait()
         finally:
             with contextlib.suppress(Exception):
                 await service.stop()
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
             with contextlib.suppress(Exception):
                 await nc.drain()
 
@@ -83,15 +182,86 @@ class RouterService:
         """Ask `run()` to finish."""
         self._stop.set()
 
+    # ------------------------------------------------------------------ shared accounting
+
+    async def _sync_from_peers(self) -> None:
+        """Ask one peer replica for its in-flight requests (none answering is fine: first replica)."""
+        assert self._nc is not None
+        s = self.settings
+        if s.sync_timeout_s <= 0:
+            return
+        try:
+            msg = await self._nc.request(
+                subjects.requests_subject(s.requests_prefix, "sync"), b"", timeout=s.sync_timeout_s
+            )
+            snap = _snap_dec.decode(msg.data)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
+            return
+        except msgspec.DecodeError as exc:
+            log.warning("router: undecodable accounting snapshot from a peer: %s", exc)
+            return
+        self.synced_requests = self.ledger.restore(snap, self._clock())
+
+    async def _on_sync(self, msg: Msg) -> None:
+        if msg.reply:
+            now = self._clock()
+            self.ledger.expire(now)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(self._enc.encode(self.ledger.snapshot(now)))
+
+    async def _on_routed(self, msg: Msg) -> None:
+        try:
+            event = _routed_dec.decode(msg.data)
+        except msgspec.DecodeError:
+            log.warning("router: undecodable routed event on %s", msg.subject)
+            return
+        self.ledger.routed(event, self._clock())
+
+    async def _on_prefill_done(self, msg: Msg) -> None:
+        with contextlib.suppress(msgspec.DecodeError):
+            self.ledger.prefill_done(_ref_dec.decode(msg.data).request_id)
+
+    async def _on_finished(self, msg: Msg) -> None:
+        with contextlib.suppress(msgspec.DecodeError):
+            self.ledger.finished(_ref_dec.decode(msg.data).request_id)
+
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            report = _load_dec.decode(msg.data)
+        except msgspec.DecodeError:
+            log.debug("router: undecodable load report on %s", msg.subject)
+            return
+        self.engine_loads.update(report, self._clock())
+
+    def _stats(self, _endpoint: EndpointStats) -> dict[str, Any]:
+        st = self.ledger.stats()
+        return {
+            "routed": self.routed,
+            "errors": dict(self.errors),
+            "in_flight": st.active,
+            "ledger": {
+                "routed": st.routed,
+                "prefill_done": st.prefill_done,
+                "finished": st.finished,
+                "expired": st.expired,
+                "unknown": st.unknown,
+            },
+            "engine_reports": len(self.engine_loads),
+        }
+
+    # ------------------------------------------------------------------ route
+
     async def _on_route(self, req: Request) -> None:
         request_id: str | None = None
         try:
             try:
-                parsed = parse_route_request(req.data, max_tokens=self.settings.max_tokens)
+                parsed = parse_route_request(
+                    req.data, max_tokens=self.settings.max_tokens, base_policy=self.policy
+                )
             except RequestError as exc:
                 raise RouteError("bad_request", str(exc)) from exc
             request_id = parsed.request_id
-            reply = await self._route(parsed)
+            reply = await self._route(parsed, req.data)
         except RouteError as exc:
             self.errors[exc.code] = self.errors.get(exc.code, 0) + 1
             body = error_body(exc.code, exc.message)
@@ -112,7 +282,7 @@ class RouterService:
         self.routed += 1
         await req.respond(self._json.encode(reply))
 
-    async def _route(self, parsed: Any) -> dict[str, Any]:
+    async def _match(self, parsed: RouteRequest) -> dict[str, Any]:
         assert self._nc is not None
         query = self._enc.encode(
             {
@@ -122,35 +292,92 @@ class RouterService:
                 "cache_salt": parsed.cache_salt,
             }
         )
+        timeout = self.settings.match_timeout_s
         try:
-            msg = await self._nc.request(
-                self.settings.match_subject, query, timeout=self.settings.match_timeout_s
+            msg = await asyncio.wait_for(
+                self._nc.request(self.settings.match_subject, query, timeout=timeout), timeout + 0.25
             )
         except nats.errors.NoRespondersError as exc:
             raise RouteError("unavailable", "no indexer is ready to answer") from exc
         except (TimeoutError, nats.errors.TimeoutError) as exc:
-            raise RouteError(
-                "unavailable", f"no indexer answered within {self.settings.match_timeout_s:g} s"
-            ) from exc
-        answer = msgspec.msgpack.decode(msg.data)
+            raise RouteError("unavailable", f"no indexer answered within {timeout:g} s") from exc
+        answer: dict[str, Any] = msgspec.msgpack.decode(msg.data)
         if "error" in answer:
             code = answer["error"].get("code", "internal")
             raise RouteError(code if code in ERROR_STATUS else "internal", answer["error"].get("message", ""))
-        candidates = [
-            HolderMatch(worker_id=w, dp_rank=r, overlap_blocks=o, cached_blocks=c)
-            for w, r, o, c in answer["candidates"]
+        return answer
+
+    async def _route(self, parsed: RouteRequest, body: bytes) -> dict[str, Any]:
+        answer = await self._match(parsed)
+        indexed = [
+            Candidate(
+                worker_id=c[0],
+                dp_rank=c[1],
+                overlap_blocks=c[2],
+                cached_blocks=c[3],
+                tiers=c[4] if len(c) > 4 else None,
+            )
+            for c in answer["candidates"]
         ]
-        decision = decide(candidates, prompt_blocks=answer["prompt_blocks"], allowed=parsed.candidates)
+        live = self.registry.live(parsed.model) if self.registry is not None else None
+        candidates = merge_candidates(indexed, live)
+        now = self._clock()
+        self.ledger.expire(now)
+        if now - self._pruned_s > self.settings.load_ttl_s:
+            self.engine_loads.prune(now)
+            self._pruned_s = now
+        active: dict[tuple[str, int], ActiveLoad] = {}
+        engine: dict[tuple[str, int], WorkerLoad] = {}
+        for c in candidates:
+            a = self.ledger.load(c.worker_id, c.dp_rank, excluding=parsed.request_id)
+            if a.requests:
+                active[(c.worker_id, c.dp_rank)] = a
+            e = self.engine_loads.get(c.worker_id, c.dp_rank, now)
+            if e is not None:
+                engine[(c.worker_id, c.dp_rank)] = e
+        block_size = answer["block_size"]
+        prompt_tokens = len(parsed.token_ids)
+        decision = decide(
+            candidates,
+            prompt_tokens=prompt_tokens,
+            block_size=block_size,
+            policy=parsed.policy.apply(self.policy) if parsed.policy is not None else self.policy,
+            active=active,
+            engine=engine,
+            seed=route_seed(parsed.request_id, body),
+            allowed=parsed.candidates,
+        )
         if decision is None:
             if parsed.candidates is not None and candidates:
                 raise RouteError(
                     "no_workers", f"none of the candidates {parsed.candidates} serves {parsed.model!r}"
                 )
             raise RouteError("no_workers", f"no worker serves model {parsed.model!r}")
+        if parsed.request_id is not None:
+            await self._account(parsed.request_id, decision, prompt_tokens, block_size)
         return _reply(parsed, decision, answer)
 
+    async def _account(
+        self, request_id: str, decision: Decision, prompt_tokens: int, block_size: int
+    ) -> None:
+        """Record the routed request locally and tell every replica (before the client hears back)."""
+        assert self._nc is not None
+        w = decision.winner
+        event = Routed(
+            request_id=request_id,
+            worker_id=w.worker_id,
+            dp_rank=w.dp_rank,
+            prefill_tokens=max(prompt_tokens - w.overlap_blocks * block_size, 0),
+            blocks=-(-prompt_tokens // max(block_size, 1)),
+        )
+        self.ledger.routed(event, self._clock())
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.publish(
+                subjects.requests_subject(self.settings.requests_prefix, "routed"), self._json.encode(event)
+            )
 
-def _reply(parsed: Any, decision: Decision, answer: dict[str, Any]) -> dict[str, Any]:
+
+def _reply(parsed: RouteRequest, decision: Decision, answer: dict[str, Any]) -> dict[str, Any]:
     w = decision.winner
     block_size = answer["block_size"]
     out: dict[str, Any] = {
@@ -163,16 +390,36 @@ def _reply(parsed: Any, decision: Decision, answer: dict[str, Any]) -> dict[str,
         "index_seq": answer["index_seq"],
     }
     if parsed.explain:
-        out["scores"] = [
-            {
-                "worker_id": s.worker_id,
-                "dp_rank": s.dp_rank,
-                "overlap_blocks": s.overlap_blocks,
-                "cached_tokens": s.overlap_blocks * block_size,
-                "cached_blocks": s.cached_blocks,
-                "load": {},
-                "cost": s.cost,
-            }
-            for s in decision.scores
-        ]
+        out["scores"] = [_explain(s, block_size) for s in decision.scores]
     return out
+
+
+def _explain(s: Any, block_size: int) -> dict[str, Any]:
+    e = s.engine
+    load: dict[str, Any] = {
+        "active_prefill_tokens": s.active.prefill_tokens,
+        "active_blocks": s.active.blocks,
+        "active_requests": s.active.requests,
+    }
+    if e is not None:
+        for k in ("running", "waiting", "kv_usage", "prefix_hit_rate"):
+            v = getattr(e, k)
+            if v is not None:
+                load[k] = v
+    entry: dict[str, Any] = {
+        "worker_id": s.worker_id,
+        "dp_rank": s.dp_rank,
+        "overlap_blocks": s.overlap_blocks,
+        "cached_tokens": s.overlap_blocks * block_size,
+        "cached_tokens_by_tier": dict(s.tier_tokens),
+        "weighted_cached_tokens": s.cached_tokens,
+        "cached_blocks": s.cached_blocks,
+        "load": load,
+        "prefill_blocks": s.prefill_blocks,
+        "decode_blocks": s.decode_blocks,
+        "busy": s.busy,
+        "cost": s.cost,
+    }
+    if s.probability is not None:
+        entry["probability"] = s.probability
+    return entry

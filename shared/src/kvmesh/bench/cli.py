@@ -1,0 +1,39 @@
+"""``kvmesh bench``: dispatch to the benchmarks."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from importlib import import_module
+
+USAGE = """\
+usage: kvmesh bench <benchmark> [options]     (kvmesh bench <benchmark> --help for each)
+
+benchmarks:
+  trace     replay a Mooncake trace on a simulated fleet once per routing policy (kvmesh through the real
+            pipeline, round-robin, random, least-loaded, oracle): hit ratio, simulated TTFT, router latency
+  index     prefix index apply rate and match latency vs Dynamo's RadixTree bindings and a naive dict index,
+            with a differential check of every query; memory per stored block
+  ingest    simulated engines → ingest → JetStream → consumer, block events/s with zero loss, vs a
+            hand-written ZMQ → nats-py pipe
+"""
+
+_COMMANDS: dict[str, str] = {
+    "trace": "kvmesh.bench.trace",
+    "index": "kvmesh.bench.index",
+    "ingest": "kvmesh.bench.ingest",
+}
+
+
+def command(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvmesh bench <benchmark>``; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    module = _COMMANDS.get(args[0])
+    if module is None:
+        print(f"kvmesh bench: unknown benchmark {args[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    run: Callable[[Sequence[str]], int] = import_module(module).command
+    return run(args[1:])

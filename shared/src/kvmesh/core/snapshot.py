@@ -1,0 +1,272 @@
+"""Snapshot encoding: an `IndexState` export as bytes with a format version and a checksum, and back.
+
+Pure code: no I/O, no clock. The indexer copies its state with `IndexState.export()` (cheap), encodes the
+copy here in a worker thread, and stores the bytes in a JetStream Object Store bucket.
+
+Layout (little-endian)::
+
+    offset  size  field
+    0       8     magic b"KVMSNAP\\0"
+    8       4     format version (`FORMAT_VERSION`)
+    12      4     flags (0)
+    16      8     stream sequence the state reflects (``applied_seq``)
+    24      8     body length in bytes
+    32      8     XXH3-64 (seed 1337) of the body
+    40      …     body: msgpack of `_Body`
+
+The body packs each holder's block map as two arrays of unsigned 64-bit ints (engine hashes, sequence
+hashes) in the map's own order, plus the few blocks stored more than once as ``[engine, count]`` pairs, the
+held orphans in hold order, the index counters and every worker's epochs and cursors: everything
+`IndexState.from_export` needs to continue exactly as the original would. About 17 bytes per block.
+
+SnapshotError (KvmeshError, ValueError)   the bytes are not a whole, verified snapshot of a known format
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import islice
+from typing import Final
+
+import msgspec
+import xxhash
+
+from kvmesh.core.errors import KvmeshError
+from kvmesh.core.hashing import SEED
+from kvmesh.core.index import Holder, HolderExport, IndexExport
+from kvmesh.core.state import StateExport, WorkerExport
+
+MAGIC: Final[bytes] = b"KVMSNAP\x00"
+FORMAT_VERSION: Final[int] = 1
+_HEADER: Final[struct.Struct] = struct.Struct("<8sIIQQQ")
+HEADER_SIZE: Final[int] = _HEADER.size
+_CHUNK: Final[int] = 65_536
+"""Ints packed per C call, so a thread encoding a snapshot gives the GIL back every millisecond or so."""
+
+
+class SnapshotError(KvmeshError, ValueError):
+    """The bytes are not a whole, verified snapshot of a format this build reads.
+
+    Attributes:
+        reason: ``"truncated"``, ``"magic"``, ``"version"``, ``"checksum"`` or ``"body"``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotHeader:
+    """The fixed-size header of an encoded snapshot."""
+
+    format_version: int
+    applied_seq: int
+    """Stream sequence the state reflects: replay resumes at ``applied_seq + 1``."""
+    body_bytes: int
+    checksum: int
+    """XXH3-64 (seed 1337) of the body."""
+
+
+class _Holder(msgspec.Struct, array_like=True):
+    worker_id: str
+    dp_rank: int
+    engine: bytes
+    seq: bytes
+    counts: list[tuple[int, int]]
+    orphans: list[tuple[int, int, list[int], list[int], int]]
+    orphan_serial: int
+
+
+class _Index(msgspec.Struct, array_like=True):
+    model: str
+    block_size: int
+    max_orphans: int
+    orphan_ttl_ops: int
+    ops: int
+    orphans_expired: int
+    unknown_removals: int
+    holders: list[_Holder]
+
+
+class _Worker(msgspec.Struct, array_like=True):
+    worker_id: str
+    model: str
+    block_size: int
+    epochs: dict[int, int]
+    last_seq: dict[int, int]
+    last_ts: float
+    removed_epoch: int | None
+    stale_through: int | None
+
+
+class _Body(msgspec.Struct, array_like=True):
+    applied_seq: int
+    reset_epoch: int
+    counters: dict[str, int]
+    workers: list[_Worker]
+    indexes: list[_Index]
+    gap_seq: int | None
+    healed: list[tuple[str, int]]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Body)
+
+
+def _pack(values: Iterable[int], count: int) -> bytes:
+    """Pack ints as little-endian uint64, ``_CHUNK`` at a time."""
+    it = iter(values)
+    parts = []
+    for _ in range(0, count, _CHUNK):
+        chunk = array("Q", islice(it, _CHUNK))
+        if sys.byteorder == "big":
+            chunk.byteswap()
+        parts.append(chunk.tobytes())
+    return b"".join(parts)
+
+
+def _unpack(data: bytes) -> list[int]:
+    arr = array("Q")
+    arr.frombytes(data)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tolist()
+
+
+def encode_snapshot(export: StateExport) -> bytes:
+    """Encode a state export with header, format version and checksum.
+
+    O(total blocks), about 0.2 s per million blocks; touches only the export, so it may run in a thread
+    while the live state keeps changing.
+    """
+    body = _Body(
+        applied_seq=export.applied_seq,
+        reset_epoch=export.reset_epoch,
+        counters=dict(export.counters),
+        workers=[
+            _Worker(
+                w.worker_id, w.model, w.block_size, w.epochs, w.last_seq, w.last_ts, w.removed_epoch, w.stale_through
+            )
+            for w in export.workers
+        ],
+        indexes=[
+            _Index(
+                model,
+                bs,
+                ix.max_orphans,
+                ix.orphan_ttl_ops,
+                ix.ops,
+                ix.orphans_expired,
+                ix.unknown_removals,
+                [
+                    _Holder(
+                        h.holder[0],
+                        h.holder[1],
+                        _pack(h.blocks.keys(), len(h.blocks)),
+                        _pack(h.blocks.values(), len(h.blocks)),
+                        sorted(h.counts.items()),
+                        [(s, p, list(e), list(lo), op) for s, p, e, lo, op in h.orphans],
+                        h.orphan_serial,
+                    )
+                    for h in ix.holders
+                ],
+            )
+            for model, bs, ix in export.indexes
+        ],
+        gap_seq=export.gap_seq,
+        healed=[tuple(x) for x in export.healed],  # type: ignore[misc]
+    )
+    data = _encoder.encode(body)
+    header = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, 0, export.applied_seq, len(data), xxhash.xxh3_64_intdigest(data, seed=SEED)
+    )
+    return header + data
+
+
+def read_header(data: bytes) -> SnapshotHeader:
+    """Read and check the header only (magic, version, length), not the checksum.
+
+    Raises:
+        SnapshotError: too short, wrong magic, unknown version, or a body of the wrong length.
+    """
+    if len(data) < HEADER_SIZE:
+        raise SnapshotError("truncated", f"snapshot of {len(data)} bytes is shorter than its header")
+    magic, version, _flags, seq, length, checksum = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise SnapshotError("magic", "not a kvmesh snapshot (bad magic)")
+    if version != FORMAT_VERSION:
+        raise SnapshotError("version", f"snapshot format {version}; this build reads {FORMAT_VERSION}")
+    if len(data) - HEADER_SIZE != length:
+        raise SnapshotError("truncated", f"snapshot body is {len(data) - HEADER_SIZE} bytes, header says {length}")
+    return SnapshotHeader(format_version=version, applied_seq=seq, body_bytes=length, checksum=checksum)
+
+
+def decode_snapshot(data: bytes) -> StateExport:
+    """Verify and decode a snapshot into a state export (`IndexState.from_export` rebuilds the state).
+
+    Raises:
+        SnapshotError: the header is bad, the checksum does not match, or the body does not decode.
+    """
+    header = read_header(data)
+    body_view = memoryview(data)[HEADER_SIZE:]
+    got = xxhash.xxh3_64_intdigest(body_view, seed=SEED)
+    if got != header.checksum:
+        raise SnapshotError(
+            "checksum", f"snapshot checksum {got:016x} does not match its header {header.checksum:016x}"
+        )
+    try:
+        body = _decoder.decode(body_view)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SnapshotError("body", f"snapshot body does not decode: {exc}") from exc
+    if body.applied_seq != header.applied_seq:
+        raise SnapshotError("body", f"body sequence {body.applied_seq} differs from header {header.applied_seq}")
+    return StateExport(
+        applied_seq=body.applied_seq,
+        reset_epoch=body.reset_epoch,
+        counters=body.counters,
+        workers=tuple(
+            WorkerExport(
+                worker_id=w.worker_id,
+                model=w.model,
+                block_size=w.block_size,
+                epochs=w.epochs,
+                last_seq=w.last_seq,
+                last_ts=w.last_ts,
+                removed_epoch=w.removed_epoch,
+                stale_through=w.stale_through,
+            )
+            for w in body.workers
+        ),
+        indexes=tuple(
+            (
+                ix.model,
+                ix.block_size,
+                IndexExport(
+                    max_orphans=ix.max_orphans,
+                    orphan_ttl_ops=ix.orphan_ttl_ops,
+                    ops=ix.ops,
+                    orphans_expired=ix.orphans_expired,
+                    unknown_removals=ix.unknown_removals,
+                    holders=tuple(
+                        HolderExport(
+                            holder=Holder(h.worker_id, h.dp_rank),
+                            blocks=dict(zip(_unpack(h.engine), _unpack(h.seq), strict=True)),
+                            counts=dict(h.counts),
+                            orphans=tuple((s, p, tuple(e), tuple(lo), op) for s, p, e, lo, op in h.orphans),
+                            orphan_serial=h.orphan_serial,
+                        )
+                        for h in ix.holders
+                    ),
+                ),
+            )
+            for ix in body.indexes
+        ),
+        gap_seq=body.gap_seq,
+        healed=tuple(body.healed),
+    )
+

@@ -1,0 +1,115 @@
+"""The worker registry: one KV key per worker, kept alive by its ingest's heartbeats.
+
+Bucket `kvmesh.runtime.subjects.registry_bucket(stream)`, max age = the worker TTL, with server-placed
+delete markers on expiry (nats-server ≥ 2.11) so watchers see a worker go. Key `subjects.kv_key(worker_id)`,
+value JSON `WorkerRecord`.
+
+When a key expires or is deleted, whoever notices first (every indexer replica watches) publishes
+`WorkerRemoved` into the events stream on `subjects.control_subject(prefix)` with
+``Nats-Msg-Id: removed:<worker>:<incarnation>``, so the copies published by other noticers within the
+stream's duplicate window are dropped by the server, and every replica removes the worker at the same
+stream sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+
+from kvmesh.core.events import WorkerRemoved, encode_message
+from kvmesh.runtime import subjects
+from kvmesh.runtime.snapshots import open_kv
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRecord(msgspec.Struct, kw_only=True, frozen=True):
+    """What an ingest registers for its worker (the KV value, JSON)."""
+
+    worker_id: str
+    model: str
+    dp_ranks: int
+    """Data-parallel ranks the ingest reads."""
+    block_size: int | None
+    incarnation: int
+    """Highest engine epoch of the worker's ranks when this heartbeat was sent."""
+    heartbeat_ts: float = 0.0
+    """Wall-clock time of the heartbeat (seconds since the epoch)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistrySettings:
+    """Where the registry lives and how long an entry lives without a heartbeat."""
+
+    bucket: str
+    ttl_s: float = 15.0
+    memory: bool = False
+    replicas: int = 1
+
+
+async def open_registry(js: JetStreamContext, settings: RegistrySettings) -> Any:
+    """Open (creating when missing) the registry KV bucket."""
+    return await open_kv(
+        js, settings.bucket, ttl_s=settings.ttl_s, memory=settings.memory, replicas=settings.replicas, markers=True
+    )
+
+
+async def heartbeat(kv: Any, record: WorkerRecord) -> int:
+    """Put one heartbeat (restarting the key's TTL); returns the revision."""
+    return int(await kv.put(subjects.kv_key(record.worker_id), msgspec.json.encode(record)))
+
+
+async def deregister(kv: Any, worker_id: str) -> None:
+    """Delete a worker's key (a clean departure: watchers publish its removal)."""
+    await kv.delete(subjects.kv_key(worker_id))
+
+
+def removal_msg_id(worker_id: str, incarnation: int | None) -> str:
+    """The ``Nats-Msg-Id`` of a worker-removed message: equal for every noticer of one departure."""
+    return f"removed:{worker_id}:{incarnation if incarnation is not None else 'latest'}"
+
+
+async def publish_removal(
+    js: JetStreamContext,
+    *,
+    stream: str,
+    events_prefix: str,
+    worker_id: str,
+    model: str,
+    incarnation: int | None,
+    reason: str,
+) -> int:
+    """Publish `WorkerRemoved` into the events stream; returns its stream sequence (duplicates: the first's)."""
+    ack = await js.publish(
+        subjects.control_subject(events_prefix),
+        encode_message(WorkerRemoved(worker_id=worker_id, model=model, epoch=incarnation, reason=reason)),
+        stream=stream,
+        headers={"Nats-Msg-Id": removal_msg_id(worker_id, incarnation)},
+    )
+    return int(ack.seq)
+
+
+async def list_workers(kv: Any) -> dict[str, WorkerRecord]:
+    """Return every registered (live) worker."""
+    out: dict[str, WorkerRecord] = {}
+    for key in sorted(await registry_keys(kv)):
+        try:
+            entry = await kv.get(key)
+            out[subjects.from_kv_key(key)] = msgspec.json.decode(entry.value or b"", type=WorkerRecord)
+        except (nats.errors.Error, msgspec.DecodeError, msgspec.ValidationError):
+            continue
+    return out
+
+
+async def registry_keys(kv: Any) -> set[str]:
+    """Return the keys of every registered worker (empty when none)."""
+    try:
+        return set(await kv.keys())
+    except nats.js.errors.NoKeysError:
+        return set()

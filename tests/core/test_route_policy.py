@@ -1,0 +1,315 @@
+"""The route policy: request parsing, the cost function, ties, temperature, busy skip, tiers (pure)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvmesh.core.errors import RequestError
+from kvmesh.core.load import ActiveLoad, LoadLedger, Routed, WorkerLoad
+from kvmesh.core.route import (
+    Candidate,
+    Policy,
+    decide,
+    merge_candidates,
+    parse_route_request,
+    route_seed,
+    score,
+    softmax_probabilities,
+)
+
+BS = 16
+
+
+def cand(
+    w: str, overlap: int, cached: int = 0, dp: int = 0, tiers: dict[str, int] | None = None
+) -> Candidate:
+    """A candidate with the given overlap and cache size."""
+    return Candidate(worker_id=w, dp_rank=dp, overlap_blocks=overlap, cached_blocks=cached, tiers=tiers)
+
+
+def costs(d: object) -> dict[str, float]:
+    """Map worker/dp → cost from a decision."""
+    assert d is not None
+    return {f"{s.worker_id}/{s.dp_rank}": s.cost for s in d.scores}  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------- cost
+
+
+def test_worked_example_load_outweighs_a_short_overlap() -> None:
+    """64 tokens, A caches 3 blocks but has 32 prefill tokens and 2 blocks active: A 5.0, B 4.0, B wins."""
+    d = decide(
+        [cand("a", 3, 10), cand("b", 0, 0)],
+        prompt_tokens=64,
+        block_size=BS,
+        active={("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
+    )
+    assert d is not None
+    assert costs(d) == {"b/0": 4.0, "a/0": 5.0}
+    a = d.scores[1]
+    assert (a.prefill_blocks, a.decode_blocks, a.cached_tokens) == (3.0, 2.0, 48.0)
+    assert d.winner.worker_id == "b"
+
+
+def test_overlap_weight_brings_affinity_back() -> None:
+    """With overlap_weight 4 the same example costs A 14.0 and B 16.0, so A wins."""
+    d = decide(
+        [cand("a", 3, 10), cand("b", 0, 0)],
+        prompt_tokens=64,
+        block_size=BS,
+        policy=Policy(overlap_weight=4.0),
+        active={("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
+    )
+    assert costs(d) == {"a/0": 14.0, "b/0": 16.0}
+    assert d is not None and d.winner.worker_id == "a"
+
+
+def test_decode_weight_scales_the_active_blocks() -> None:
+    """decode_weight 0.5 halves the decode term: 3 prefill blocks + 0.5 × 10 active blocks = 8.0."""
+    s = score(
+        cand("a", 1),
+        prompt_tokens=64,
+        block_size=BS,
+        policy=Policy(decode_weight=0.5),
+        active=ActiveLoad(prefill_tokens=0, blocks=10, requests=2),
+    )
+    assert (s.prefill_blocks, s.decode_blocks, s.cost) == (3.0, 10.0, 8.0)
+
+
+def test_zero_load_cost_is_blocks_left_to_prefill() -> None:
+    """Without load or tiers the cost is prompt blocks − overlap blocks, and the longest overlap wins."""
+    d = decide([cand("a", 2, 9), cand("b", 3, 50), cand("c", 0, 0)], prompt_tokens=48, block_size=BS)
+    assert costs(d) == {"b/0": 0.0, "a/0": 1.0, "c/0": 3.0}
+    assert d is not None and d.winner.worker_id == "b"
+
+
+def test_partial_trailing_block_counts_in_fractions() -> None:
+    """A 40-token prompt (2.5 blocks) with 2 cached blocks costs 0.5."""
+    assert score(cand("a", 2), prompt_tokens=40, block_size=BS, policy=Policy()).cost == 0.5
+
+
+def test_unknown_block_size_counts_tokens() -> None:
+    """Block size 0 (no worker reported one yet) counts the prompt in tokens instead of dividing by zero."""
+    assert score(cand("a", 0), prompt_tokens=7, block_size=0, policy=Policy()).cost == 7.0
+
+
+# ---------------------------------------------------------------------------------------- ties
+
+
+def test_tie_goes_to_fewest_cached_blocks() -> None:
+    """Equal cost: the emptier cache wins."""
+    d = decide([cand("a", 1, 30), cand("b", 1, 20)], prompt_tokens=32, block_size=BS)
+    assert d is not None and [s.worker_id for s in d.scores] == ["b", "a"]
+
+
+def test_full_tie_is_a_seeded_choice_replicas_agree_on() -> None:
+    """A full tie is broken by the request's seed: the same seed always picks the same worker, seeds differ."""
+    cands = [cand(w, 0, 0) for w in ("w0", "w1", "w2", "w3")]
+    winners = {
+        seed: decide(cands, prompt_tokens=32, block_size=BS, seed=seed).winner.worker_id  # type: ignore[union-attr]
+        for seed in range(40)
+    }
+    again = {
+        seed: decide(list(reversed(cands)), prompt_tokens=32, block_size=BS, seed=seed).winner.worker_id  # type: ignore[union-attr]
+        for seed in range(40)
+    }
+    assert winners == again
+    assert set(winners.values()) == {"w0", "w1", "w2", "w3"}
+
+
+def test_route_seed_is_from_request_id_else_body() -> None:
+    """The seed is XXH3-64 of the request id, or of the body when there is none."""
+    assert route_seed("r-1", b"ignored") == route_seed("r-1", b"other")
+    assert route_seed(None, b'{"a": 1}') != route_seed(None, b'{"a": 2}')
+    assert route_seed("", b"x") == 3244421341483603138
+
+
+# ---------------------------------------------------------------------------------------- temperature
+
+
+def test_softmax_over_normalised_costs() -> None:
+    """Costs 0 and 1 at temperature 1 give e⁰ : e⁻¹; costs are normalised, so 0 and 10 give the same."""
+    p = softmax_probabilities([0.0, 1.0], 1.0)
+    assert p == pytest.approx([1 / (1 + math.exp(-1)), math.exp(-1) / (1 + math.exp(-1))], abs=1e-15)
+    assert softmax_probabilities([0.0, 10.0], 1.0) == p
+    assert softmax_probabilities([3.0, 3.0, 3.0], 0.5) == [1 / 3, 1 / 3, 1 / 3]
+
+
+def test_temperature_samples_with_the_request_seed() -> None:
+    """With temperature 1 the winner follows random.Random(seed): seed 0 → b (r=0.844 ≥ 0.731), seed 1 → a."""
+    cands = [cand("a", 2), cand("b", 1)]
+    pol = Policy(temperature=1.0)
+    d0 = decide(cands, prompt_tokens=32, block_size=BS, policy=pol, seed=0)
+    d1 = decide(cands, prompt_tokens=32, block_size=BS, policy=pol, seed=1)
+    assert d0 is not None and d1 is not None
+    # a (cost 0) has P = 0.7311, b (cost 1) 0.2689: Random(0).random() = 0.8444 → b; Random(1) = 0.1344 → a.
+    assert (d0.winner.worker_id, d1.winner.worker_id) == ("b", "a")
+    assert [round(s.probability or 0, 4) for s in d0.scores] == [0.7311, 0.2689]
+    assert decide(cands, prompt_tokens=32, block_size=BS, policy=pol, seed=0) == d0
+
+
+def test_temperature_zero_never_samples() -> None:
+    """At temperature 0 there are no probabilities and the lowest cost wins for every seed."""
+    cands = [cand("a", 2), cand("b", 1)]
+    for seed in range(20):
+        d = decide(cands, prompt_tokens=32, block_size=BS, seed=seed)
+        assert d is not None and d.winner.worker_id == "a" and d.winner.probability is None
+
+
+# ---------------------------------------------------------------------------------------- busy
+
+
+def test_busy_worker_is_skipped_while_another_is_free() -> None:
+    """A's KV cache is 97 % full: B wins despite its higher cost; B queueing 8 requests makes both busy → A."""
+    cands = [cand("a", 4), cand("b", 0)]
+    full = {("a", 0): WorkerLoad(worker_id="a", kv_usage=0.97)}
+    d = decide(cands, prompt_tokens=64, block_size=BS, engine=full)
+    assert d is not None
+    assert [(s.worker_id, s.busy, s.cost) for s in d.scores] == [("b", False, 4.0), ("a", True, 0.0)]
+    both = {**full, ("b", 0): WorkerLoad(worker_id="b", waiting=8)}
+    d2 = decide(cands, prompt_tokens=64, block_size=BS, engine=both)
+    assert d2 is not None and d2.winner.worker_id == "a"
+
+
+def test_busy_thresholds_are_per_request_policy() -> None:
+    """busy_waiting 0 turns the waiting check off; busy_kv_usage 0.99 lets 97 % through."""
+    cands = [cand("a", 4), cand("b", 0)]
+    eng = {("a", 0): WorkerLoad(worker_id="a", kv_usage=0.97, waiting=50)}
+    d = decide(
+        cands,
+        prompt_tokens=64,
+        block_size=BS,
+        engine=eng,
+        policy=Policy(busy_kv_usage=0.99, busy_waiting=0),
+    )
+    assert d is not None and d.winner.worker_id == "a" and not d.winner.busy
+
+
+# ---------------------------------------------------------------------------------------- tiers
+
+
+def test_slower_tiers_count_less() -> None:
+    """4 blocks on CPU (weight 0.5) count as 32 tokens: cost 2.0, so 3 GPU blocks (cost 1.0) win."""
+    d = decide(
+        [cand("a", 4, tiers={"CPU": 4}), cand("b", 3, tiers={"GPU": 3})], prompt_tokens=64, block_size=BS
+    )
+    assert d is not None
+    assert costs(d) == {"b/0": 1.0, "a/0": 2.0}
+    a = d.scores[1]
+    assert (a.cached_tokens, dict(a.tier_tokens)) == (32.0, {"CPU": 64})
+
+
+def test_mixed_tiers_and_unknown_tier() -> None:
+    """2 GPU + 1 DISK (0.25) + 1 unknown tier (0.5) = 32 + 4 + 8 = 44 tokens cached of 64: cost 1.25."""
+    s = score(
+        cand("a", 4, tiers={"GPU": 2, "DISK": 1, "NVME": 1}), prompt_tokens=64, block_size=BS, policy=Policy()
+    )
+    assert (s.cached_tokens, s.cost) == (44.0, 1.25)
+
+
+def test_tier_weights_override_merges() -> None:
+    """A request's tier_weights override merges into the router's, case-insensitively."""
+    req = parse_route_request(b'{"model": "m", "token_ids": [1], "policy": {"tier_weights": {"cpu": 1.0}}}')
+    assert req.policy is not None
+    pol = req.policy.apply(Policy())
+    assert dict(pol.tier_weights) == {"GPU": 1.0, "CPU": 1.0, "DISK": 0.25}
+
+
+# ---------------------------------------------------------------------------------------- hot prefix
+
+
+def test_hot_prefix_spreads_once_a_worker_is_busier() -> None:
+    """Eight requests sharing a 4-block prefix: overlap-only sends all to A; with load, 5 go to A and 3 to B."""
+    ledger = LoadLedger()
+    prompt = 80  # 5 blocks: 4 shared + 1 own
+    picks = []
+    for i in range(8):
+        cands = [cand("a", 4, 40), cand("b", 0, 0)]
+        active = {k: ledger.load(*k) for k in (("a", 0), ("b", 0))}
+        d = decide(cands, prompt_tokens=prompt, block_size=BS, active=active, seed=i)
+        assert d is not None
+        w = d.winner
+        picks.append(w.worker_id)
+        ledger.routed(
+            Routed(
+                request_id=f"r{i}",
+                worker_id=w.worker_id,
+                dp_rank=0,
+                prefill_tokens=prompt - w.overlap_blocks * BS,
+                blocks=5,
+            ),
+            now_s=float(i),
+        )
+    overlap_only = [
+        decide([cand("a", 4, 40), cand("b", 0, 0)], prompt_tokens=prompt, block_size=BS).winner.worker_id  # type: ignore[union-attr]
+        for _ in range(8)
+    ]
+    assert overlap_only == ["a"] * 8
+    # Costs A = (16 + A's prefill)/16 + A's blocks vs B = (80 + B's prefill)/16 + B's blocks; request 6
+    # ties at 25.0 and goes to B's emptier cache.
+    assert picks == ["a", "b", "a", "a", "b", "a", "b", "a"]
+    assert ledger.load("a", 0) == ActiveLoad(prefill_tokens=80, blocks=25, requests=5)
+    assert ledger.load("b", 0) == ActiveLoad(prefill_tokens=240, blocks=15, requests=3)
+
+
+# ---------------------------------------------------------------------------------------- candidates
+
+
+def test_candidates_filter_and_registry_merge() -> None:
+    """`allowed` narrows by worker id; a registry drops dead holders and adds live empty ones."""
+    cands = [cand("a", 2, dp=0), cand("a", 1, dp=1), cand("b", 3)]
+    d = decide(cands, prompt_tokens=48, block_size=BS, allowed=["a"])
+    assert d is not None and [(s.worker_id, s.dp_rank) for s in d.scores] == [("a", 0), ("a", 1)]
+    assert decide(cands, prompt_tokens=48, block_size=BS, allowed=["z"]) is None
+    merged = merge_candidates(cands, [("a", 1), ("c", 0)])
+    assert [(c.worker_id, c.dp_rank, c.overlap_blocks) for c in merged] == [("a", 1, 1), ("c", 0, 0)]
+    assert merge_candidates(cands, None) == cands
+
+
+# ---------------------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "text"),
+    [
+        ({"model": "m", "token_ids": [1, "x"]}, "token_ids", "$.token_ids[1]"),
+        ({"model": 3, "token_ids": [1]}, "model", "Expected `str`"),
+        ({"token_ids": [1]}, "model", "missing required field `model`"),
+        ({"model": "m", "token_ids": [1], "explain": "yes"}, "explain", "Expected `bool`"),
+        ({"model": "m", "token_ids": [1], "policy": {"temperature": "hot"}}, "policy.temperature", "float"),
+        ({"model": "m", "token_ids": [1], "policy": {"temprature": 1}}, "policy.temprature", "unknown field"),
+        ({"model": "m", "token_ids": [1], "policy": {"temperature": -1}}, "policy.temperature", "≥ 0"),
+        (
+            {"model": "m", "token_ids": [1], "policy": {"tier_weights": {"CPU": 2}}},
+            "policy.tier_weights.CPU",
+            "[0, 1]",
+        ),
+        ({"model": "m", "token_ids": [1, 2, 3, 4, 5]}, "token_ids", "more than the limit of 4"),
+        ({"model": "m", "token_ids": [-1]}, "token_ids", "outside [0, 2^32)"),
+    ],
+)
+def test_bad_requests_name_the_field(body: dict[str, object], field: str, text: str) -> None:
+    """Each invalid request raises RequestError naming the field at fault."""
+    with pytest.raises(RequestError) as err:
+        parse_route_request(json.dumps(body).encode(), max_tokens=4)
+    assert err.value.field == field
+    assert text in str(err.value)
+
+
+def test_unknown_top_level_fields_are_ignored() -> None:
+    """Unknown top-level fields of any type are ignored (forward compatibility)."""
+    req = parse_route_request(b'{"model": "m", "token_ids": [1], "future": {"x": [1]}, "policy": null}')
+    assert (req.model, req.token_ids, req.policy) == ("m", [1], None)
+
+
+def test_policy_override_applies_only_given_terms() -> None:
+    """A policy override changes only the terms it names."""
+    req = parse_route_request(
+        b'{"model": "m", "token_ids": [1], "policy": {"overlap_weight": 2, "temperature": 0.5}}'
+    )
+    assert req.policy is not None
+    pol = req.policy.apply(Policy(decode_weight=3.0))
+    assert (pol.overlap_weight, pol.decode_weight, pol.temperature, pol.busy_waiting) == (2.0, 3.0, 0.5, 8)

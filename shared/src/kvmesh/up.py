@@ -271,6 +271,8 @@ class Up:
                         timeout=60,
                     )
                     result = msgspec.msgpack.decode(msg.data)
+                    # The simulated worker served the request to completion: release its load at the routers.
+                    await router.finish(f"req-{i}")
                     if "error" in result:
                         failures += 1
                         self.say(f"\nrequest {i}: worker {reply.worker_id} failed: {result['error']}")

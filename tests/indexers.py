@@ -64,8 +64,16 @@ class Group:
         s = self.settings(replica, **kw)
         out = []
         for name in (
-            "nats_url", "stream", "events_prefix", "match_subject", "replica_id", "buckets_max_bytes",
-            "snapshot_every_messages", "snapshot_every_s", "lease_ttl_s", "worker_ttl_s",
+            "nats_url",
+            "stream",
+            "events_prefix",
+            "match_subject",
+            "replica_id",
+            "buckets_max_bytes",
+            "snapshot_every_messages",
+            "snapshot_every_s",
+            "lease_ttl_s",
+            "worker_ttl_s",
         ):
             out += [f"--{name.replace('_', '-')}", str(getattr(s, name))]
         return [*out, "--buckets-memory"]
@@ -100,7 +108,13 @@ class Group:
             engine = [self.rng.getrandbits(63) for _ in range(blocks)]
             local = [self.rng.getrandbits(64) for _ in range(blocks)]
             msg = EventsMessage(
-                worker_id=w, dp_rank=0, model=MODEL, block_size=BS, epoch=0, seq=i, events=[Stored(engine, parent, local)]
+                worker_id=w,
+                dp_rank=0,
+                model=MODEL,
+                block_size=BS,
+                epoch=0,
+                seq=i,
+                events=[Stored(engine, parent, local)],
             )
             self.chains[(w, 0)] = engine[-1]
             ack = await self.js.publish(
@@ -116,7 +130,9 @@ class Group:
         return {r["replica"]: r for r in replies if r["replica"].startswith(self.uid)}
 
     async def match(self, subject: str, tokens: list[int]) -> dict[str, Any]:
-        reply = await self.nc.request(subject, msgspec.msgpack.encode({"model": MODEL, "token_ids": tokens}), timeout=3)
+        reply = await self.nc.request(
+            subject, msgspec.msgpack.encode({"model": MODEL, "token_ids": tokens}), timeout=3
+        )
         out: dict[str, Any] = msgspec.msgpack.decode(reply.data)
         out.pop("replica", None)
         return out
@@ -142,7 +158,9 @@ async def group(url: str, uid: str) -> AsyncIterator[Group]:
     g = Group(url, uid)
     g.nc = await connect(url, name="test-feeder")
     g.js = g.nc.jetstream()
-    await ensure_stream(g.js, StreamSettings(name=g.stream, prefix=g.prefix, memory=True, max_bytes=64 * 2**20))
+    await ensure_stream(
+        g.js, StreamSettings(name=g.stream, prefix=g.prefix, memory=True, max_bytes=64 * 2**20)
+    )
     try:
         yield g
     finally:
@@ -155,8 +173,12 @@ async def group(url: str, uid: str) -> AsyncIterator[Group]:
             if p.poll() is None:
                 p.kill()
             p.wait()
-        for name in (g.stream, f"OBJ_{subjects.snapshot_bucket(g.stream)}", f"KV_{subjects.lease_bucket(g.stream)}",
-                     f"KV_{subjects.registry_bucket(g.stream)}"):
+        for name in (
+            g.stream,
+            f"OBJ_{subjects.snapshot_bucket(g.stream)}",
+            f"KV_{subjects.lease_bucket(g.stream)}",
+            f"KV_{subjects.registry_bucket(g.stream)}",
+        ):
             with contextlib.suppress(Exception):
                 await g.js.delete_stream(name)
         await g.nc.close()

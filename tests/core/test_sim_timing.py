@@ -91,3 +91,25 @@ def test_bad_model_rejected() -> None:
     """A batch limit below one is refused."""
     with pytest.raises(ValueError):
         TimingModel(max_batch=0)
+
+
+@pytest.mark.anyio
+async def test_sim_worker_timed_mode_reports_ttft_and_queues() -> None:
+    """A timed SimWorker serves concurrently up to its batch limit and reports simulated queueing and TTFT."""
+    from kvmesh.sim.engine import SimWorker
+
+    timing = TimingModel(
+        prefill_s_per_token=0.01, prefill_overhead_s=0.0, decode_s_per_token=0.01, max_batch=1
+    )
+    w = SimWorker("t", num_blocks=64, block_size=BS, endpoint="tcp://127.0.0.1:*", timing=timing, speed=20.0)
+    try:
+        import asyncio
+
+        a, b = await asyncio.gather(w.serve_request(list(range(10)), 3), w.serve_request(list(range(10)), 3))
+        assert a["ttft_s"] == pytest.approx(0.10, abs=0.06)
+        assert b["queue_s"] >= 0.1  # waited for the single batch slot
+        assert b["cached_tokens"] == 8
+        assert b["ttft_s"] >= b["queue_s"]
+        assert not w.pool.running
+    finally:
+        w.close()

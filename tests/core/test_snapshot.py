@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.core.events import Cleared, EventsMessage, Event, IndexReset, Removed, Stored, WorkerRemoved
+from kvmesh.core.events import Cleared, Event, EventsMessage, IndexReset, Removed, Stored, WorkerRemoved
 from kvmesh.core.hashing import local_block_hashes
-from kvmesh.core.snapshot import FORMAT_VERSION, HEADER_SIZE, SnapshotError, decode_snapshot, encode_snapshot, read_header
+from kvmesh.core.snapshot import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    SnapshotError,
+    decode_snapshot,
+    encode_snapshot,
+    read_header,
+)
 from kvmesh.core.state import IndexState
 
 BS = 4
@@ -14,7 +21,9 @@ LOCAL = local_block_hashes(list(range(32)), BS)  # 8 blocks
 
 
 def _msg(worker: str, rank: int, events: list[Event], *, epoch: int = 1) -> EventsMessage:
-    return EventsMessage(worker_id=worker, dp_rank=rank, model="m", block_size=BS, epoch=epoch, seq=0, events=events)
+    return EventsMessage(
+        worker_id=worker, dp_rank=rank, model="m", block_size=BS, epoch=epoch, seq=0, events=events
+    )
 
 
 def _history() -> list[EventsMessage | WorkerRemoved]:
@@ -40,7 +49,9 @@ def _continuation() -> list[EventsMessage]:
     ]
 
 
-def _state(messages: list[EventsMessage | WorkerRemoved], start: int = 1, state: IndexState | None = None) -> IndexState:
+def _state(
+    messages: list[EventsMessage | WorkerRemoved], start: int = 1, state: IndexState | None = None
+) -> IndexState:
     state = state or IndexState()
     for i, m in enumerate(messages, start):
         state.apply(i, m)
@@ -83,7 +94,11 @@ def test_header_carries_version_and_sequence() -> None:
     """The header names the format version and the stream sequence the state reflects."""
     data = encode_snapshot(_state(_history()).export())
     header = read_header(data)
-    assert (header.format_version, header.applied_seq, header.body_bytes) == (FORMAT_VERSION, 7, len(data) - HEADER_SIZE)
+    assert (header.format_version, header.applied_seq, header.body_bytes) == (
+        FORMAT_VERSION,
+        7,
+        len(data) - HEADER_SIZE,
+    )
 
 
 def test_flipped_body_byte_fails_the_checksum() -> None:

@@ -22,11 +22,16 @@ def write_png(path: Path, pixels: Sequence[Sequence[tuple[int, int, int]]]) -> N
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     path.write_bytes(
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
     )
 
 
-def write_bar_charts(path: Path, title: str, labels: Sequence[str], panels: Sequence[tuple[str, Sequence[float]]]) -> str:
+def write_bar_charts(
+    path: Path, title: str, labels: Sequence[str], panels: Sequence[tuple[str, Sequence[float]]]
+) -> str:
     """Write one bar chart per panel (``(name, one value per label)``) side by side; return the backend used.
 
     Without matplotlib the fallback has no text: bars keep the label order and colours of the table.
@@ -47,7 +52,13 @@ def write_bar_charts(path: Path, title: str, labels: Sequence[str], panels: Sequ
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
         ax.set_title(name, fontsize=10)
         for bar, v in zip(bars, values, strict=True):
-            ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+            ax.annotate(
+                f"{v:.3g}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -209,7 +209,7 @@ def _load_dynamo() -> Any:
     os.environ.setdefault("DYN_LOG", "error")  # one warning per rejected event otherwise
     os.environ.setdefault("RUST_LOG", "error")
     try:
-        from dynamo._core import RadixTree  # type: ignore[import-not-found]  # noqa: PLC0415 - optional extra
+        from dynamo._core import RadixTree  # type: ignore[import-not-found,unused-ignore]  # noqa: PLC0415 - optional extra
     except ImportError:
         return None
     return RadixTree
@@ -220,15 +220,17 @@ def _dynamo_events(wl: Workload) -> list[tuple[int, bytes]]:
     out = []
     for i, ev in enumerate(wl.events):
         if len(ev) == 4:
-            w, hashes, parent, local = ev  # type: ignore[misc]
+            w, hashes, parent, local = ev
             data: Any = {
                 "stored": {
                     "parent_hash": parent,
-                    "blocks": [{"block_hash": h, "tokens_hash": t} for h, t in zip(hashes, local, strict=True)],
+                    "blocks": [
+                        {"block_hash": h, "tokens_hash": t} for h, t in zip(hashes, local, strict=True)
+                    ],
                 }
             }
         else:
-            w, hashes = ev  # type: ignore[misc]
+            w, hashes = ev
             data = {"removed": {"block_hashes": list(hashes)}}
         out.append((w, enc({"event_id": i, "dp_rank": 0, "data": data})))
     return out
@@ -268,14 +270,16 @@ def run_index(wl: Workload, *, with_dynamo: bool = True, say: Callable[[str], No
     t0 = time.perf_counter()
     for ev in wl.events:
         if len(ev) == 4:
-            store(holders[ev[0]], ev[1], ev[2], ev[3])  # type: ignore[misc]
+            store(holders[ev[0]], ev[1], ev[2], ev[3])
         else:
             remove(holders[ev[0]], ev[1])
     side.apply_s = time.perf_counter() - t0
     seq_queries = [sequence_hashes(q) for q in wl.queries]
     _time_matches(side, seq_queries, lambda q: {back[h]: n for h, n in index.match(q).items()})
     hashed = Side("kvmesh PrefixIndex, incl. chaining")
-    _time_matches(hashed, wl.queries, lambda q: {back[h]: n for h, n in index.match(sequence_hashes(q)).items()})
+    _time_matches(
+        hashed, wl.queries, lambda q: {back[h]: n for h, n in index.match(sequence_hashes(q)).items()}
+    )
     side_h = hashed
     sides.append(side)
 
@@ -310,9 +314,9 @@ def run_index(wl: Workload, *, with_dynamo: bool = True, say: Callable[[str], No
     t0 = time.perf_counter()
     for ev in wl.events:
         if len(ev) == 4:
-            ni.store(*ev)  # type: ignore[arg-type]
+            ni.store(*ev)
         else:
-            ni.remove(*ev)  # type: ignore[arg-type]
+            ni.remove(*ev)
     naive.apply_s = time.perf_counter() - t0
     _time_matches(naive, seq_queries, ni.match)
     sides.append(naive)
@@ -330,9 +334,7 @@ def disagreements(sides: Sequence[Side], wl: Workload) -> list[str]:
         bad = [i for i, (a, b) in enumerate(zip(s.results, ref.results, strict=True)) if a != b]
         if bad:
             i = bad[0]
-            under = sum(
-                1 for k in bad if sum(s.results[k].values()) < sum(ref.results[k].values())
-            )
+            under = sum(1 for k in bad if sum(s.results[k].values()) < sum(ref.results[k].values()))
             out.append(
                 f"{s.name}: {len(bad)} of {len(ref.results)} queries differ from the naive index "
                 f"({under} under-count); first: query {i}: {dict(sorted(s.results[i].items()))} vs "
@@ -387,7 +389,14 @@ def memory_per_block(blocks: int = 1_000_000, workers: int = 8, seed: int = 0) -
         for i, (w, hashes, local) in enumerate(chains):
             blocks_json = [{"block_hash": h, "tokens_hash": t} for h, t in zip(hashes, local, strict=True)]
             tree.apply_event(
-                w, enc({"event_id": i, "dp_rank": 0, "data": {"stored": {"parent_hash": None, "blocks": blocks_json}}})
+                w,
+                enc(
+                    {
+                        "event_id": i,
+                        "dp_rank": 0,
+                        "data": {"stored": {"parent_hash": None, "blocks": blocks_json}},
+                    }
+                ),
             )
         time.sleep(0.2)
         out["Dynamo RadixTree (RSS growth)"] = (_rss_bytes() - rss0) / n
@@ -401,13 +410,21 @@ def _rss_bytes() -> int:
 
 def command(argv: Sequence[str] | None = None) -> int:
     """Run ``kvmesh bench index``; returns the exit code (1 when kvmesh disagrees with the naive index)."""
-    p = argparse.ArgumentParser(prog="kvmesh bench index", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvmesh bench index", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ops", type=int, default=1_000_000, help="block operations in the workload (default 1M)")
     p.add_argument("--workers", type=int, default=8, help="workers (default 8)")
     p.add_argument("--capacity", type=int, default=16384, help="blocks each worker caches (default 16384)")
     p.add_argument("--queries", type=int, default=2000, help="4,096-token match queries (default 2000)")
-    p.add_argument("--eviction", choices=("tail", "random", "both"), default="both", help="eviction order (default both)")
-    p.add_argument("--per-block-removals", action="store_true", help="one removal event per block (vLLM's wire) instead of one per request")
+    p.add_argument(
+        "--eviction", choices=("tail", "random", "both"), default="both", help="eviction order (default both)"
+    )
+    p.add_argument(
+        "--per-block-removals",
+        action="store_true",
+        help="one removal event per block (vLLM's wire) instead of one per request",
+    )
     p.add_argument("--no-dynamo", action="store_true", help="skip Dynamo's RadixTree")
     p.add_argument("--memory", action="store_true", help="also measure bytes per stored block at 1M blocks")
     p.add_argument(
@@ -417,7 +434,9 @@ def command(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     status = 0
-    print(f"SEED={SEED}; workload: {a.ops:,} block ops over {a.workers} workers, capacity {a.capacity} blocks each")
+    print(
+        f"SEED={SEED}; workload: {a.ops:,} block ops over {a.workers} workers, capacity {a.capacity} blocks each"
+    )
     evictions = ("tail", "random") if a.eviction == "both" else (a.eviction,)
     hash_modes = ("shared", "per-worker") if a.engine_hashes == "both" else (a.engine_hashes,)
     for eviction, hashes in [(e, h) for h in hash_modes for e in evictions]:

@@ -53,7 +53,9 @@ def make_batches(engine: int, batches: int, blocks: int) -> list[bytes]:
     base = (engine + 1) << 40
     for b in range(batches):
         hashes = tuple(base + b * blocks + i for i in range(blocks))
-        tokens = tuple((engine * 7919 + b * blocks * BLOCK_SIZE + i) % 32000 for i in range(blocks * BLOCK_SIZE))
+        tokens = tuple(
+            (engine * 7919 + b * blocks * BLOCK_SIZE + i) % 32000 for i in range(blocks * BLOCK_SIZE)
+        )
         ev = BlockStored(
             block_hashes=hashes,
             parent_block_hash=parent,
@@ -125,8 +127,8 @@ async def _indexer_blocks(nc: Any) -> int:
 
 
 async def _drive(
-    pubs: list[EventPublisher], payloads: list[list[bytes]], probe: Callable[[], Awaitable[int]], total: int,
-    procs: _Procs, timeout_s: float,
+    pubs: list[EventPublisher], payloads: list[list[bytes]], probe: Callable[[], Awaitable[int]], *,
+    total: int, procs: _Procs, timeout_s: float,
 ) -> tuple[float, int]:  # fmt: skip
     """Publish every batch, then wait until ``probe()`` (blocks applied) reaches ``total``."""
     t0 = time.perf_counter()
@@ -178,13 +180,19 @@ async def _run(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
                         )  # fmt: skip
                     procs.spawn("indexer", "-m", "kvmesh.indexer", "--nats-url", server.url)
                     subject = subjects.STATUS_SUBJECT
-                    ready_check = lambda r: bool(r.get("ready"))  # noqa: E731
                 else:
                     for e, pub in enumerate(pubs):
-                        procs.spawn(f"pipe-{e}", "-m", "kvmesh.bench.ingest", "pipe-forward", server.url, pub.endpoint, str(e))
+                        procs.spawn(
+                            f"pipe-{e}",
+                            "-m",
+                            "kvmesh.bench.ingest",
+                            "pipe-forward",
+                            server.url,
+                            pub.endpoint,
+                            str(e),
+                        )
                     procs.spawn("pipe-consumer", "-m", "kvmesh.bench.ingest", "pipe-consume", server.url)
                     subject = PIPE_COUNT_SUBJECT
-                    ready_check = lambda r: bool(r.get("ready"))  # noqa: E731
                 deadline = time.monotonic() + 60
                 for pub in pubs:
                     while pub.subscriptions < 1:
@@ -195,7 +203,7 @@ async def _run(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 while True:
                     procs.check()
                     r = await _request_json(nc, subject)
-                    if r is not None and ready_check(r):
+                    if r is not None and r.get("ready"):
                         break
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{which}: consumer not ready after 60 s")
@@ -210,8 +218,15 @@ async def _run(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
                         r = await _request_json(nc, PIPE_COUNT_SUBJECT)
                         return int(r.get("blocks", 0)) if r else 0
 
-                elapsed, seen = await _drive(pubs, payloads, probe, total, procs, a.timeout_s)
-                results[which] = {"seconds": elapsed, "blocks": seen, "rate": seen / elapsed, "lost": total - seen}
+                elapsed, seen = await _drive(
+                    pubs, payloads, probe, total=total, procs=procs, timeout_s=a.timeout_s
+                )
+                results[which] = {
+                    "seconds": elapsed,
+                    "blocks": seen,
+                    "rate": seen / elapsed,
+                    "lost": total - seen,
+                }
                 if which == "kvmesh":
                     ing = []
                     with contextlib.suppress(Exception):
@@ -236,8 +251,12 @@ async def _run(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def command(argv: Sequence[str] | None = None) -> int:
     """Run ``kvmesh bench ingest``; exit 1 when kvmesh lost a block."""
-    p = argparse.ArgumentParser(prog="kvmesh bench ingest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", type=int, default=2, help="simulated engines, one ingest (or pipe) each (default 2)")
+    p = argparse.ArgumentParser(
+        prog="kvmesh bench ingest", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--engines", type=int, default=2, help="simulated engines, one ingest (or pipe) each (default 2)"
+    )
     p.add_argument("--batches", type=int, default=10000, help="batches per engine (default 10000)")
     p.add_argument("--blocks", type=int, default=16, help="blocks per batch (default 16)")
     p.add_argument("--order", default="pipe,kvmesh", help="which pipelines, in order (default pipe,kvmesh)")
@@ -246,14 +265,20 @@ def command(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     a.order = [x for x in a.order.split(",") if x]
     total = a.engines * a.batches * a.blocks
-    print(f"kvmesh bench ingest: {a.engines} engines × {a.batches} batches × {a.blocks} blocks = {total:,} block events")
+    print(
+        f"kvmesh bench ingest: {a.engines} engines × {a.batches} batches × {a.blocks} blocks = {total:,} block events"
+    )
     results = asyncio.run(_run(a))
     print("\n| pipeline | block events/s | seconds | lost | vs hand-written pipe |")
     print("|---|---:|---:|---:|---:|")
     pipe_rate = results.get("pipe", {}).get("rate")
     for name, r in results.items():
         ratio = f"{r['rate'] / pipe_rate:.2f}" if pipe_rate else "–"
-        label = "kvmesh (ingest → JetStream → indexer)" if name == "kvmesh" else "hand-written ZMQ → nats-py → consumer"
+        label = (
+            "kvmesh (ingest → JetStream → indexer)"
+            if name == "kvmesh"
+            else "hand-written ZMQ → nats-py → consumer"
+        )
         print(f"| {label} | {r['rate']:,.0f} | {r['seconds']:.2f} | {r['lost']} | {ratio} |")
     for st in results.get("kvmesh", {}).get("ingest_status", []):
         print(f"ingest {st.get('worker_id')}: {msgspec.json.encode(st.get('counters', st)).decode()[:300]}")
@@ -282,10 +307,8 @@ async def _pipe_forward(url: str, endpoint: str, engine: str) -> None:
     while True:
         _topic, _seq, payload = await sub.recv_multipart()
         pending.append(await js.publish_async(subject, payload, wait_stall=5.0))
-        if len(pending) >= 256:
-            await asyncio.gather(*pending)
-            pending.clear()
-        elif sub.getsockopt(zmq.EVENTS) & zmq.POLLIN == 0 and pending:
+        # Wait for the acks when the window is full or nothing more is queued on the socket.
+        if len(pending) >= 256 or not int(sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             await asyncio.gather(*pending)
             pending.clear()
 

@@ -123,7 +123,8 @@ class FleetSpec:
         """Return fresh workers (worker i's pool has hash seed ``seed + i``, as `kvmesh sim`)."""
         return [
             TimedWorker(
-                BlockPool(num_blocks=self.num_blocks, block_size=self.block_size, seed=self.seed + i), self.timing
+                BlockPool(num_blocks=self.num_blocks, block_size=self.block_size, seed=self.seed + i),
+                self.timing,
             )
             for i in range(self.workers)
         ]
@@ -139,7 +140,9 @@ class _Prepared:
 
 def _prepare(req: TraceRequest, i: int, t0_ms: int) -> _Prepared:
     tokens = expand_tokens(req)
-    return _Prepared(f"req-{i}", (req.timestamp_ms - t0_ms) / 1000.0, tokens, output_tokens(tokens, req.output_length))
+    return _Prepared(
+        f"req-{i}", (req.timestamp_ms - t0_ms) / 1000.0, tokens, output_tokens(tokens, req.output_length)
+    )
 
 
 def _choose(policy: str, workers: list[TimedWorker], i: int, tokens: list[int], rng: random.Random) -> int:
@@ -156,7 +159,10 @@ def _choose(policy: str, workers: list[TimedWorker], i: int, tokens: list[int], 
         now = max(w.now_s for w in workers)
         return min(
             range(n),
-            key=lambda k: (workers[k].estimate_ttft_s(len(tokens) - workers[k].pool.match_prefix(tokens), now), k),
+            key=lambda k: (
+                workers[k].estimate_ttft_s(len(tokens) - workers[k].pool.match_prefix(tokens), now),
+                k,
+            ),
         )
     raise ValueError(f"unknown policy {policy!r}")
 
@@ -180,7 +186,9 @@ def simulate_policy(policy: str, trace: Sequence[TraceRequest], spec: FleetSpec)
     return result
 
 
-def _finish(workers: list[TimedWorker], result: PolicyResult, trace: Sequence[TraceRequest], t0_ms: int) -> None:
+def _finish(
+    workers: list[TimedWorker], result: PolicyResult, trace: Sequence[TraceRequest], t0_ms: int
+) -> None:
     last = 0.0
     for w in workers:
         w.advance(math.inf)
@@ -348,7 +356,9 @@ async def run_kvmesh(
                     k = int(reply.worker_id.removeprefix("sim-"))
                 except RouteError as exc:
                     result.extra["route_errors"] = result.extra.get("route_errors", 0) + 1
-                    say(f"  {p.request_id}: route failed ({exc.code}: {exc.message}); sent to worker {i % spec.workers}")
+                    say(
+                        f"  {p.request_id}: route failed ({exc.code}: {exc.message}); sent to worker {i % spec.workers}"
+                    )
                     k = i % spec.workers
                 result.route_latency_s.append(time.perf_counter() - t_route)
                 result.per_worker[k] += 1
@@ -356,7 +366,9 @@ async def run_kvmesh(
                 await publish_until(p.arrival_s)
                 collect()
                 if (i + 1) % max(1, len(trace) // 10) == 0:
-                    say(f"  [{i + 1}/{len(trace)}] simulated {p.arrival_s:.1f} s, wall {loop.time() - wall0:.1f} s")
+                    say(
+                        f"  [{i + 1}/{len(trace)}] simulated {p.arrival_s:.1f} s, wall {loop.time() - wall0:.1f} s"
+                    )
             # Let the fleet drain: publish every remaining step at its time.
             while any(w.next_time_s() is not None for w in workers):
                 nxt = min(t for w in workers if (t := w.next_time_s()) is not None)
@@ -376,7 +388,9 @@ async def run_kvmesh(
         pipe.stop()
 
 
-def _fire(tasks: set[asyncio.Task[Any]], router: Any, method: str, request_id: str, notify: list[str]) -> None:
+def _fire(
+    tasks: set[asyncio.Task[Any]], router: Any, method: str, request_id: str, notify: list[str]
+) -> None:
     if method not in notify:
         return
     task = asyncio.ensure_future(getattr(router, method)(request_id))
@@ -424,12 +438,16 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
         ),
     )
     span = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1e3 if trace else 0.0
-    say(f"kvmesh bench trace: {len(trace)} requests from {args.trace} ({span:.0f} s of arrivals), {spec.workers} workers")
+    say(
+        f"kvmesh bench trace: {len(trace)} requests from {args.trace} ({span:.0f} s of arrivals), {spec.workers} workers"
+    )
     results: list[PolicyResult] = []
     for policy in args.policies:
         say(f"policy {policy}")
         if policy == "kvmesh":
-            r = await run_kvmesh(trace, spec, speed=args.speed, nats_url=args.nats_url, log_dir=args.log_dir, say=say)
+            r = await run_kvmesh(
+                trace, spec, speed=args.speed, nats_url=args.nats_url, log_dir=args.log_dir, say=say
+            )
         else:
             r = simulate_policy(policy, trace, spec)
         say(
@@ -442,21 +460,43 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of ``kvmesh bench trace``."""
-    p = argparse.ArgumentParser(prog="kvmesh bench trace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvmesh bench trace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     default_trace = SHARED_TRACE if SHARED_TRACE.exists() else default_trace_path()
-    p.add_argument("--trace", type=Path, default=default_trace, help=f"Mooncake JSONL trace (default {default_trace})")
+    p.add_argument(
+        "--trace", type=Path, default=default_trace, help=f"Mooncake JSONL trace (default {default_trace})"
+    )
     p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--workers", type=int, default=8, help="simulated engines (default 8)")
     p.add_argument("--num-blocks", type=int, default=16384, help="KV blocks per engine (default 16384)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--speed", type=float, default=10.0, help="simulated seconds per wall second for kvmesh (default 10)")
-    p.add_argument("--prefill-ms-per-1k-tokens", type=float, default=100.0, help="prefill cost of 1,000 uncached tokens (default 100 ms)")
-    p.add_argument("--prefill-overhead-ms", type=float, default=5.0, help="fixed cost of a prefill (default 5 ms)")
-    p.add_argument("--decode-ms-per-token", type=float, default=20.0, help="time per output token (default 20 ms)")
+    p.add_argument(
+        "--speed", type=float, default=10.0, help="simulated seconds per wall second for kvmesh (default 10)"
+    )
+    p.add_argument(
+        "--prefill-ms-per-1k-tokens",
+        type=float,
+        default=100.0,
+        help="prefill cost of 1,000 uncached tokens (default 100 ms)",
+    )
+    p.add_argument(
+        "--prefill-overhead-ms", type=float, default=5.0, help="fixed cost of a prefill (default 5 ms)"
+    )
+    p.add_argument(
+        "--decode-ms-per-token", type=float, default=20.0, help="time per output token (default 20 ms)"
+    )
     p.add_argument("--max-batch", type=int, default=32, help="running requests per engine (default 32)")
     p.add_argument("--seed", type=int, default=0, help="hash seed base and random policy seed")
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ", ".join(POLICIES))
-    p.add_argument("--out", type=Path, default=Path("bench-trace"), help="write <out>.md and <out>.png (default bench-trace)")
+    p.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated subset of " + ", ".join(POLICIES)
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-trace"),
+        help="write <out>.md and <out>.png (default bench-trace)",
+    )
     p.add_argument("--nats-url", default=None, help="use this NATS server instead of a private one")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the child processes' logs here")
     return p

@@ -150,7 +150,14 @@ def encode_snapshot(export: StateExport) -> bytes:
         counters=dict(export.counters),
         workers=[
             _Worker(
-                w.worker_id, w.model, w.block_size, w.epochs, w.last_seq, w.last_ts, w.removed_epoch, w.stale_through
+                w.worker_id,
+                w.model,
+                w.block_size,
+                w.epochs,
+                w.last_seq,
+                w.last_ts,
+                w.removed_epoch,
+                w.stale_through,
             )
             for w in export.workers
         ],
@@ -202,7 +209,9 @@ def read_header(data: bytes) -> SnapshotHeader:
     if version != FORMAT_VERSION:
         raise SnapshotError("version", f"snapshot format {version}; this build reads {FORMAT_VERSION}")
     if len(data) - HEADER_SIZE != length:
-        raise SnapshotError("truncated", f"snapshot body is {len(data) - HEADER_SIZE} bytes, header says {length}")
+        raise SnapshotError(
+            "truncated", f"snapshot body is {len(data) - HEADER_SIZE} bytes, header says {length}"
+        )
     return SnapshotHeader(format_version=version, applied_seq=seq, body_bytes=length, checksum=checksum)
 
 
@@ -224,7 +233,9 @@ def decode_snapshot(data: bytes) -> StateExport:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise SnapshotError("body", f"snapshot body does not decode: {exc}") from exc
     if body.applied_seq != header.applied_seq:
-        raise SnapshotError("body", f"body sequence {body.applied_seq} differs from header {header.applied_seq}")
+        raise SnapshotError(
+            "body", f"body sequence {body.applied_seq} differs from header {header.applied_seq}"
+        )
     return StateExport(
         applied_seq=body.applied_seq,
         reset_epoch=body.reset_epoch,
@@ -269,4 +280,3 @@ def decode_snapshot(data: bytes) -> StateExport:
         gap_seq=body.gap_seq,
         healed=tuple(body.healed),
     )
-

@@ -56,7 +56,12 @@ class RegistrySettings:
 async def open_registry(js: JetStreamContext, settings: RegistrySettings) -> Any:
     """Open (creating when missing) the registry KV bucket."""
     return await open_kv(
-        js, settings.bucket, ttl_s=settings.ttl_s, memory=settings.memory, replicas=settings.replicas, markers=True
+        js,
+        settings.bucket,
+        ttl_s=settings.ttl_s,
+        memory=settings.memory,
+        replicas=settings.replicas,
+        markers=True,
     )
 
 

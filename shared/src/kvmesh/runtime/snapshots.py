@@ -12,6 +12,7 @@ no fencing.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 from dataclasses import dataclass
@@ -110,21 +111,35 @@ class SnapshotStore:
                 seq = int(info.name[len(PREFIX) :])
             except ValueError:
                 continue
-            out.append(SnapshotEntry(name=info.name, applied_seq=seq, size_bytes=info.size or 0, mtime=info.mtime or ""))
+            out.append(
+                SnapshotEntry(
+                    name=info.name, applied_seq=seq, size_bytes=info.size or 0, mtime=info.mtime or ""
+                )
+            )
         out.sort(key=lambda e: e.applied_seq, reverse=True)
         return out
 
-    async def get(self, name: str) -> bytes:
-        """Read one snapshot's bytes (the Object Store checks its SHA-256 on the way)."""
+    async def get(self, name: str, *, timeout_s: float = 10.0) -> bytes:
+        """Read one snapshot's bytes (the Object Store checks its SHA-256 on the way).
+
+        Raises:
+            TimeoutError: the read took longer than ``timeout_s`` plus a second per MiB (nats-py's reader can
+                wait forever for a chunk of an object replaced meanwhile; recovery then skips the snapshot).
+        """
+        info = await self._obs.get_info(name)
         buf = io.BytesIO()
-        await self._obs.get(name, writeinto=buf)
+        await asyncio.wait_for(self._obs.get(name, writeinto=buf), timeout_s + (info.size or 0) / 2**20)
         return buf.getvalue()
 
     async def put(self, applied_seq: int, data: bytes) -> SnapshotEntry:
         """Store a snapshot under its sequence's name (replacing one of the same name)."""
         name = snapshot_name(applied_seq)
-        info = await self._obs.put(name, data, meta=ObjectMeta(name=name, description=f"kvmesh seq {applied_seq}"))
-        return SnapshotEntry(name=name, applied_seq=applied_seq, size_bytes=info.size or len(data), mtime=info.mtime or "")
+        info = await self._obs.put(
+            name, data, meta=ObjectMeta(name=name, description=f"kvmesh seq {applied_seq}")
+        )
+        return SnapshotEntry(
+            name=name, applied_seq=applied_seq, size_bytes=info.size or len(data), mtime=info.mtime or ""
+        )
 
     async def put_raw(self, name: str, data: bytes) -> None:
         """Store arbitrary bytes under a name (tests use it to corrupt a snapshot)."""
@@ -163,7 +178,9 @@ class SnapshotStore:
                 skipped.append((entry.name, type(exc).__name__))
                 continue
             if export.applied_seq != entry.applied_seq:
-                log.warning("snapshot %s/%s holds seq %d, skipped", self.bucket, entry.name, export.applied_seq)
+                log.warning(
+                    "snapshot %s/%s holds seq %d, skipped", self.bucket, entry.name, export.applied_seq
+                )
                 skipped.append((entry.name, "name"))
                 continue
             return LoadedSnapshot(entry=entry, export=export, skipped=tuple(skipped))

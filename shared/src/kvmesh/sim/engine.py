@@ -5,6 +5,12 @@ the new full prompt blocks) and publish that step's batch, then run the decode s
 publishing a batch for each step that emitted events (a block became full or a cached block was evicted),
 then free the request. It has no timing model (no prefill/decode latency, no concurrency inside a worker)
 and no scheduler: every step is executed as soon as the previous one is published.
+
+With a `kvmesh.sim.timing.TimingModel` (``timing=``) it serves requests concurrently in scaled real time
+instead: up to ``max_batch`` at once (others queue; a prompt that needs blocks held by running requests waits
+for one to finish), prefills one at a time taking ``prefill_s(uncached tokens) / speed`` seconds, then
+decodes, publishing each decode block's ``BlockStored`` at the step that fills it (``decode_s_per_token /
+speed`` per token); `ServeResult` then carries the simulated ``queue_s`` and ``ttft_s``.
 """
 
 from __future__ import annotations
@@ -13,13 +19,14 @@ import asyncio
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import Final, TypedDict
+from typing import Final, NotRequired, TypedDict
 
 import xxhash
 
 from kvmesh.core.endpoints import offset_endpoint
-from kvmesh.sim.blockpool import BlockPool, HashForm
+from kvmesh.sim.blockpool import BlockPool, HashForm, PoolExhaustedError
 from kvmesh.sim.publisher import DEFAULT_BUFFER_STEPS, EventPublisher
+from kvmesh.sim.timing import TimingModel
 
 __all__ = ["ServeResult", "SimWorker", "output_tokens"]
 
@@ -40,6 +47,10 @@ class ServeResult(TypedDict):
     """The worker that served the request."""
     dp_rank: int
     """The worker's data-parallel rank."""
+    queue_s: NotRequired[float]
+    """With a timing model: simulated seconds waiting for a batch slot and free blocks."""
+    ttft_s: NotRequired[float]
+    """With a timing model: simulated time to first token (queueing + waiting to prefill + prefill)."""
 
 
 def output_tokens(prompt: Sequence[int], n: int, *, seed: int = 0) -> list[int]:
@@ -84,6 +95,8 @@ class SimWorker:
             sha256 does across processes).
         buffer_steps: batches kept for replay.
         clock: batch timestamp source in seconds since the epoch.
+        timing: serve concurrently with this cost model (None: one request at a time, no delays).
+        speed: simulated seconds per real second when ``timing`` is set (> 0).
 
     Raises:
         ValueError: invalid pool parameters or an endpoint without a rule for ``dp_rank`` > 0.
@@ -106,7 +119,11 @@ class SimWorker:
         seed: int = 0,
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
         clock: Callable[[], float] = time.time,
+        timing: TimingModel | None = None,
+        speed: float = 1.0,
     ) -> None:
+        if speed <= 0:
+            raise ValueError(f"speed must be > 0, got {speed}")
         self._worker_id = worker_id
         self._dp_rank = dp_rank
         self._seed = seed
@@ -126,6 +143,12 @@ class SimWorker:
         """The worker's publisher (its fault-injection hooks are fair game in tests)."""
         self._lock = asyncio.Lock()
         self._next_request = 0
+        self.timing = timing
+        """The cost model, or None for the untimed one-at-a-time mode."""
+        self._speed = speed
+        self._slots = asyncio.Semaphore(timing.max_batch if timing is not None else 1)
+        self._prefill = asyncio.Lock()
+        self._freed = asyncio.Condition()
 
     @property
     def worker_id(self) -> str:
@@ -176,6 +199,8 @@ class SimWorker:
             outputs = list(output_token_ids[:output_length])
             if len(outputs) < output_length:
                 raise ValueError(f"{len(outputs)} output_token_ids for output_length {output_length}")
+        if self.timing is not None:
+            return await self._serve_timed(list(token_ids), outputs, lora_name, cache_salt)
         async with self._lock:
             request_id = f"{self._worker_id}-{self._next_request}"
             self._next_request += 1
@@ -193,6 +218,65 @@ class SimWorker:
             prompt_tokens=admission.prompt_tokens,
             worker_id=self._worker_id,
             dp_rank=self._dp_rank,
+        )
+
+    async def _serve_timed(
+        self, tokens: list[int], outputs: list[int], lora_name: str | None, cache_salt: str | None
+    ) -> ServeResult:
+        """Serve one request under the timing model (see the module docstring)."""
+        timing = self.timing
+        assert timing is not None
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
+        request_id = f"{self._worker_id}-{self._next_request}"
+        self._next_request += 1
+        async with self._slots:
+            async with self._freed:
+                while True:
+                    try:
+                        admission = self.pool.start(
+                            request_id, tokens, lora_name=lora_name, cache_salt=cache_salt
+                        )
+                        break
+                    except PoolExhaustedError:
+                        if not self.pool.running:
+                            raise
+                        await self._freed.wait()
+            queue_s = (loop.time() - arrival) * self._speed
+            try:
+                await self._publish_step()
+                async with self._prefill:
+                    prefill = timing.prefill_s(admission.prompt_tokens - admission.cached_tokens)
+                    await asyncio.sleep(prefill / self._speed)
+                ttft_s = (loop.time() - arrival) * self._speed
+                bs = self.pool.block_size
+                fed = 0
+                fed_target = len(outputs) - 1  # the last sampled token is never fed back
+                while fed < fed_target:
+                    total = len(tokens) + fed
+                    chunk = min(fed_target - fed, bs - total % bs)
+                    await asyncio.sleep(chunk * timing.decode_s_per_token / self._speed)
+                    try:
+                        self.pool.append(request_id, outputs[fed : fed + chunk])
+                    except PoolExhaustedError:
+                        # No free block for the decode tail (vLLM would preempt): decode on, cache no more.
+                        rest = fed_target - fed - chunk
+                        await asyncio.sleep(rest * timing.decode_s_per_token / self._speed)
+                        break
+                    fed += chunk
+                    await self._publish_step()
+            finally:
+                self.pool.finish(request_id)
+                await self._publish_step()
+                async with self._freed:
+                    self._freed.notify_all()
+        return ServeResult(
+            cached_tokens=admission.cached_tokens,
+            prompt_tokens=admission.prompt_tokens,
+            worker_id=self._worker_id,
+            dp_rank=self._dp_rank,
+            queue_s=queue_s,
+            ttft_s=ttft_s,
         )
 
     async def reset_prefix_cache(self) -> bool:

@@ -3,7 +3,9 @@
 Each worker is a `SimWorker` (block pool with prefix caching + ZMQ PUB and replay ROUTER). Requests reach
 them over NATS request-reply, standing in for the engine's HTTP API: subject ``kvmesh.sim.<worker>.generate``
 with a msgpack body ``{"token_ids": [...], "output_length": n, "lora_name": ..., "cache_salt": ...}``, reply
-``{"cached_tokens", "prompt_tokens", "worker_id", "dp_rank"}`` or ``{"error": "..."}``; and
+``{"cached_tokens", "prompt_tokens", "worker_id", "dp_rank"}`` (plus the simulated ``queue_s`` and ``ttft_s``
+with ``--speed`` > 0, which turns on the `kvmesh.sim.timing.TimingModel`: concurrent requests up to
+``--max-batch``, prefill and decode delays scaled by ``--speed``) or ``{"error": "..."}``; and
 ``kvmesh.sim.<worker>.reset`` (reset the prefix cache: AllBlocksCleared).
 
 Ports: worker *i* publishes on ``--base-port + 20·i`` and replays on ``--base-port + 20·i + 10``; its
@@ -28,6 +30,7 @@ from kvmesh.runtime.cli import run_async, setup_logging
 from kvmesh.runtime.config import add_arguments, load, setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL, close_quietly, connect
 from kvmesh.sim.engine import SimWorker
+from kvmesh.sim.timing import TimingModel
 
 log = logging.getLogger("kvmesh.sim")
 
@@ -47,6 +50,14 @@ class SimSettings:
     hash_form: str = setting("int", "block hashes as int (uint64), signed (int64) or bytes")
     topic: str = setting("", "ZMQ topic of every message")
     seed: int = setting(0, "hash seed base; worker i uses seed + i (engines' hashes differ per process)")
+    speed: float = setting(
+        0.0, "timing model: simulated seconds per real second (0: no timing, one request at a time)"
+    )
+    prefill_ms_per_1k_tokens: float = setting(
+        100.0, "timing model: prefill time per 1,000 uncached prompt tokens"
+    )
+    decode_ms_per_token: float = setting(20.0, "timing model: time per output token")
+    max_batch: int = setting(32, "timing model: requests running at once per worker (rank)")
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server for the generate endpoints")
     log_level: str = setting("INFO", "log level")
 
@@ -54,6 +65,16 @@ class SimSettings:
         """Return worker ``i``'s base PUB and replay endpoints."""
         port = self.base_port + 20 * i
         return f"tcp://{self.host}:{port}", f"tcp://{self.host}:{port + 10}"
+
+    def timing(self) -> TimingModel | None:
+        """Return the timing model, or None when ``speed`` is 0."""
+        if not self.speed:
+            return None
+        return TimingModel(
+            prefill_s_per_token=self.prefill_ms_per_1k_tokens / 1e6,
+            decode_s_per_token=self.decode_ms_per_token / 1e3,
+            max_batch=self.max_batch,
+        )
 
     def validate(self) -> list[str]:
         """Return every problem with these settings."""
@@ -64,6 +85,8 @@ class SimSettings:
             problems.append("--data-parallel-size must be between 1 and 10")
         if self.hash_form not in ("int", "signed", "bytes"):
             problems.append("--hash-form must be int, signed or bytes")
+        if self.speed < 0 or self.max_batch < 1:
+            problems.append("--speed must be >= 0 and --max-batch >= 1")
         return problems
 
 
@@ -104,6 +127,8 @@ class SimFleet:
                         version=s.version,
                         hash_form=s.hash_form,  # type: ignore[arg-type]
                         seed=s.seed + i,
+                        timing=s.timing(),
+                        speed=s.speed or 1.0,
                     )
                     for r in range(s.data_parallel_size)
                 ]

@@ -21,17 +21,25 @@ class IndexerSettings:
     match_subject: str = setting(subjects.MATCH_SUBJECT, "subject of match queries (queue group)")
     replica_id: str = setting("", "this replica's name in `kvmesh status` (default: host-pid)")
     snapshot_bucket: str = setting("", "Object Store bucket of snapshots (default: <stream>_SNAPSHOTS)")
-    snapshot_every_messages: int = setting(100_000, "write a snapshot after this many applied messages (0: off)")
-    snapshot_every_s: float = setting(300.0, "write a snapshot when the last one is this old, in seconds (0: off)")
+    snapshot_every_messages: int = setting(
+        100_000, "write a snapshot after this many applied messages (0: off)"
+    )
+    snapshot_every_s: float = setting(
+        300.0, "write a snapshot when the last one is this old, in seconds (0: off)"
+    )
     snapshot_keep: int = setting(3, "snapshots kept; older ones are deleted")
     lease_bucket: str = setting("", "KV bucket of the snapshot-writer lease (default: <stream>_LEASE)")
     lease_ttl_s: float = setting(30.0, "seconds a snapshot-writer lease lives without renewal")
     registry_bucket: str = setting("", "KV bucket of the worker registry (default: <stream>_WORKERS)")
-    worker_ttl_s: float = setting(15.0, "worker registry TTL in seconds (when this replica creates the bucket)")
+    worker_ttl_s: float = setting(
+        15.0, "worker registry TTL in seconds (when this replica creates the bucket)"
+    )
     purge_after_snapshot: bool = setting(
         True, "after a snapshot, purge stream messages no kept snapshot needs (never an ingest's last cursor)"
     )
-    buckets_memory: bool = setting(False, "create snapshot, lease and registry buckets in memory (tests, demos)")
+    buckets_memory: bool = setting(
+        False, "create snapshot, lease and registry buckets in memory (tests, demos)"
+    )
     buckets_replicas: int = setting(1, "replicas of the buckets this replica creates (3 on a cluster)")
     buckets_max_bytes: int = setting(-1, "size bound of the snapshot bucket in bytes (-1: none)")
     log_level: str = setting("INFO", "log level")

@@ -94,7 +94,12 @@ class IndexerService:
         """Stream messages this replica's consumer received."""
         self.recovery: dict[str, Any] = {}
         """How this replica started: snapshot used, skipped ones, start sequence, messages read to ready."""
-        self.snapshots: dict[str, Any] = {"written": 0, "last": None, "max_stall_ms": 0.0, "last_stall_ms": 0.0}
+        self.snapshots: dict[str, Any] = {
+            "written": 0,
+            "last": None,
+            "max_stall_ms": 0.0,
+            "last_stall_ms": 0.0,
+        }
         self.removals_published = 0
 
     async def run(self) -> None:
@@ -116,7 +121,11 @@ class IndexerService:
         )
         self._lease = SnapshotLease(
             await open_kv(
-                js, s.lease_bucket_name(), ttl_s=s.lease_ttl_s, memory=s.buckets_memory, replicas=s.buckets_replicas
+                js,
+                s.lease_bucket_name(),
+                ttl_s=s.lease_ttl_s,
+                memory=s.buckets_memory,
+                replicas=s.buckets_replicas,
             ),
             self.replica,
         )
@@ -236,7 +245,9 @@ class IndexerService:
             try:
                 export = decode_snapshot(await self._store.get(entry.name))
             except SnapshotError as exc:
-                log.warning("indexer %s: snapshot %s skipped (%s): %s", self.replica, entry.name, exc.reason, exc)
+                log.warning(
+                    "indexer %s: snapshot %s skipped (%s): %s", self.replica, entry.name, exc.reason, exc
+                )
                 skipped.append([entry.name, exc.reason])
                 continue
             except (nats.errors.Error, TimeoutError) as exc:
@@ -391,7 +402,9 @@ class IndexerService:
         cut = min(e.applied_seq for e in kept) + 1
         for model, worker, rank in self.state.live_holders():
             try:
-                last = await self._js.get_last_msg(s.stream, subjects.events_subject(s.events_prefix, model, worker, rank))
+                last = await self._js.get_last_msg(
+                    s.stream, subjects.events_subject(s.events_prefix, model, worker, rank)
+                )
             except nats.js.errors.NotFoundError:
                 continue
             cut = min(cut, last.seq)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -37,6 +38,8 @@ class Group:
     replicas: list[IndexerService] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     chains: dict[tuple[str, int], int | None] = field(default_factory=dict)
+    log_dir: Path | None = None
+    """Where spawned replicas write their logs (a test's ``tmp_path``); None discards them."""
 
     @property
     def stream(self) -> str:
@@ -91,11 +94,19 @@ class Group:
         await asyncio.wait_for(task, 10)
 
     def spawn(self, replica: str, **kw: Any) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.indexer", *self.args(replica, **kw)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(f"/tmp/kvmesh-test-{replica}.log", "ab"),  # noqa: SIM115 - the child owns it
-        )
+        if self.log_dir is None:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvmesh.indexer", *self.args(replica, **kw)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        else:
+            with (self.log_dir / f"{replica}.log").open("ab") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "kvmesh.indexer", *self.args(replica, **kw)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                )
         self.procs.append(proc)
         return proc
 
@@ -153,9 +164,9 @@ async def wait_for(probe: Any, check: Any, timeout_s: float = 15.0) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def group(url: str, uid: str) -> AsyncIterator[Group]:
+async def group(url: str, uid: str, *, log_dir: Path | None = None) -> AsyncIterator[Group]:
     """Yield a `Group` with its stream created; stop its replicas and delete its stream and buckets on exit."""
-    g = Group(url, uid)
+    g = Group(url, uid, log_dir=log_dir)
     g.nc = await connect(url, name="test-feeder")
     g.js = g.nc.jetstream()
     await ensure_stream(

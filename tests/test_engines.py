@@ -322,3 +322,37 @@ async def test_kvmesh_sglang_stops_when_the_engine_exits(nats_url: str, uid: str
         )
         (tmp_path / "release").touch()
         assert await asyncio.wait_for(proc.wait(), 20) == 3
+
+
+@pytest.mark.anyio
+async def test_kvmesh_vllm_starts_the_engine_when_nats_is_unreachable(tmp_path: Path) -> None:
+    """With NATS unreachable the engine still starts after --ingest-wait-s, and its exit status 4 is returned."""
+    script = tmp_path / "fake-vllm"
+    script.write_text("#!/bin/sh\nexit 4\n")
+    script.chmod(0o755)
+    events, replay = free_port_pair(), free_port_pair()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "vllm",
+        "--worker-id",
+        "w",
+        "--nats-url",
+        f"nats://127.0.0.1:{free_port_pair()}",
+        "--vllm-bin",
+        str(script),
+        "--events-port",
+        str(events),
+        "--replay-port",
+        str(replay),
+        "--ingest-wait-s",
+        "0.5",
+        "--",
+        "serve",
+        "my-model",
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 4
+    assert b"ingest not ready after 0.5 s" in err

@@ -32,7 +32,7 @@ async def expect(
     p: Pipeline,
     prompts: Sequence[Sequence[int]],
     want: list[dict[str, int]],
-    timeout_s: float = 10.0,
+    timeout_s: float = 30.0,
     **kw: Any,
 ) -> None:
     """Wait until the overlaps of ``prompts`` (route options ``kw``) are exactly ``want``."""
@@ -55,9 +55,50 @@ async def stream_messages(nats_url: str, stream: str) -> int:
         await nc.close()
 
 
+class Restartable:
+    """A nats-server with file storage in ``store`` that a test can freeze, kill and start again on its port."""
+
+    def __init__(self, store: Path, args: Sequence[str] = ()) -> None:
+        self.store = store
+        self.args = list(args)
+        self.server = NatsServer(store_dir=store, args=self.args).start()
+        self.up = True
+
+    @property
+    def url(self) -> str:
+        """The client URL (the same after a restart)."""
+        return self.server.url
+
+    def freeze(self) -> None:
+        """Stop the server process (SIGSTOP): connections stay open, nothing is read or answered."""
+        assert self.server.pid is not None
+        self.up = False
+        os.kill(self.server.pid, signal.SIGSTOP)
+
+    def kill(self) -> None:
+        """Kill the server (SIGKILL), keeping its store."""
+        self.up = False
+        self.server.kill()
+        self.server.stop()  # closes its log pipe; the store is not a temporary one, so it stays
+
+    def restart(self) -> None:
+        """Start a server again on the same port and store."""
+        self.kill()
+        self.server = NatsServer(port=self.server.port, store_dir=self.store, args=self.args).start()
+        self.up = True
+
+    def stop(self) -> None:
+        """Stop the server for good."""
+        self.kill()
+
+
 @contextlib.asynccontextmanager
-async def file_pipeline(server: NatsServer, uid: str) -> AsyncIterator[Pipeline]:
-    """A pipeline on ``server`` whose 64 MiB stream has file storage, so it survives a server restart."""
+async def file_pipeline(server: Restartable, uid: str) -> AsyncIterator[Pipeline]:
+    """A pipeline on ``server`` whose 64 MiB stream has file storage, so it survives a server restart.
+
+    A test that fails while the server is down gets it back before the pipeline stops (its services and
+    the stream cleanup need it).
+    """
     p = Pipeline(server.url, uid)
     nc = await connect(server.url, name="test-streams")
     try:
@@ -67,19 +108,18 @@ async def file_pipeline(server: NatsServer, uid: str) -> AsyncIterator[Pipeline]
     finally:
         await nc.close()
     async with pipeline(server.url, uid) as p:
-        yield p
+        try:
+            yield p
+        finally:
+            if not server.up:
+                server.restart()
 
 
 async def wait_disconnected(ing: IngestService) -> None:
     """Wait until the ingest's NATS client noticed that the server is gone."""
     nc = ing._nc
     assert nc is not None
-    await eventually(lambda: asyncio.sleep(0, not nc.is_connected), bool)
-
-
-def restart(server: NatsServer, store: Path, args: Sequence[str] = ()) -> NatsServer:
-    """Start a new server on the old one's port and store directory."""
-    return NatsServer(port=server.port, store_dir=store, args=list(args)).start()
+    await eventually(lambda: asyncio.sleep(0, not nc.is_connected), bool, timeout_s=30)
 
 
 async def start_indexer(p: Pipeline) -> None:
@@ -114,31 +154,32 @@ async def test_batch_larger_than_max_payload_is_split_with_its_chain_intact(tmp_
     tokens = [(i * 7 + i // BS) % 10 for i in range(n * BS)]  # one-digit ids keep the route request small
     hashes = [(1 << 63) + i for i in range(n)]  # 9-byte msgpack ints
     pub = EventPublisher(ANY, ANY)
-    with NatsServer(store_dir=tmp_path / "js", args=["-c", str(conf)]) as server:
-        try:
-            async with file_pipeline(server, uid) as p:
-                ing = await p.start_ingest(W, pub.endpoint, pub.replay_endpoint, block_size=BS)
-                await pub.wait_for_subscribers(1)
-                assert ing._max_payload == 65536
-                await start_indexer(p)
-                await p.start_router()
-                pub.publish(
-                    [
-                        BlockStored(
-                            block_hashes=tuple(hashes),
-                            parent_block_hash=None,
-                            token_ids=tuple(tokens),
-                            block_size=BS,
-                        )
-                    ]
-                )
-                pub.publish([stored([7], blk(U, 0))])
-                await expect(p, [tokens, U, tokens[: 100 * BS]], [{"w/0": n}, {"w/0": 1}, {"w/0": 100}])
-                assert ing.counters.split_batches == 1
-                assert ing.counters.published == 5  # hello, 3 parts, the small batch
-                assert await stream_messages(server.url, p.stream) == 5
-        finally:
-            pub.close()
+    server = Restartable(tmp_path / "js", ["-c", str(conf)])
+    try:
+        async with file_pipeline(server, uid) as p:
+            ing = await p.start_ingest(W, pub.endpoint, pub.replay_endpoint, block_size=BS)
+            await pub.wait_for_subscribers(1)
+            assert ing._max_payload == 65536
+            await start_indexer(p)
+            await p.start_router()
+            pub.publish(
+                [
+                    BlockStored(
+                        block_hashes=tuple(hashes),
+                        parent_block_hash=None,
+                        token_ids=tuple(tokens),
+                        block_size=BS,
+                    )
+                ]
+            )
+            pub.publish([stored([7], blk(U, 0))])
+            await expect(p, [tokens, U, tokens[: 100 * BS]], [{"w/0": n}, {"w/0": 1}, {"w/0": 100}])
+            assert ing.counters.split_batches == 1
+            assert ing.counters.published == 5  # hello, 3 parts, the small batch
+            assert await stream_messages(server.url, p.stream) == 5
+    finally:
+        pub.close()
+        server.stop()
 
 
 # ---------------------------------------------------------------------------------------------- outage
@@ -147,7 +188,7 @@ async def test_batch_larger_than_max_payload_is_split_with_its_chain_intact(tmp_
 async def test_nats_outage_buffers_and_publishes_everything_in_order(tmp_path: Path, uid: str) -> None:
     """NATS frozen, killed with publishes in flight and restarted: the engine never waits and every store and removal lands once, in order."""
     store = tmp_path / "js"
-    server = NatsServer(store_dir=store).start()
+    server = Restartable(store)
     pub = EventPublisher(ANY, ANY)
     chain_tokens = list(range(1000, 1000 + BS * 30))
     chain = [((1 << 40) + i, blk(chain_tokens, i)) for i in range(30)]
@@ -174,28 +215,25 @@ async def test_nats_outage_buffers_and_publishes_everything_in_order(tmp_path: P
             for i in range(10):
                 grow(i)
             await expect(p, [T, chain_tokens], [{"w/0": 4}, {"w/0": 10}])
-            assert server.pid is not None
-            os.kill(server.pid, signal.SIGSTOP)  # frozen: what the ingest sends now is never acknowledged
+            server.freeze()  # what the ingest sends now is never acknowledged
             publish_s = 0.0
             for i in range(10, 20):
                 grow(i)
                 publish([stored([(1 << 50) + i], transient[i - 10])])
-            await eventually(lambda: asyncio.sleep(0, ing.counters.batches), lambda b: b == 31)
-            await eventually(
-                lambda: asyncio.sleep(0, len(ing._inflight)), lambda n: n == 20
-            )  # unacknowledged
+            await eventually(lambda: asyncio.sleep(0, ing.counters.batches), lambda b: b == 31, timeout_s=30)
+            # sent, never acknowledged:
+            await eventually(lambda: asyncio.sleep(0, len(ing._inflight)), lambda n: n == 20, timeout_s=30)
             server.kill()  # the in-flight publishes die with it
-            server.stop()  # (keeps the store: it is not a temporary one)
             await wait_disconnected(ing)
             for i in range(20, 30):
                 grow(i)
                 publish([removed((1 << 50) + i - 10)])  # applied before its store, a removal is lost
             publish([removed(4)])
             assert publish_s < 0.5  # 41 engine publishes: none waited for NATS
-            await eventually(lambda: asyncio.sleep(0, ing.counters.batches), lambda b: b == 52)
+            await eventually(lambda: asyncio.sleep(0, ing.counters.batches), lambda b: b == 52, timeout_s=30)
             assert ing.status()["ranks"]["0"]["last_seq"] == 51  # ZMQ read on while NATS was down
             assert ing.status()["outbox"] == 41
-            server = restart(server, store)
+            server.restart()
             await reindex(p)
             await expect(p, [T, chain_tokens, *transient], [{"w/0": 3}, {"w/0": 30}] + [{"w/0": 0}] * 10)
             assert ing.counters.dropped_batches == 0
@@ -212,7 +250,7 @@ async def test_nats_outage_buffers_and_publishes_everything_in_order(tmp_path: P
 async def test_outbox_overflow_drops_oldest_and_resynchronises(tmp_path: Path, uid: str) -> None:
     """With room for 3 batches, 7 batches during an outage drop the oldest 4 and clear the worker once; the last 3 index."""
     store = tmp_path / "js"
-    server = NatsServer(store_dir=store).start()
+    server = Restartable(store)
     pub = EventPublisher(ANY, ANY)
     prompts = roots(7, 5000)
     try:
@@ -226,14 +264,13 @@ async def test_outbox_overflow_drops_oldest_and_resynchronises(tmp_path: Path, u
             pub.publish([stored([1, 2, 3, 4], T)])
             await expect(p, [T], [{"w/0": 4}])
             server.kill()
-            server.stop()  # (keeps the store: it is not a temporary one)
             await wait_disconnected(ing)
             for i, prompt in enumerate(prompts):
                 pub.publish([stored([100 + i], prompt)])
-            await eventually(lambda: asyncio.sleep(0, ing.counters.batches), lambda b: b == 8)
+            await eventually(lambda: asyncio.sleep(0, ing.counters.batches), lambda b: b == 8, timeout_s=30)
             assert ing.counters.dropped_batches == 4
             assert ing.status()["outbox"] == 3
-            server = restart(server, store)
+            server.restart()
             await reindex(p)
             await expect(p, [T, *prompts], [{"w/0": 0}] * 5 + [{"w/0": 1}] * 3, timeout_s=20)
             assert ing.counters.dropped_batches == 4

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 from tests.pipeline import eventually
 from tests.test_ingest_faults import ANY, BS, T, U, blk, stored
-from tests.test_ingest_outage import file_pipeline, restart, roots, stream_messages, wait_disconnected
+from tests.test_ingest_outage import Restartable, file_pipeline, roots, stream_messages, wait_disconnected
 
 from kvmesh.cli import status_command
-from kvmesh.runtime.server import NatsServer
 from kvmesh.sim.publisher import EventPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -23,7 +22,7 @@ async def test_status_shows_exact_ingest_cursors_and_counters(
 ) -> None:
     """After a healed gap, a malformed batch, an unhealed gap, a rejected event, an overflowing outage and an engine restart, `kvmesh status` reports each count exactly."""
     store = tmp_path / "js"
-    server = NatsServer(store_dir=store).start()
+    server = Restartable(store)
     pub = EventPublisher(ANY, ANY)
     worker = f"s-{uid}"
     try:
@@ -44,43 +43,42 @@ async def test_status_shows_exact_ingest_cursors_and_counters(
             async def drained() -> None:
                 # The outbox holds only 2 batches: let each step's batches out before the next step.
                 await eventually(
-                    lambda: asyncio.sleep(0, ing.status()["outbox"]), lambda n: n == 0, timeout_s=20
+                    lambda: asyncio.sleep(0, ing.status()["outbox"]), lambda n: n == 0, timeout_s=30
                 )
 
             await drained()
 
             pub.publish([stored([1], blk(T, 0))])  # seq 0
-            await eventually(rank0, lambda r: r["last_seq"] == 0)
+            await eventually(rank0, lambda r: r["last_seq"] == 0, timeout_s=30)
             await drained()
             pub.drop_next(1)
             pub.publish([stored([2], blk(T, 1), parent=1)])  # seq 1: dropped live, replayed
             pub.publish([stored([3], blk(T, 2), parent=2)])  # seq 2
-            await eventually(rank0, lambda r: r["last_seq"] == 2 and not r["replaying"])
+            await eventually(rank0, lambda r: r["last_seq"] == 2 and not r["replaying"], timeout_s=30)
             await drained()
             pub.publish_raw(b"\xc1garbage")  # seq 3: undecodable
-            await eventually(rank0, lambda r: r["last_seq"] == 3)
+            await eventually(rank0, lambda r: r["last_seq"] == 3, timeout_s=30)
             await drained()
             pub.replay_enabled = False
             pub.drop_next(1)
             pub.publish([stored([4], blk(T, 3), parent=3)])  # seq 4: dropped, never replayed
             pub.publish([stored([10], blk(U, 0))])  # seq 5: after the replay times out, a resync
-            await eventually(rank0, lambda r: r["last_seq"] == 5 and not r["replaying"])
+            await eventually(rank0, lambda r: r["last_seq"] == 5 and not r["replaying"], timeout_s=30)
             await drained()
             pub.publish([stored([11, 12], U[:7])])  # seq 6: 7 tokens for 2 blocks, rejected
-            await eventually(rank0, lambda r: r["last_seq"] == 6)
+            await eventually(rank0, lambda r: r["last_seq"] == 6, timeout_s=30)
             await drained()
 
             server.kill()
-            server.stop()  # (keeps the store: it is not a temporary one)
             await wait_disconnected(ing)
             for i, prompt in enumerate(roots(4, 5000)):  # seq 7 … 10: the outbox keeps the last 2
                 pub.publish([stored([100 + i], prompt)])
-            await eventually(rank0, lambda r: r["last_seq"] == 10)
-            server = restart(server, store)
+            await eventually(rank0, lambda r: r["last_seq"] == 10, timeout_s=30)
+            server.restart()
             await drained()
             pub.restart()
             pub.publish([stored([1], blk(T, 0))])  # seq 0 of the engine's next incarnation
-            await eventually(rank0, lambda r: (r["epoch"], r["last_seq"]) == (1, 0))
+            await eventually(rank0, lambda r: (r["epoch"], r["last_seq"]) == (1, 0), timeout_s=30)
             await drained()
             # hello, seq 0-2, malformed clear, gap clear, seq 5-6, overflow clear, seq 9-10, restart clear, seq 0
             assert await stream_messages(server.url, p.stream) == 13

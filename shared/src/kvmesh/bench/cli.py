@@ -16,12 +16,14 @@ benchmarks:
             with a differential check of every query; memory per stored block
   ingest    simulated engines → ingest → JetStream → consumer, block events/s with zero loss, vs a
             hand-written ZMQ → nats-py pipe
+  route     route latency through NATS (concurrency 1) vs a bare NATS request-reply echo, same run
 """
 
 _COMMANDS: dict[str, str] = {
     "trace": "kvmesh.bench.trace",
     "index": "kvmesh.bench.index",
     "ingest": "kvmesh.bench.ingest",
+    "route": "kvmesh.bench.route",
 }
 
 

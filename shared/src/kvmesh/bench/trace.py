@@ -52,6 +52,8 @@ POLICIES: Final[tuple[str, ...]] = ("kvmesh", "round-robin", "random", "least-lo
 EXTRA_POLICIES: Final[tuple[str, ...]] = ("longest-prefix",)
 """Policies run only when asked for with ``--policies``."""
 MODEL: Final[str] = "bench-model"
+_REPLAY_STEPS: Final[int] = 2000
+"""Batches each engine keeps for replay (a prompt's batch carries its token ids: ~20 KB)."""
 _LATE_S: Final[float] = 0.010
 """A batch published more than this many wall seconds after its time counts as late."""
 SHARED_TRACE: Final[Path] = Path("../shared/data/mooncake/conversation_trace.jsonl")
@@ -223,7 +225,7 @@ class _Pipeline:
             self.server = NatsServer(store_dir=self.tmp / "nats").start()
             nats_url = str(self.server.url)
         for i in range(self.workers):
-            pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+            pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=_REPLAY_STEPS)
             self.publishers.append(pub)
             self._spawn(
                 f"ingest-{i}", "kvmesh.ingest", "--nats-url", nats_url, "--worker-id", f"sim-{i}",

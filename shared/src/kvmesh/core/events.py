@@ -59,7 +59,7 @@ class EventsMessage(msgspec.Struct, tag="events", kw_only=True, frozen=True):
     epoch: int
     """Engine incarnation as counted by ingest; rises when the engine's sequence goes backwards."""
     seq: int
-    """Engine sequence of the batch (ZMQ frame 2), or the last one seen for ingest-made clears."""
+    """Engine sequence of the batch (ZMQ frame 2); for ingest-made messages the last one seen, -1 before any."""
     part: int = 0
     """Index of this part when a batch was split to fit the server's max payload."""
     ts: float = 0.0

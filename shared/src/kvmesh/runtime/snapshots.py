@@ -8,28 +8,74 @@ The lease (`SnapshotLease`) is one key in a KV bucket whose max age is the lease
 when absent, the holder renews it with ``update(last=revision)``, and an unrenewed lease simply ages out.
 It only saves work — two writers at the same stream sequence would write identical snapshots — so it needs
 no fencing.
+
+Also here, because recovery and the offline ``kvmesh replay`` must choose the same way: `plan_recovery`
+(which snapshot to start from, and whether the stream still covers what follows it), `replay_stream` (read
+the stream into an `IndexState` with an ordered consumer) and the stream retention rule
+(`default_stream_max_age_s`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
+import contextlib
 import io
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, ObjectMeta, ObjectStoreConfig, StorageType
+from nats.js.api import (
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    ObjectMeta,
+    ObjectStoreConfig,
+    StorageType,
+)
 
+from kvmesh.core.errors import MessageDecodeError
+from kvmesh.core.events import decode_message
 from kvmesh.core.snapshot import SnapshotError, decode_snapshot
-from kvmesh.core.state import StateExport
+from kvmesh.core.state import IndexState, StateExport
+from kvmesh.runtime import subjects
 
 log = logging.getLogger(__name__)
 
 PREFIX: Final[str] = "snap-"
 LEASE_KEY: Final[str] = "snapshot-writer"
+
+DEFAULT_SNAPSHOT_EVERY_S: Final[float] = 300.0
+"""An indexer writes a snapshot when the last one is this old (``--snapshot-every-s``)."""
+DEFAULT_SNAPSHOT_KEEP: Final[int] = 3
+"""Snapshots kept per index group (``--snapshot-keep``)."""
+MIN_STREAM_MAX_AGE_S: Final[float] = 24 * 3600.0
+"""The stream's max age is never below a day, whatever the snapshot interval."""
+STREAM_AGE_FACTOR: Final[int] = 4
+"""How many times the span of the kept snapshots the stream keeps by age (see `default_stream_max_age_s`)."""
+DEFAULT_STREAM_MAX_BYTES: Final[int] = 8 * 2**30
+"""Size bound of the events stream (oldest dropped first)."""
+
+
+def default_stream_max_age_s(
+    snapshot_every_s: float = DEFAULT_SNAPSHOT_EVERY_S, snapshot_keep: int = DEFAULT_SNAPSHOT_KEEP
+) -> float:
+    """The events stream's default max age: ``max(24 h, 4 × snapshot interval × snapshots kept)``.
+
+    The kept snapshots span about ``interval × keep``; the stream must still hold the message after the oldest
+    of them even when snapshots were late (a writer restarting, a slow upload), hence the factor 4. Age is the
+    backstop only: after each snapshot the writer purges what the oldest kept snapshot no longer needs.
+    """
+    return max(MIN_STREAM_MAX_AGE_S, STREAM_AGE_FACTOR * snapshot_every_s * snapshot_keep)
+
+
+DEFAULT_STREAM_MAX_AGE_S: Final[float] = default_stream_max_age_s()
+"""`default_stream_max_age_s` of the default snapshot settings (24 h)."""
 
 
 def snapshot_name(applied_seq: int) -> str:
@@ -145,7 +191,7 @@ class SnapshotStore:
         """Store arbitrary bytes under a name (tests use it to corrupt a snapshot)."""
         await self._obs.put(name, data)
 
-    async def prune(self, keep: int) -> list[str]:
+    async def prune(self, keep: int) -> builtins.list[str]:
         """Delete all but the newest ``keep`` snapshots; return the deleted names."""
         deleted = []
         for entry in (await self.list())[keep:]:
@@ -267,8 +313,191 @@ class SnapshotLease:
         """Give the lease up (on a clean stop) so another replica takes over at once."""
         if self._revision is None:
             return
-        try:
+        with contextlib.suppress(nats.errors.Error, nats.js.errors.Error):
             await self._kv.delete(LEASE_KEY, last=self._revision)
-        except (nats.errors.Error, nats.js.errors.Error):
-            pass
         self._revision = None
+
+
+@dataclass(slots=True, kw_only=True)
+class RecoveryPlan:
+    """Where a state rebuild starts: which snapshot (if any), which stream sequence, and what is missing."""
+
+    export: StateExport | None
+    """The snapshot's state, or None to start empty."""
+    snapshot: str | None
+    snapshot_seq: int | None
+    start_seq: int
+    """First stream sequence to read."""
+    skipped: list[list[str]] = field(default_factory=list)
+    """``[name, reason]`` of snapshots not used, newest first."""
+    gap: list[int] | None = None
+    """``[first, last]`` stream sequences that are gone and no snapshot covers, or None when whole."""
+
+    def state(self) -> IndexState:
+        """Build the starting state (takes ownership of the export); marks the gap if there is one."""
+        state = IndexState.from_export(self.export) if self.export is not None else IndexState()
+        if self.gap is not None:
+            state.mark_gap(self.gap[0] - 1)
+        return state
+
+
+async def plan_recovery(
+    store: SnapshotStore | None,
+    *,
+    first_seq: int,
+    last_seq: int,
+    only_seq: int | None = None,
+    name: str = "kvmesh",
+) -> RecoveryPlan:
+    """Choose the snapshot to start from: the newest that verifies and that the stream still continues.
+
+    Snapshots beyond the stream's last sequence or failing to read or verify are skipped. The first whose
+    ``seq + 1 ≥ first_seq`` (or ``seq ≥ last_seq``) is used. If none is covered, the newest valid one (or an
+    empty state) is used from the stream's first sequence, and the plan carries the gap.
+
+    Args:
+        store: the group's snapshot bucket, or None to start from the stream alone.
+        first_seq: the stream's first sequence now.
+        last_seq: the stream's last sequence now.
+        only_seq: consider only the snapshot at this sequence (``kvmesh replay --from-snapshot SEQ``).
+        name: who is recovering (log lines).
+    """
+    skipped: list[list[str]] = []
+    uncovered: tuple[str, StateExport] | None = None
+    for entry in await store.list() if store is not None else []:
+        if only_seq is not None and entry.applied_seq != only_seq:
+            continue
+        if entry.applied_seq > last_seq:
+            skipped.append([entry.name, "beyond the stream's last sequence"])
+            continue
+        try:
+            export = decode_snapshot(await store.get(entry.name))  # type: ignore[union-attr]
+        except SnapshotError as exc:
+            log.warning("%s: snapshot %s skipped (%s): %s", name, entry.name, exc.reason, exc)
+            skipped.append([entry.name, exc.reason])
+            continue
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("%s: snapshot %s unreadable, skipped: %r", name, entry.name, exc)
+            skipped.append([entry.name, type(exc).__name__])
+            continue
+        if export.applied_seq + 1 >= first_seq or export.applied_seq >= last_seq:
+            return RecoveryPlan(
+                export=export,
+                snapshot=entry.name,
+                snapshot_seq=export.applied_seq,
+                start_seq=export.applied_seq + 1,
+                skipped=skipped,
+            )
+        log.warning(
+            "%s: snapshot %s (seq %d) is older than the stream's first message %d; trying older",
+            name,
+            entry.name,
+            export.applied_seq,
+            first_seq,
+        )
+        skipped.append([entry.name, "stream no longer holds its next message"])
+        if uncovered is None:
+            uncovered = (entry.name, export)
+    base_seq = uncovered[1].applied_seq if uncovered is not None else 0
+    plan = RecoveryPlan(
+        export=uncovered[1] if uncovered is not None else None,
+        snapshot=uncovered[0] if uncovered is not None else None,
+        snapshot_seq=base_seq if uncovered is not None else None,
+        start_seq=max(first_seq, base_seq + 1),
+        skipped=skipped,
+    )
+    if first_seq > base_seq + 1:
+        # Messages base_seq+1 .. first_seq-1 existed and are gone (purged, aged out, or over max bytes).
+        plan.gap = [base_seq + 1, first_seq - 1]
+        log.error(
+            "%s: stream messages %d..%d are gone and no snapshot covers them: starting from seq %d; the index is "
+            "INCOMPLETE for every worker until it clears (see kvmesh status)",
+            name,
+            base_seq + 1,
+            first_seq - 1,
+            first_seq,
+        )
+    return plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayStats:
+    """What `replay_stream` read."""
+
+    messages: int
+    """Stream messages received."""
+    decode_errors: int
+    apply_errors: int
+    seconds: float
+
+
+async def replay_stream(
+    js: JetStreamContext,
+    state: IndexState,
+    *,
+    stream: str,
+    events_prefix: str,
+    start_seq: int,
+    to_seq: int,
+    timeout_s: float = 60.0,
+    on_message: Callable[[int], None] | None = None,
+) -> ReplayStats:
+    """Apply the stream's messages ``start_seq .. to_seq`` to a state with an ordered consumer (no durable one).
+
+    Messages that do not decode or fail to apply are counted and skipped, as the indexer does.
+
+    Raises:
+        TimeoutError: no message arrived for ``timeout_s`` seconds before ``to_seq`` was applied.
+    """
+    t0 = time.perf_counter()
+    counts = [0, 0, 0]  # messages, decode errors, apply errors
+    if to_seq < start_seq or state.applied_seq >= to_seq:
+        return ReplayStats(messages=0, decode_errors=0, apply_errors=0, seconds=0.0)
+    done = asyncio.Event()
+
+    async def on_msg(msg: Any) -> None:
+        # A callback, not next_msg(): nats-py then hands messages over without a task per message.
+        seq = msg.metadata.sequence.stream
+        counts[0] += 1
+        if on_message is not None:
+            on_message(seq)
+        try:
+            state.apply(seq, decode_message(msg.data))
+        except MessageDecodeError:
+            counts[1] += 1
+            state.applied_seq = max(state.applied_seq, seq)
+        except Exception:
+            counts[2] += 1
+            state.applied_seq = max(state.applied_seq, seq)
+        if state.applied_seq >= to_seq:
+            done.set()
+
+    sub = await js.subscribe(
+        subjects.events_wildcard(events_prefix),
+        stream=stream,
+        cb=on_msg,
+        ordered_consumer=True,
+        pending_msgs_limit=1 << 20,
+        pending_bytes_limit=1 << 30,
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)),
+    )
+    try:
+        seen = -1
+        while not done.is_set():
+            if counts[0] == seen:
+                raise TimeoutError(
+                    f"stream {stream}: nothing after seq {state.applied_seq} within {timeout_s:g} s"
+                )
+            seen = counts[0]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout_s)
+    finally:
+        with contextlib.suppress(nats.errors.Error):
+            await sub.unsubscribe()
+    messages, decode_errors, apply_errors = counts
+    return ReplayStats(
+        messages=messages,
+        decode_errors=decode_errors,
+        apply_errors=apply_errors,
+        seconds=time.perf_counter() - t0,
+    )

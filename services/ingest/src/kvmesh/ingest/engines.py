@@ -293,11 +293,17 @@ def build_sglang_command(
 
 
 async def run_engine(
-    cmd: EngineCommand, settings: IngestSettings, *, env: Mapping[str, str] | None = None
+    cmd: EngineCommand,
+    settings: IngestSettings,
+    *,
+    env: Mapping[str, str] | None = None,
+    ingest_wait_s: float = 30.0,
 ) -> int:
     """Run the ingest, then the engine; stop both together; return the engine's exit status.
 
-    SIGINT and SIGTERM are forwarded to the engine; when it exits the ingest publishes what it buffered and
+    The engine starts once the ingest is ready (connected, cursors recovered, sockets connecting), or after
+    ``ingest_wait_s`` seconds at the latest: the engine never waits on NATS for long. SIGINT and SIGTERM are
+    forwarded to the engine; when it exits the ingest publishes what it buffered and
     stops. If the ingest fails, the engine is stopped (SIGTERM, SIGKILL after 30 s) and 1 is returned.
     A signal that ended the engine is returned as 128 + its number, as a shell does.
     """
@@ -305,11 +311,17 @@ async def run_engine(
     ingest = IngestService(settings)
     ingest_task = asyncio.create_task(ingest.run())
     ready = asyncio.create_task(ingest.ready.wait())
-    await asyncio.wait([ingest_task, ready], return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait([ingest_task, ready], timeout=ingest_wait_s, return_when=asyncio.FIRST_COMPLETED)
+    ready.cancel()
     if ingest_task.done():
-        ready.cancel()
         ingest_task.result()  # raises the ingest's error
         return 1
+    if not ingest.ready.is_set():
+        log.warning(
+            "ingest not ready after %g s (NATS unreachable?); starting the engine anyway: the ingest attaches "
+            "when it can, and batches the engine publishes before that are not indexed",
+            ingest_wait_s,
+        )
     log.info("starting engine: %s", shlex.join(cmd.argv))
     proc = await asyncio.create_subprocess_exec(*cmd.argv, env=dict(env) if env is not None else None)
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -338,8 +350,10 @@ async def run_engine(
             proc.kill()
             await proc.wait()
         ingest.stop()
-        with contextlib.suppress(Exception):
-            await ingest_task
+        if not ingest.ready.is_set():
+            ingest_task.cancel()  # still waiting for NATS: nothing to publish
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(ingest_task, _STOP_TIMEOUT_S)
     if failed:
         return 1
     return 128 - code if code < 0 else code
@@ -408,6 +422,12 @@ def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
     parser.add_argument(
         "--events-prefix", default=subjects.EVENTS_PREFIX, help="subject prefix of the stream"
     )
+    parser.add_argument(
+        "--ingest-wait-s",
+        type=float,
+        default=30.0,
+        help="start the engine after this long even if the ingest cannot reach NATS yet (default %(default)s)",
+    )
     parser.add_argument("--log-level", default=environ.get("KVMESH_LOG_LEVEL", "INFO"), help="log level")
     a = parser.parse_args(ours)
     if not engine_args:
@@ -453,7 +473,7 @@ def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
         parser.error("; ".join(problems))
     setup_logging(a.log_level, engine)
     try:
-        return asyncio.run(run_engine(cmd, settings))
+        return asyncio.run(run_engine(cmd, settings, ingest_wait_s=a.ingest_wait_s))
     except KvmeshError as exc:
         log.error("%s", exc)
         return 1

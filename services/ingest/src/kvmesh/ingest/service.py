@@ -101,7 +101,10 @@ class IngestService:
         self._js: JetStreamContext | None = None
         self._outbox: deque[_Outgoing] = deque()
         self._outbox_ready = asyncio.Event()
-        self._inflight: deque[tuple[_Outgoing, asyncio.Future[Any]]] = deque()
+        self._inflight: deque[tuple[_Outgoing, asyncio.Future[Any], float]] = deque()
+        """Published, awaiting the ack: (message, ack future, loop time sent)."""
+        self._connections = 0
+        """Connections lost so far: in-flight messages of an earlier connection are re-sent."""
         self._queued: Counter[tuple[str, int]] = Counter()
         """Outbox messages per holder (worker, dp_rank)."""
         self._overflowed: dict[tuple[str, int], tuple[int, int]] = {}
@@ -473,6 +476,7 @@ class IngestService:
         ahead of the in-flight messages the dead connection lost, out of order. The publish loop re-sends
         everything unacknowledged itself, in order (the server drops what did land by its Nats-Msg-Id).
         """
+        self._connections += 1
         nc, js = self._nc, self._js
         prefix = getattr(js, "_async_reply_prefix", None)
         if nc is None or not prefix:
@@ -495,7 +499,7 @@ class IngestService:
         """Put every unacknowledged message back at the front of the outbox, in order."""
         inflight = self._inflight
         while inflight:
-            out, fut = inflight.pop()
+            out, fut, _ = inflight.pop()
             fut.cancel()  # frees nats-py's pending-ack slot; a late ack is ignored
             self._outbox.appendleft(out)
             self._queued[out.holder] += 1
@@ -508,27 +512,33 @@ class IngestService:
         the messages the dead connection lost): on a disconnect, or an ack that fails or does not come
         within `_ACK_TIMEOUT_S`, every unacknowledged message goes back to the front of the outbox and is
         re-sent, in order, once connected; ``Nats-Msg-Id`` makes the server drop those that had landed.
+        Waiting for an ack never holds back a new batch while the window has room.
         """
         assert self._js is not None and self._nc is not None
         js, nc = self._js, self._nc
+        loop = asyncio.get_running_loop()
         window = self.settings.max_pending_acks
         inflight = self._inflight
         backoff = 0.1
+        connection = self._connections
         try:
             while True:
-                if not nc.is_connected:
+                if not nc.is_connected or connection != self._connections:
+                    # A reconnect can be quicker than this loop: the connection count tells it happened.
                     self._requeue_inflight()
                     while not nc.is_connected and not nc.is_closed:  # noqa: ASYNC110
                         await asyncio.sleep(0.05)
                     if nc.is_closed:
                         return
+                    connection = self._connections
                     continue
-                if not self._outbox and not inflight and not self._overflowed:
-                    self._outbox_ready.clear()
-                    await self._outbox_ready.wait()
-                    continue
-                failed = False
-                while len(inflight) < window and nc.is_connected:
+                failed = self._take_acks(loop.time())
+                while (
+                    not failed
+                    and len(inflight) < window
+                    and nc.is_connected
+                    and connection == self._connections
+                ):
                     out = self._next_outgoing()
                     if out is None:
                         break
@@ -542,48 +552,59 @@ class IngestService:
                         break
                     self._outbox.popleft()
                     self._queued[out.holder] -= 1
-                    inflight.append((out, fut))
-                must_wait = failed or len(inflight) >= window or not self._outbox
-                while inflight and (must_wait or inflight[0][1].done()):
-                    out, fut = inflight[0]
-                    try:
-                        acked = await self._await_ack(nc, fut)
-                    except (nats.errors.Error, OSError) as exc:
-                        log.warning(
-                            "worker %s: publish of %s failed (%r); retrying in order",
-                            self.settings.worker_id,
-                            out.msg_id,
-                            exc,
-                        )
-                        acked = False
-                    if not acked:
-                        failed = failed or nc.is_connected
-                        self._requeue_inflight()
-                        break
-                    inflight.popleft()
-                    self.counters.published += 1
-                    backoff = 0.1
-                    must_wait = must_wait and len(inflight) >= window
+                    inflight.append((out, fut, loop.time()))
                 if failed:
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    if nc.is_connected:
+                        self._requeue_inflight()
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, 2.0)
+                    continue
+                if inflight and inflight[0][1].done():
+                    backoff = 0.1
+                    continue
+                if not inflight and not self._outbox and not self._overflowed:
+                    self._outbox_ready.clear()
+                    await self._outbox_ready.wait()
+                    continue
+                # Wait for the oldest ack, or (window permitting) a new batch; wake up now and then to
+                # notice a lost connection or an ack that is overdue.
+                waits: list[asyncio.Future[Any]] = [inflight[0][1]] if inflight else []
+                ready: asyncio.Task[Any] | None = None
+                if len(inflight) < window and nc.is_connected:
+                    self._outbox_ready.clear()
+                    ready = asyncio.create_task(self._outbox_ready.wait())
+                    waits.append(ready)
+                await asyncio.wait(waits, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                if ready is not None:
+                    ready.cancel()
         finally:
             self._requeue_inflight()
 
-    async def _await_ack(self, nc: Client, fut: asyncio.Future[Any]) -> bool:
-        """Wait for one publish's ack: True when acknowledged, False on a disconnect or after the timeout.
-
-        Raises:
-            nats.errors.Error: the server answered with an error (e.g. no stream responders yet).
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _ACK_TIMEOUT_S
-        while not fut.done():
-            if not nc.is_connected or loop.time() >= deadline:
-                return False
-            await asyncio.wait([fut], timeout=0.05)
-        fut.result()
-        return True
+    def _take_acks(self, now: float) -> bool:
+        """Count the acknowledged messages at the front of the window; return True if one failed or is overdue."""
+        inflight = self._inflight
+        while inflight and inflight[0][1].done():
+            out, fut, _ = inflight[0]
+            exc = None if fut.cancelled() else fut.exception()
+            if fut.cancelled() or exc is not None:
+                log.warning(
+                    "worker %s: publish of %s failed (%r); retrying in order",
+                    self.settings.worker_id,
+                    out.msg_id,
+                    exc,
+                )
+                return True
+            inflight.popleft()
+            self.counters.published += 1
+        if inflight and now - inflight[0][2] > _ACK_TIMEOUT_S:
+            log.warning(
+                "worker %s: publish of %s not acknowledged in %.0f s; retrying in order",
+                self.settings.worker_id,
+                inflight[0][0].msg_id,
+                _ACK_TIMEOUT_S,
+            )
+            return True
+        return False
 
     async def _flush(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()

@@ -110,8 +110,11 @@ class Group:
         self.procs.append(proc)
         return proc
 
-    async def publish(self, n: int, workers: int = 4, blocks: int = 4) -> int:
-        """Publish ``n`` batches of ``blocks`` stored blocks round-robin over workers; return the last seq."""
+    async def publish(self, n: int, workers: int = 4, blocks: int = 4, ts: float = 0.0) -> int:
+        """Publish ``n`` batches of ``blocks`` stored blocks round-robin over workers; return the last seq.
+
+        Each batch carries engine timestamp ``ts`` (0: none).
+        """
         ack: Any = None
         for i in range(n):
             w = f"w{i % workers}"
@@ -125,6 +128,7 @@ class Group:
                 block_size=BS,
                 epoch=0,
                 seq=i,
+                ts=ts,
                 events=[Stored(engine, parent, local)],
             )
             self.chains[(w, 0)] = engine[-1]

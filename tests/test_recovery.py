@@ -15,6 +15,7 @@ from kvmesh.runtime.snapshots import SnapshotStore, snapshot_name
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
 PROMPT = list(range(64))
+SPAWN_S = 40.0
 
 
 @pytest.mark.slow
@@ -25,13 +26,18 @@ async def test_sigkilled_indexer_restarts_from_its_snapshot_equal_to_a_live_repl
     async with group(nats_url, uid, log_dir=tmp_path) as g:
         proc_kw = {"match_subject": f"r{uid}.proc", "snapshot_every_messages": 100}
         proc = g.spawn(f"{uid}-proc", **proc_kw)
-        await wait_for(g.status, lambda s: s.get(f"{uid}-proc", {}).get("snapshot_writer") is True)
+        # A child process starts in about a second, much slower on a loaded machine: give it time.
+        await wait_for(
+            g.status, lambda s: s.get(f"{uid}-proc", {}).get("snapshot_writer") is True, timeout_s=SPAWN_S
+        )
         live = await g.start(
             f"{uid}-live", match_subject=f"r{uid}.live"
         )  # not the lease holder: never writes
         await g.publish(250)
         await wait_for(
-            g.status, lambda s: (s[f"{uid}-proc"]["snapshots"]["last"] or {}).get("applied_seq", 0) >= 200
+            g.status,
+            lambda s: (s[f"{uid}-proc"]["snapshots"]["last"] or {}).get("applied_seq", 0) >= 200,
+            timeout_s=SPAWN_S,
         )
         feeding = asyncio.create_task(g.publish(200))
         await asyncio.sleep(0.05)
@@ -42,11 +48,15 @@ async def test_sigkilled_indexer_restarts_from_its_snapshot_equal_to_a_live_repl
         store = await SnapshotStore.open(g.js, subjects.snapshot_bucket(g.stream))
         newest = (await store.list())[0]
         g.spawn(f"{uid}-proc", **proc_kw)
-        st = await wait_for(g.status, lambda s: s.get(f"{uid}-proc", {}).get("ready") is True)
+        st = await wait_for(
+            g.status, lambda s: s.get(f"{uid}-proc", {}).get("ready") is True, timeout_s=SPAWN_S
+        )
         restarted = st[f"{uid}-proc"]
         assert restarted["recovery"]["snapshot_seq"] == newest.applied_seq
         assert restarted["recovery"]["read_to_ready"] == 450 - newest.applied_seq
-        st = await wait_for(g.status, lambda s: [s[r]["applied_seq"] for r in sorted(s)] == [450, 450])
+        st = await wait_for(
+            g.status, lambda s: [s[r]["applied_seq"] for r in sorted(s)] == [450, 450], timeout_s=SPAWN_S
+        )
         assert st[f"{uid}-live"]["digest"] == st[f"{uid}-proc"]["digest"]
         assert st[f"{uid}-live"]["blocks"] == st[f"{uid}-proc"]["blocks"] == live.state.block_total()
         assert await g.match(f"r{uid}.live", PROMPT) == await g.match(f"r{uid}.proc", PROMPT)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,10 @@ commands:
   indexer   rebuild the prefix index from the stream and answer match queries
   router    answer kvmesh.route requests: which worker holds the longest cached prefix
   route     send one route request and print the reply
-  status    show the stream, indexer replicas and ingests
+  status    show the stream, indexer replicas, snapshots, workers and ingests
+  snapshot  ask the index group's snapshot writer to write a snapshot now; print its stream sequence
+  replay    rebuild an index offline from the stream (optionally from a snapshot): size, digest, time
+  reset     start a new index epoch: every replica forgets its index at one point of the stream
   sim       run simulated vLLM workers that publish real KV events
   bench     benchmarks: trace (routing policies on a Mooncake trace), index, ingest
 """
@@ -54,7 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     name, rest = args[0], args[1:]
-    builtin: dict[str, Callable[..., int]] = {"route": route_command, "status": status_command}
+    builtin: dict[str, Callable[..., int]] = {
+        "route": route_command,
+        "status": status_command,
+        "snapshot": snapshot_command,
+        "replay": replay_command,
+        "reset": reset_command,
+    }
     if name in builtin:
         return builtin[name](rest)
     if name == "sim":
@@ -187,8 +199,9 @@ def status_command(argv: Sequence[str]) -> int:
         prog="kvmesh status",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Show the events stream (messages, bytes, sequences), every indexer replica (applied "
-        "sequence, lag, blocks, digest) and every ingest (per-rank cursors, gaps, replays, resyncs, rejected "
-        "and dropped events) as JSON.",
+        "sequence, lag, blocks, digest), the stored snapshots (sequence, size, age), the workers (model, dp "
+        "ranks, block size, incarnation, last heartbeat and event) and every ingest (per-rank cursors, gaps, "
+        "replays, resyncs, rejected and dropped events) as JSON.",
     )
     parser.add_argument(
         "--nats-url",
@@ -220,9 +233,12 @@ def status_command(argv: Sequence[str]) -> int:
                 gather_status(nc, subjects.STATUS_SUBJECT, a.wait_s),
                 gather_status(nc, f"{subjects.STATUS_SUBJECT}.ingest", a.wait_s),
             )
+            replicas = [r for r in replicas if r.get("stream", a.stream) == a.stream]
             for r in replicas:
                 r["lag"] = max(0, last - r.get("applied_seq", 0))
             out["replicas"] = sorted(replicas, key=lambda r: r.get("replica", ""))
+            out["snapshots"] = await status_snapshots(js, a.stream)
+            out["workers"] = await status_workers(js, a.stream, out["replicas"])
             out["ingests"] = sorted(ingests, key=lambda r: r.get("worker_id", ""))
             return out
         finally:
@@ -235,6 +251,349 @@ def status_command(argv: Sequence[str]) -> int:
         return 1
     print(json.dumps(result, indent=2, default=str))
     return 0
+
+
+async def status_snapshots(js: Any, stream: str) -> list[dict[str, Any]] | dict[str, str]:
+    """The index group's stored snapshots, newest first: name, stream sequence, size and age in seconds."""
+    from kvmesh.runtime.snapshots import SnapshotStore  # noqa: PLC0415 - keep start-up light
+
+    try:
+        store = await SnapshotStore.open(js, subjects.snapshot_bucket(stream), create=False)
+        entries = await store.list()
+    except Exception as exc:
+        if type(exc).__name__ == "BucketNotFoundError":
+            return []
+        return {"error": str(exc) or type(exc).__name__}
+    now = time.time()
+    return [
+        {
+            "name": e.name,
+            "seq": e.applied_seq,
+            "bytes": e.size_bytes,
+            "age_s": _age_s(e.mtime, now),
+        }
+        for e in entries
+    ]
+
+
+async def status_workers(
+    js: Any, stream: str, replicas: Sequence[dict[str, Any]]
+) -> dict[str, dict[str, Any]] | dict[str, str]:
+    """Every worker from the registry (model, dp ranks, block size, incarnation, heartbeat age) with its last
+    event time as the replicas saw it; workers the replicas index but the registry no longer lists show
+    ``registered: false``."""
+    from kvmesh.runtime.registry import list_workers  # noqa: PLC0415 - keep start-up light
+
+    try:
+        kv = await js.key_value(subjects.registry_bucket(stream))
+        records = await list_workers(kv)
+    except Exception as exc:
+        if type(exc).__name__ != "BucketNotFoundError":
+            return {"error": str(exc) or type(exc).__name__}
+        records = {}
+    now = time.time()
+    seen: dict[str, dict[str, Any]] = {}
+    for r in replicas:
+        for w, info in (r.get("workers") or {}).items():
+            if info.get("removed"):
+                continue
+            mine = seen.setdefault(w, {"model": info.get("model"), "last_event_ts": 0.0, "epochs": {}})
+            mine["last_event_ts"] = max(mine["last_event_ts"], float(info.get("last_ts") or 0.0))
+            mine["epochs"] = info.get("epochs") or mine["epochs"]
+    out: dict[str, dict[str, Any]] = {}
+    for w in sorted({*records, *seen}):
+        rec, idx = records.get(w), seen.get(w)
+        last_ts = idx["last_event_ts"] if idx is not None and idx["last_event_ts"] > 0 else None
+        if rec is not None:
+            entry: dict[str, Any] = {
+                "registered": True,
+                "model": rec.model,
+                "dp_ranks": rec.dp_ranks,
+                "block_size": rec.block_size,
+                "incarnation": rec.incarnation,
+                "heartbeat_age_s": round(now - rec.heartbeat_ts, 3) if rec.heartbeat_ts else None,
+            }
+        else:
+            assert idx is not None
+            epochs = {int(k): int(v) for k, v in idx["epochs"].items()}
+            entry = {
+                "registered": False,
+                "model": idx["model"],
+                "dp_ranks": len(epochs),
+                "block_size": None,
+                "incarnation": max(epochs.values(), default=0),
+                "heartbeat_age_s": None,
+            }
+        entry["last_event_ts"] = last_ts
+        entry["last_event_age_s"] = round(now - last_ts, 3) if last_ts is not None else None
+        out[w] = entry
+    return out
+
+
+def _age_s(mtime: str, now: float) -> float | None:
+    """Seconds since an Object Store mtime (RFC 3339, possibly with nanoseconds), or None."""
+    if not mtime:
+        return None
+    text = mtime.replace("Z", "+00:00")
+    head, dot, rest = text.partition(".")
+    if dot:  # Python parses at most 6 fractional digits
+        frac = "".join(itertools.takewhile(str.isdigit, rest))
+        text = f"{head}.{frac[:6]}{rest[len(frac) :]}"
+    try:
+        return round(now - datetime.fromisoformat(text).timestamp(), 3)
+    except ValueError:
+        return None
+
+
+def _nats_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nats-url",
+        default=os.environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL),
+        help="NATS URL [env KVMESH_NATS_URL]",
+    )
+    parser.add_argument("--stream", default=subjects.STREAM, help="events stream (the index group)")
+
+
+# ---------------------------------------------------------------------- snapshot
+
+
+def snapshot_command(argv: Sequence[str]) -> int:
+    """``kvmesh snapshot``: have the index group's snapshot writer write a snapshot now; print it as JSON."""
+    parser = argparse.ArgumentParser(
+        prog="kvmesh snapshot",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Ask the indexer replicas of one stream to write a snapshot now. The holder of the "
+        "snapshot-writer lease writes it (the others decline); prints the written snapshot (name, stream "
+        "sequence, bytes, apply-loop stall) as JSON. Exit status 1 when no replica wrote one.",
+    )
+    _nats_args(parser)
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="seconds to wait for the snapshot")
+    a = parser.parse_args(argv)
+
+    async def go() -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        nc = await connect(a.nats_url, name="kvmesh-snapshot", wait_s=3.0)
+        try:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            await nc.publish(
+                subjects.SNAPSHOT_SUBJECT, json.dumps({"stream": a.stream}).encode(), reply=inbox
+            )
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + a.timeout_s
+            declined: list[dict[str, Any]] = []
+            while (remaining := deadline - loop.time()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=remaining)
+                except Exception:
+                    break
+                if not msg.data:  # no responders: no replica is subscribed at all
+                    break
+                reply = json.loads(msg.data)
+                if reply.get("written"):
+                    return reply, declined
+                declined.append(reply)
+            return None, declined
+        finally:
+            await nc.close()
+
+    try:
+        written, declined = asyncio.run(go())
+    except TransportError as exc:
+        print(f"kvmesh snapshot: {exc}", file=sys.stderr)
+        return 1
+    if written is None:
+        why = "; ".join(f"{d.get('replica')}: {d.get('reason')}" for d in declined) or "no replica answered"
+        print(f"kvmesh snapshot: no snapshot written within {a.timeout_s:g} s ({why})", file=sys.stderr)
+        return 1
+    print(json.dumps(written, indent=2))
+    return 0
+
+
+# ---------------------------------------------------------------------- replay
+
+
+def replay_command(argv: Sequence[str]) -> int:
+    """``kvmesh replay``: rebuild an index offline from the stream (and a snapshot); print size and digest."""
+    parser = argparse.ArgumentParser(
+        prog="kvmesh replay",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Rebuild an index in this process from the events stream, optionally starting from a "
+        "stored snapshot, and print its applied sequence, blocks, digest, messages read and seconds taken "
+        "as JSON: compare with a replica's digest in `kvmesh status` at the same sequence. Reads with an "
+        "ordered consumer; changes nothing.",
+    )
+    _nats_args(parser)
+    parser.add_argument(
+        "--events-prefix", default=subjects.EVENTS_PREFIX, help="subject prefix of the stream"
+    )
+    parser.add_argument(
+        "--from-snapshot",
+        default="none",
+        help="'none' (the stream alone), 'latest' (the newest snapshot that verifies and the stream still "
+        "continues) or a snapshot's stream sequence",
+    )
+    parser.add_argument("--to-seq", type=int, default=0, help="stop at this stream sequence (0: the last)")
+    parser.add_argument(
+        "--timeout-s", type=float, default=30.0, help="give up when the stream stalls this long"
+    )
+    a = parser.parse_args(argv)
+    spec = a.from_snapshot.strip().lower()
+    if spec not in ("none", "latest") and not spec.isdigit():
+        parser.error("--from-snapshot must be none, latest or a stream sequence")
+
+    async def go() -> dict[str, Any]:
+        from kvmesh.runtime.snapshots import SnapshotStore, plan_recovery, replay_stream  # noqa: PLC0415
+
+        nc = await connect(a.nats_url, name="kvmesh-replay", wait_s=3.0)
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info(a.stream)
+            last = info.state.last_seq if a.to_seq <= 0 else min(a.to_seq, info.state.last_seq)
+            store = None
+            if spec != "none":
+                try:
+                    store = await SnapshotStore.open(js, subjects.snapshot_bucket(a.stream), create=False)
+                except Exception as exc:
+                    if type(exc).__name__ != "BucketNotFoundError":
+                        raise
+            only = int(spec) if spec.isdigit() else None
+            plan = await plan_recovery(
+                store, first_seq=info.state.first_seq, last_seq=last, only_seq=only, name="kvmesh replay"
+            )
+            if only is not None and plan.snapshot_seq != only:
+                raise ValueError(f"no usable snapshot at seq {only} (skipped: {plan.skipped or 'not found'})")
+            t0 = time.perf_counter()
+            state = plan.state()
+            restore_s = time.perf_counter() - t0
+            stats = await replay_stream(
+                js,
+                state,
+                stream=a.stream,
+                events_prefix=a.events_prefix,
+                start_seq=plan.start_seq,
+                to_seq=last,
+                timeout_s=a.timeout_s,
+            )
+            t1 = time.perf_counter()
+            digest = state.digest()
+            return {
+                "stream": a.stream,
+                "snapshot": plan.snapshot,
+                "snapshot_seq": plan.snapshot_seq,
+                "skipped": plan.skipped,
+                "start_seq": plan.start_seq,
+                "applied_seq": state.applied_seq,
+                "blocks": state.block_total(),
+                "digest": f"{digest:016x}",
+                "models": state.models(),
+                "reset_epoch": state.reset_epoch,
+                "messages_read": stats.messages,
+                "decode_errors": stats.decode_errors,
+                "apply_errors": stats.apply_errors,
+                "complete": state.gap_seq is None,
+                "gap": plan.gap,
+                "incomplete": [f"{w}/{r}" for w, r in state.incomplete()],
+                "seconds": round(time.perf_counter() - t0, 3),
+                "restore_s": round(restore_s, 3),
+                "replay_s": round(stats.seconds, 3),
+                "digest_s": round(time.perf_counter() - t1, 3),
+            }
+        finally:
+            await nc.close()
+
+    try:
+        result = asyncio.run(go())
+    except (TransportError, TimeoutError, ValueError) as exc:
+        print(f"kvmesh replay: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a missing stream and other server answers
+        print(f"kvmesh replay: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+# ---------------------------------------------------------------------- reset
+
+
+def reset_command(argv: Sequence[str]) -> int:
+    """``kvmesh reset``: publish an `IndexReset` into the stream; every replica forgets its index there."""
+    parser = argparse.ArgumentParser(
+        prog="kvmesh reset",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Start a new index epoch: publish an IndexReset message into the events stream, so every "
+        "running replica (and every later replay) forgets its whole index at that one stream sequence and "
+        "rebuilds from the events that follow. Nothing is purged under a running reader; the messages before "
+        "the reset go with the normal snapshot-and-purge cycle. Prints the reset's epoch and sequence and the "
+        "replicas that applied it.",
+    )
+    _nats_args(parser)
+    parser.add_argument(
+        "--events-prefix", default=subjects.EVENTS_PREFIX, help="subject prefix of the stream"
+    )
+    parser.add_argument("--reason", default="operator", help="recorded in the reset message")
+    parser.add_argument("--wait-s", type=float, default=10.0, help="seconds to wait for replicas to apply it")
+    parser.add_argument("--yes", action="store_true", help="really reset (required)")
+    a = parser.parse_args(argv)
+    if not a.yes:
+        parser.error("a reset empties every replica's index: pass --yes")
+
+    async def go() -> dict[str, Any]:
+        from kvmesh.core.events import IndexReset, encode_message  # noqa: PLC0415
+
+        nc = await connect(a.nats_url, name="kvmesh-reset", wait_s=3.0)
+        try:
+            js = nc.jetstream()
+            await js.stream_info(a.stream)  # fails clearly when the stream is missing
+
+            async def replicas() -> list[dict[str, Any]]:
+                return [
+                    r
+                    for r in await gather_status(nc, subjects.STATUS_SUBJECT, 0.5)
+                    if r.get("stream") == a.stream
+                ]
+
+            epoch = max((int(r.get("reset_epoch", 0)) for r in await replicas()), default=0) + 1
+            ack = await js.publish(
+                subjects.control_subject(a.events_prefix),
+                encode_message(IndexReset(epoch=epoch, reason=a.reason)),
+                stream=a.stream,
+                headers={"Nats-Msg-Id": f"reset:{epoch}"},
+            )
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + a.wait_s
+            seen = await replicas()
+            while any(r.get("applied_seq", 0) < ack.seq for r in seen) and loop.time() < deadline:
+                await asyncio.sleep(0.2)
+                seen = await replicas()
+            return {
+                "stream": a.stream,
+                "reset_epoch": epoch,
+                "seq": ack.seq,
+                "duplicate": bool(ack.duplicate),
+                "replicas": {
+                    r["replica"]: {
+                        "applied": r.get("applied_seq", 0) >= ack.seq,
+                        "applied_seq": r.get("applied_seq", 0),
+                        "reset_epoch": r.get("reset_epoch", 0),
+                        "blocks": r.get("blocks", 0),
+                    }
+                    for r in sorted(seen, key=lambda r: r.get("replica", ""))
+                },
+            }
+        finally:
+            await nc.close()
+
+    try:
+        result = asyncio.run(go())
+    except TransportError as exc:
+        print(f"kvmesh reset: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a missing stream and other server answers
+        print(f"kvmesh reset: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2))
+    return 0 if all(r["applied"] for r in result["replicas"].values()) else 1
 
 
 if __name__ == "__main__":

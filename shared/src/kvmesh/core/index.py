@@ -171,8 +171,10 @@ class PrefixIndex:
         self._max_orphans = max_orphans
         self._orphan_ttl_ops = orphan_ttl_ops
         self._holders: dict[Holder, _HolderState] = {}
-        # sequence hash -> {holder: number of that holder's engine blocks with this sequence hash}
-        self._where: dict[int, dict[Holder, int]] = {}
+        # sequence hash -> the holders with a block of that sequence hash. Most prefixes have one holder
+        # with one block: the value is then the `Holder` itself (shared, no allocation), else a
+        # {holder: number of that holder's engine blocks with this sequence hash} dict. This halves memory.
+        self._where: dict[int, Holder | dict[Holder, int]] = {}
         self._ops = 0
         self._orphans_expired = 0
         self._unknown_removals = 0
@@ -285,17 +287,21 @@ class PrefixIndex:
         """
         if not seq_hashes:
             return {}
-        first = self._where.get(seq_hashes[0])
-        if not first:
+        where = self._where
+        first = where.get(seq_hashes[0])
+        if first is None:
             return {}
         result: dict[Holder, int] = {}
-        alive = set(first)
+        alive = set(first) if type(first) is dict else {first}
         depth = 1
         for h in seq_hashes[1:]:
-            holders = self._where.get(h)
-            if not holders:
+            holders = where.get(h)
+            if holders is None:
                 break
-            nxt = alive.intersection(holders)
+            if type(holders) is dict:
+                nxt = alive.intersection(holders)
+            else:
+                nxt = {holders} if holders in alive else set()
             if len(nxt) != len(alive):
                 for gone in alive - nxt:
                     result[gone] = depth
@@ -404,7 +410,6 @@ class PrefixIndex:
         index._ops = export.ops
         index._orphans_expired = export.orphans_expired
         index._unknown_removals = export.unknown_removals
-        where = index._where
         for h in export.holders:
             holder = Holder(h.holder[0], h.holder[1])
             state = index._holders[holder] = _HolderState(holder, h.blocks, h.counts)
@@ -412,11 +417,7 @@ class PrefixIndex:
             for serial, parent, engine, local, op in h.orphans:
                 state.orphans[(parent, serial)] = (parent, _Orphan(tuple(engine), tuple(local), op))
             for seq in h.blocks.values():
-                holders = where.get(seq)
-                if holders is None:
-                    where[seq] = {holder: 1}
-                else:
-                    holders[holder] = holders.get(holder, 0) + 1
+                index._where_add(seq, holder)
         return index
 
     # ------------------------------------------------------------------ internals
@@ -441,21 +442,39 @@ class PrefixIndex:
             blocks[h] = seq
             holders = where.get(seq)
             if holders is None:
-                where[seq] = {holder: 1}
+                where[seq] = holder
             else:
-                holders[holder] = holders.get(holder, 0) + 1
+                self._where_add(seq, holder, holders)
             attached += 1
         return attached, dups
 
+    def _where_add(self, seq: int, holder: Holder, holders: Holder | dict[Holder, int] | None = None) -> None:
+        if holders is None:
+            holders = self._where.get(seq)
+        if holders is None:
+            self._where[seq] = holder
+        elif type(holders) is dict:
+            holders[holder] = holders.get(holder, 0) + 1
+        else:
+            assert isinstance(holders, Holder)
+            self._where[seq] = {holders: 2} if holders == holder else {holders: 1, holder: 1}
+
     def _unwhere(self, seq: int, holder: Holder) -> None:
         holders = self._where[seq]
+        if type(holders) is not dict:
+            del self._where[seq]
+            return
         n = holders[holder] - 1
         if n:
             holders[holder] = n
         else:
             del holders[holder]
-            if not holders:
-                del self._where[seq]
+        if not holders:
+            del self._where[seq]
+        elif len(holders) == 1:
+            ((only, count),) = holders.items()
+            if count == 1:
+                self._where[seq] = only
 
     def _hold(
         self, state: _HolderState, parent: int, engine_hashes: tuple[int, ...], local: tuple[int, ...]

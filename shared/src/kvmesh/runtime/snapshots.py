@@ -479,7 +479,9 @@ async def replay_stream(
         ordered_consumer=True,
         pending_msgs_limit=1 << 20,
         pending_bytes_limit=1 << 30,
-        config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)),
+        config=ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)
+        ),
     )
     try:
         seen = -1

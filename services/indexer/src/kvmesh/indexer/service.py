@@ -42,17 +42,25 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 
 from kvmesh.core.errors import MessageDecodeError, RequestError
 from kvmesh.core.events import decode_message
-from kvmesh.core.snapshot import SnapshotError, decode_snapshot, encode_snapshot
+from kvmesh.core.snapshot import encode_snapshot
 from kvmesh.core.state import IndexState, UnknownModelError
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import connect, wait_for_stream
+from kvmesh.runtime.nats import close_quietly, connect, wait_for_stream
 from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, open_registry, publish_removal
-from kvmesh.runtime.snapshots import SnapshotLease, SnapshotStore, open_kv
+from kvmesh.runtime.snapshots import (
+    SnapshotLease,
+    SnapshotStore,
+    default_stream_max_age_s,
+    open_kv,
+    plan_recovery,
+)
 
 log = logging.getLogger("kvmesh.indexer")
 
 VERSION = "0.1.0"
+_STOP_TIMEOUT_S = 5.0
+"""Bound on each shutdown step, so a stuck call never keeps a stopping replica (and its connection) alive."""
 
 
 class MatchRequest(msgspec.Struct, kw_only=True):
@@ -106,10 +114,18 @@ class IndexerService:
         """Catch up with the stream, then serve match queries until `stop()`."""
         s = self.settings
         self._nc = nc = await connect(s.nats_url, name=f"kvmesh-indexer-{self.replica}")
+        try:
+            await self._run(nc)
+        finally:
+            # Always close the connection, even when start-up failed or a task would not stop: a connection
+            # left open outlives its event loop (and, in tests, surfaces as an unclosed socket elsewhere).
+            await close_quietly(nc)
+
+    async def _run(self, nc: Client) -> None:
+        s = self.settings
         js = nc.jetstream()
         await wait_for_stream(js, s.stream, stop=self._stop)
         if self._stop.is_set():
-            await nc.drain()
             return
         self._js = js
         self._store = await SnapshotStore.open(
@@ -139,6 +155,7 @@ class IndexerService:
             ),
         )
         info = await js.stream_info(s.stream)
+        self._check_retention(info.config.max_age or 0.0)
         self._target_seq = info.state.last_seq
         start_seq = await self._recover(info.state.first_seq, info.state.last_seq)
         log.info(
@@ -157,7 +174,8 @@ class IndexerService:
         )
         consume = asyncio.create_task(self._consume(sub))
         service = None
-        background: list[asyncio.Task[None]] = []
+        tasks: list[asyncio.Task[None]] = [consume]
+        subs: list[Any] = []
         try:
             await self._wait_caught_up()
             if self._stop.is_set():
@@ -175,8 +193,8 @@ class IndexerService:
             await service.add_endpoint(
                 EndpointConfig(name="match", subject=s.match_subject, handler=self._on_match)
             )
-            status_sub = await nc.subscribe(subjects.STATUS_SUBJECT, cb=self._on_status)
-            snapshot_sub = await nc.subscribe(subjects.SNAPSHOT_SUBJECT, cb=self._on_snapshot)
+            subs.append(await nc.subscribe(subjects.STATUS_SUBJECT, cb=self._on_status))
+            subs.append(await nc.subscribe(subjects.SNAPSHOT_SUBJECT, cb=self._on_snapshot))
             await nc.flush()  # the server knows every subscription before anyone is told we are ready
             self.recovery["read_to_ready"] = self.read_messages
             self.recovery["ready_s"] = round(time.monotonic() - self._started, 3)
@@ -189,7 +207,7 @@ class IndexerService:
                 time.monotonic() - self._started,
                 self.read_messages,
             )
-            background = [
+            tasks += [
                 asyncio.create_task(self._lease_loop()),
                 asyncio.create_task(self._snapshot_loop()),
                 asyncio.create_task(self._watch_registry()),
@@ -199,25 +217,40 @@ class IndexerService:
             stop_wait.cancel()
             if consume.done() and not self._stop.is_set():
                 consume.result()
-            with contextlib.suppress(Exception):
-                await status_sub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await snapshot_sub.unsubscribe()
         finally:
-            for t in background:
+            self._stop.set()  # background loops check it: nats-py may swallow a cancellation
+            for t in tasks:
                 t.cancel()
-            consume.cancel()
-            await asyncio.gather(consume, *background, return_exceptions=True)
+            _, stuck = await asyncio.wait(tasks, timeout=_STOP_TIMEOUT_S)
+            if stuck:
+                log.warning("indexer %s: %d tasks did not stop in time", self.replica, len(stuck))
+            for sub_ in (*subs, sub):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(sub_.unsubscribe(), _STOP_TIMEOUT_S)
             if self._lease is not None:
                 with contextlib.suppress(Exception):
-                    await self._lease.release()
+                    await asyncio.wait_for(self._lease.release(), _STOP_TIMEOUT_S)
             if service is not None:
                 with contextlib.suppress(Exception):
-                    await service.stop()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await nc.drain()
+                    await asyncio.wait_for(service.stop(), _STOP_TIMEOUT_S)
+
+    def _check_retention(self, max_age_s: float) -> None:
+        """Warn when the stream may age out messages that the kept snapshots still need."""
+        s = self.settings
+        if not s.snapshot_every_s or not max_age_s:
+            return
+        wanted = default_stream_max_age_s(s.snapshot_every_s, s.snapshot_keep)
+        if max_age_s < wanted:
+            log.warning(
+                "indexer %s: stream %s keeps messages %.0f s, less than the %.0f s that snapshots every %.0f s "
+                "with %d kept need (max(24 h, 4 × interval × keep)); a restart may find a gap",
+                self.replica,
+                s.stream,
+                max_age_s,
+                wanted,
+                s.snapshot_every_s,
+                s.snapshot_keep,
+            )
 
     def stop(self) -> None:
         """Ask `run()` to finish."""
@@ -235,75 +268,26 @@ class IndexerService:
 
     async def _recover(self, first_seq: int, last_seq: int) -> int:
         """Load the newest usable snapshot into ``self.state``; return the stream sequence to read from."""
-        assert self._store is not None
-        skipped: list[list[Any]] = []
-        uncovered = None
-        for entry in await self._store.list():
-            if entry.applied_seq > last_seq:
-                skipped.append([entry.name, "beyond the stream's last sequence"])
-                continue
-            try:
-                export = decode_snapshot(await self._store.get(entry.name))
-            except SnapshotError as exc:
-                log.warning(
-                    "indexer %s: snapshot %s skipped (%s): %s", self.replica, entry.name, exc.reason, exc
-                )
-                skipped.append([entry.name, exc.reason])
-                continue
-            except (nats.errors.Error, TimeoutError) as exc:
-                log.warning("indexer %s: snapshot %s unreadable, skipped: %r", self.replica, entry.name, exc)
-                skipped.append([entry.name, type(exc).__name__])
-                continue
-            if export.applied_seq + 1 >= first_seq or export.applied_seq >= last_seq:
-                self.state = IndexState.from_export(export)
-                self.recovery = {
-                    "snapshot": entry.name,
-                    "snapshot_seq": export.applied_seq,
-                    "skipped": skipped,
-                    "start_seq": export.applied_seq + 1,
-                    "gap": None,
-                }
-                log.info(
-                    "indexer %s: restored snapshot %s (seq %d, %d blocks)",
-                    self.replica,
-                    entry.name,
-                    export.applied_seq,
-                    self.state.block_total(),
-                )
-                return export.applied_seq + 1
-            log.warning(
-                "indexer %s: snapshot %s (seq %d) is older than the stream's first message %d; trying older",
-                self.replica,
-                entry.name,
-                export.applied_seq,
-                first_seq,
-            )
-            skipped.append([entry.name, "stream no longer holds its next message"])
-            if uncovered is None:
-                uncovered = (entry.name, export)
-        base_seq = 0
-        if uncovered is not None:
-            self.state = IndexState.from_export(uncovered[1])
-            base_seq = uncovered[1].applied_seq
+        plan = await plan_recovery(
+            self._store, first_seq=first_seq, last_seq=last_seq, name=f"indexer {self.replica}"
+        )
+        self.state = plan.state()
         self.recovery = {
-            "snapshot": uncovered[0] if uncovered else None,
-            "snapshot_seq": base_seq if uncovered else None,
-            "skipped": skipped,
-            "start_seq": first_seq,
-            "gap": None,
+            "snapshot": plan.snapshot,
+            "snapshot_seq": plan.snapshot_seq,
+            "skipped": plan.skipped,
+            "start_seq": plan.start_seq,
+            "gap": plan.gap,
         }
-        if first_seq > base_seq + 1 and last_seq >= first_seq:
-            self.state.mark_gap(base_seq)
-            self.recovery["gap"] = [base_seq + 1, first_seq - 1]
-            log.error(
-                "indexer %s: stream messages %d..%d are gone and no snapshot covers them: starting from seq %d; "
-                "the index is INCOMPLETE for every worker until it clears (see kvmesh status)",
+        if plan.snapshot is not None:
+            log.info(
+                "indexer %s: restored snapshot %s (seq %s, %d blocks)",
                 self.replica,
-                base_seq + 1,
-                first_seq - 1,
-                first_seq,
+                plan.snapshot,
+                plan.snapshot_seq,
+                self.state.block_total(),
             )
-        return max(first_seq, base_seq + 1)
+        return plan.start_seq
 
     async def _consume(self, sub: Any) -> None:
         state = self.state
@@ -417,7 +401,7 @@ class IndexerService:
 
     async def _snapshot_loop(self) -> None:
         s = self.settings
-        while True:
+        while not self._stop.is_set():
             await asyncio.sleep(0.2)
             due = (s.snapshot_every_messages and self._since_snapshot >= s.snapshot_every_messages) or (
                 s.snapshot_every_s
@@ -429,19 +413,30 @@ class IndexerService:
             try:
                 await self.snapshot()
             except Exception:
+                if self._stop.is_set():
+                    return
                 log.exception("indexer %s: snapshot failed", self.replica)
                 self._last_snapshot_at = time.monotonic()
 
     async def _lease_loop(self) -> None:
         assert self._lease is not None
-        while True:
+        while not self._stop.is_set():
             try:
                 await self._lease.try_acquire()
             except Exception as exc:
                 log.debug("indexer %s: lease renewal failed: %r", self.replica, exc)
-            await asyncio.sleep(self.settings.lease_ttl_s / 3)
+            # Sleep on the stop event: a cancellation swallowed inside nats-py must not keep this loop alive.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.settings.lease_ttl_s / 3)
 
     async def _on_snapshot(self, msg: Any) -> None:
+        """Answer `kvmesh snapshot`: ``{"stream": S}`` (or an empty body) asks the replicas of stream S."""
+        try:
+            wanted = msgspec.json.decode(msg.data or b"{}", type=dict[str, Any]).get("stream")
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            wanted = None
+        if wanted is not None and wanted != self.settings.stream:
+            return  # another index group's request: its replicas answer
         try:
             result = await self.snapshot(force=True)
         except Exception as exc:
@@ -449,14 +444,16 @@ class IndexerService:
             result = {"written": False, "reason": f"error: {exc!r}"}
         if msg.reply:
             with contextlib.suppress(nats.errors.Error):
-                await msg.respond(msgspec.json.encode({"replica": self.replica, **result}))
+                await msg.respond(
+                    msgspec.json.encode({"replica": self.replica, "stream": self.settings.stream, **result})
+                )
 
     # ------------------------------------------------------------------ worker registry
 
     async def _watch_registry(self) -> None:
         """Publish `WorkerRemoved` when a registered worker's key expires or is deleted."""
         kv = self._registry_kv
-        while True:
+        while not self._stop.is_set():
             try:
                 watcher = await kv.watchall()
                 async for entry in watcher:
@@ -465,6 +462,8 @@ class IndexerService:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self._stop.is_set():
+                    return
                 log.warning("indexer %s: registry watch failed (%r); restarting", self.replica, exc)
                 await asyncio.sleep(1.0)
 
@@ -544,6 +543,7 @@ class IndexerService:
         st = self.state
         return {
             "replica": self.replica,
+            "stream": self.settings.stream,
             "ready": self.ready.is_set(),
             "applied_seq": st.applied_seq,
             "blocks": st.block_total(),

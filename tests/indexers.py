@@ -40,6 +40,10 @@ class Group:
     chains: dict[tuple[str, int], int | None] = field(default_factory=dict)
     log_dir: Path | None = None
     """Where spawned replicas write their logs (a test's ``tmp_path``); None discards them."""
+    memory: bool = True
+    """Memory storage for the stream and buckets (False: file storage, as in production)."""
+    replicas_n: int = 1
+    """Stream and bucket replicas (3 on a cluster)."""
 
     @property
     def stream(self) -> str:
@@ -56,8 +60,9 @@ class Group:
             events_prefix=self.prefix,
             match_subject=kw.pop("match_subject", f"r{self.uid}.match"),
             replica_id=replica,
-            buckets_memory=True,
-            buckets_max_bytes=64 * 2**20,
+            buckets_memory=self.memory,
+            buckets_replicas=self.replicas_n,
+            buckets_max_bytes=16 * 2**20,
             snapshot_every_messages=kw.pop("snapshot_every_messages", 0),
             snapshot_every_s=kw.pop("snapshot_every_s", 0.0),
             **kw,
@@ -77,9 +82,10 @@ class Group:
             "snapshot_every_s",
             "lease_ttl_s",
             "worker_ttl_s",
+            "buckets_replicas",
         ):
             out += [f"--{name.replace('_', '-')}", str(getattr(s, name))]
-        return [*out, "--buckets-memory"]
+        return [*out, "--buckets-memory"] if s.buckets_memory else out
 
     async def start(self, replica: str, **kw: Any) -> IndexerService:
         svc = IndexerService(self.settings(replica, **kw))
@@ -168,13 +174,18 @@ async def wait_for(probe: Any, check: Any, timeout_s: float = 15.0) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def group(url: str, uid: str, *, log_dir: Path | None = None) -> AsyncIterator[Group]:
+async def group(
+    url: str, uid: str, *, log_dir: Path | None = None, memory: bool = True, replicas: int = 1
+) -> AsyncIterator[Group]:
     """Yield a `Group` with its stream created; stop its replicas and delete its stream and buckets on exit."""
-    g = Group(url, uid, log_dir=log_dir)
+    g = Group(url, uid, log_dir=log_dir, memory=memory, replicas_n=replicas)
     g.nc = await connect(url, name="test-feeder")
     g.js = g.nc.jetstream()
     await ensure_stream(
-        g.js, StreamSettings(name=g.stream, prefix=g.prefix, memory=True, max_bytes=64 * 2**20)
+        g.js,
+        StreamSettings(
+            name=g.stream, prefix=g.prefix, memory=memory, max_bytes=16 * 2**20, replicas=replicas
+        ),
     )
     try:
         yield g

@@ -345,6 +345,16 @@ def _age_s(mtime: str, now: float) -> float | None:
         return None
 
 
+def _events_prefix(info: Any, given: str | None) -> str:
+    """The events prefix: as given, else the stream's one ``<prefix>.>`` subject, else the default."""
+    if given:
+        return str(given)
+    subs = list(getattr(info.config, "subjects", None) or [])
+    if len(subs) == 1 and subs[0].endswith(".>"):
+        return str(subs[0][:-2])
+    return subjects.EVENTS_PREFIX
+
+
 def _nats_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nats-url",
@@ -424,7 +434,9 @@ def replay_command(argv: Sequence[str]) -> int:
     )
     _nats_args(parser)
     parser.add_argument(
-        "--events-prefix", default=subjects.EVENTS_PREFIX, help="subject prefix of the stream"
+        "--events-prefix",
+        default=None,
+        help="subject prefix of the stream (default: from the stream's subjects)",
     )
     parser.add_argument(
         "--from-snapshot",
@@ -469,7 +481,7 @@ def replay_command(argv: Sequence[str]) -> int:
                 js,
                 state,
                 stream=a.stream,
-                events_prefix=a.events_prefix,
+                events_prefix=_events_prefix(info, a.events_prefix),
                 start_seq=plan.start_seq,
                 to_seq=last,
                 timeout_s=a.timeout_s,
@@ -529,7 +541,9 @@ def reset_command(argv: Sequence[str]) -> int:
     )
     _nats_args(parser)
     parser.add_argument(
-        "--events-prefix", default=subjects.EVENTS_PREFIX, help="subject prefix of the stream"
+        "--events-prefix",
+        default=None,
+        help="subject prefix of the stream (default: from the stream's subjects)",
     )
     parser.add_argument("--reason", default="operator", help="recorded in the reset message")
     parser.add_argument("--wait-s", type=float, default=10.0, help="seconds to wait for replicas to apply it")
@@ -544,7 +558,7 @@ def reset_command(argv: Sequence[str]) -> int:
         nc = await connect(a.nats_url, name="kvmesh-reset", wait_s=3.0)
         try:
             js = nc.jetstream()
-            await js.stream_info(a.stream)  # fails clearly when the stream is missing
+            prefix = _events_prefix(await js.stream_info(a.stream), a.events_prefix)
 
             async def replicas() -> list[dict[str, Any]]:
                 return [
@@ -555,7 +569,7 @@ def reset_command(argv: Sequence[str]) -> int:
 
             epoch = max((int(r.get("reset_epoch", 0)) for r in await replicas()), default=0) + 1
             ack = await js.publish(
-                subjects.control_subject(a.events_prefix),
+                subjects.control_subject(prefix),
                 encode_message(IndexReset(epoch=epoch, reason=a.reason)),
                 stream=a.stream,
                 headers={"Nats-Msg-Id": f"reset:{epoch}"},

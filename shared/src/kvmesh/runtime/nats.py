@@ -22,6 +22,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 
 from kvmesh.core.errors import KvmeshError
 from kvmesh.runtime import subjects
+from kvmesh.runtime.snapshots import DEFAULT_STREAM_MAX_AGE_S, DEFAULT_STREAM_MAX_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,9 @@ class StreamSettings:
     prefix: str = subjects.EVENTS_PREFIX
     replicas: int = 1
     """R1 on one server, R3 on a cluster."""
-    max_age_s: float = 24 * 3600.0
-    """Messages older than this are dropped (seconds)."""
-    max_bytes: int = 8 * 2**30
+    max_age_s: float = DEFAULT_STREAM_MAX_AGE_S
+    """Messages older than this are dropped (seconds); the rule is `default_stream_max_age_s`."""
+    max_bytes: int = DEFAULT_STREAM_MAX_BYTES
     """Stream size bound in bytes (oldest dropped first)."""
     duplicate_window_s: float = 120.0
     """Window in which a repeated ``Nats-Msg-Id`` is dropped by the server (seconds)."""

@@ -458,6 +458,9 @@ async def replay_stream(
     async def on_msg(msg: Any) -> None:
         # A callback, not next_msg(): nats-py then hands messages over without a task per message.
         seq = msg.metadata.sequence.stream
+        if seq > to_seq:  # delivered ahead of our unsubscribe: not part of this replay
+            done.set()
+            return
         counts[0] += 1
         if on_message is not None:
             on_message(seq)

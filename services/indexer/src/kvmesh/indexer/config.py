@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
+from kvmesh.runtime.snapshots import DEFAULT_SNAPSHOT_EVERY_S, DEFAULT_SNAPSHOT_KEEP
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,9 +26,9 @@ class IndexerSettings:
         100_000, "write a snapshot after this many applied messages (0: off)"
     )
     snapshot_every_s: float = setting(
-        300.0, "write a snapshot when the last one is this old, in seconds (0: off)"
+        DEFAULT_SNAPSHOT_EVERY_S, "write a snapshot when the last one is this old, in seconds (0: off)"
     )
-    snapshot_keep: int = setting(3, "snapshots kept; older ones are deleted")
+    snapshot_keep: int = setting(DEFAULT_SNAPSHOT_KEEP, "snapshots kept; older ones are deleted")
     lease_bucket: str = setting("", "KV bucket of the snapshot-writer lease (default: <stream>_LEASE)")
     lease_ttl_s: float = setting(30.0, "seconds a snapshot-writer lease lives without renewal")
     registry_bucket: str = setting("", "KV bucket of the worker registry (default: <stream>_WORKERS)")

@@ -60,6 +60,8 @@ log = logging.getLogger("kvmesh.indexer")
 
 VERSION = "0.1.0"
 _STOP_TIMEOUT_S = 5.0
+_STALL_S = 5.0
+"""A consumer that applied nothing for this long while the stream holds more is re-created."""
 """Bound on each shutdown step, so a stuck call never keeps a stopping replica (and its connection) alive."""
 
 
@@ -109,6 +111,8 @@ class IndexerService:
             "last_stall_ms": 0.0,
         }
         self.removals_published = 0
+        self.resubscribes = 0
+        """Times the stream consumer stalled and was re-created (NATS restarts)."""
 
     async def run(self) -> None:
         """Catch up with the stream, then serve match queries until `stop()`."""
@@ -166,13 +170,7 @@ class IndexerService:
             info.state.messages,
             info.state.last_seq,
         )
-        sub = await js.subscribe(
-            subjects.events_wildcard(s.events_prefix),
-            stream=s.stream,
-            ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq),
-        )
-        consume = asyncio.create_task(self._consume(sub))
+        consume = asyncio.create_task(self._follow(start_seq))
         service = None
         tasks: list[asyncio.Task[None]] = [consume]
         subs: list[Any] = []
@@ -224,7 +222,7 @@ class IndexerService:
             _, stuck = await asyncio.wait(tasks, timeout=_STOP_TIMEOUT_S)
             if stuck:
                 log.warning("indexer %s: %d tasks did not stop in time", self.replica, len(stuck))
-            for sub_ in (*subs, sub):
+            for sub_ in subs:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(sub_.unsubscribe(), _STOP_TIMEOUT_S)
             if self._lease is not None:
@@ -288,6 +286,54 @@ class IndexerService:
                 self.state.block_total(),
             )
         return plan.start_seq
+
+    async def _follow(self, start_seq: int) -> None:
+        """Read the stream from ``start_seq`` until stopped, with an ordered consumer.
+
+        nats-py's ordered consumer re-creates itself when heartbeats stop, but gives up for good if that
+        attempt fails (the server still down): when the stream has messages past ``applied_seq`` and nothing
+        was applied for `_STALL_S`, subscribe again from ``applied_seq + 1``.
+        """
+        s = self.settings
+        while not self._stop.is_set():
+            sub = await self._js.subscribe(
+                subjects.events_wildcard(s.events_prefix),
+                stream=s.stream,
+                ordered_consumer=True,
+                config=ConsumerConfig(
+                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)
+                ),
+            )
+            tasks = {asyncio.create_task(self._consume(sub)), asyncio.create_task(self._watch_stall())}
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()  # a consumer that failed fails the replica
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.wait(tasks, timeout=_STOP_TIMEOUT_S)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(sub.unsubscribe(), _STOP_TIMEOUT_S)
+            start_seq = self.state.applied_seq + 1
+            self.resubscribes += 1
+            log.warning("indexer %s: consumer stalled; reading again from seq %d", self.replica, start_seq)
+
+    async def _watch_stall(self) -> None:
+        """Return when the stream holds messages past ``applied_seq`` but none was applied for `_STALL_S`."""
+        last_applied = self.state.applied_seq
+        while True:
+            await asyncio.sleep(_STALL_S)
+            applied = self.state.applied_seq
+            if applied != last_applied:
+                last_applied = applied
+                continue
+            try:
+                info = await self._js.stream_info(self.settings.stream)
+            except Exception:
+                continue  # NATS unreachable: nothing to read anyway
+            if info.state.last_seq > applied:
+                return
 
     async def _consume(self, sub: Any) -> None:
         state = self.state
@@ -556,6 +602,7 @@ class IndexerService:
             "incomplete": [f"{w}/{r}" for w, r in st.incomplete()],
             "reset_epoch": st.reset_epoch,
             "read_messages": self.read_messages,
+            "resubscribes": self.resubscribes,
             "recovery": self.recovery,
             "snapshots": self.snapshots,
             "snapshot_writer": self._lease is not None and self._lease.held,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
+from kvmesh.runtime.snapshots import DEFAULT_STREAM_MAX_AGE_S, DEFAULT_STREAM_MAX_BYTES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,8 +33,13 @@ class IngestSettings:
     events_prefix: str = setting(subjects.EVENTS_PREFIX, "subject prefix of the events stream")
     stream_replicas: int = setting(1, "replicas when this ingest creates the stream (3 on a cluster)")
     stream_memory: bool = setting(False, "create the stream with memory storage (tests, demos)")
-    stream_max_bytes: int = setting(8 * 2**30, "size bound in bytes when this ingest creates the stream")
-    stream_max_age_s: float = setting(24 * 3600.0, "age bound in seconds when this ingest creates the stream")
+    stream_max_bytes: int = setting(
+        DEFAULT_STREAM_MAX_BYTES, "size bound in bytes when this ingest creates the stream"
+    )
+    stream_max_age_s: float = setting(
+        DEFAULT_STREAM_MAX_AGE_S,
+        "age bound in seconds when this ingest creates the stream (rule: max(24 h, 4 × snapshot interval × kept))",
+    )
     max_pending_acks: int = setting(256, "JetStream publishes awaiting their ack at once")
     replay_timeout_s: float = setting(5.0, "seconds to wait for missing batches from the replay socket")
     max_buffered_batches: int = setting(100_000, "batches buffered while NATS is unreachable; oldest dropped")

@@ -55,7 +55,7 @@ class Group:
 
     def settings(self, replica: str, **kw: Any) -> IndexerSettings:
         return IndexerSettings(
-            nats_url=self.url,
+            nats_url=kw.pop("nats_url", self.url),
             stream=self.stream,
             events_prefix=self.prefix,
             match_subject=kw.pop("match_subject", f"r{self.uid}.match"),

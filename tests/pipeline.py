@@ -66,6 +66,9 @@ class Pipeline:
             events_prefix=self.prefix,
             stream_memory=True,
             stream_max_bytes=64 * 2**20,
+            # One stream message per engine batch keeps message counts exact in tests; coalescing is
+            # tested on its own.
+            max_coalesced_batches=kw.pop("max_coalesced_batches", 1),
             **kw,
         )
         svc = IngestService(settings)

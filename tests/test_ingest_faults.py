@@ -454,3 +454,37 @@ async def test_worker_without_block_size_is_a_candidate_before_it_stores(nats_ur
     finally:
         a.close()
         b.close()
+
+
+async def test_consecutive_batches_coalesce_into_fewer_messages(nats_url: str, uid: str) -> None:
+    """Forty chained batches read in bursts share stream messages and still index as one 40-block chain."""
+    pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    tokens = list(range(3000, 3000 + 40 * 4))
+    try:
+        async with pipeline(nats_url, uid) as p:
+            ing = await p.start_ingest(
+                "w", pub.endpoint, pub.replay_endpoint, block_size=4, max_coalesced_batches=64
+            )
+            await pub.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router()
+            for i in range(40):
+                pub.publish(
+                    [
+                        BlockStored(
+                            block_hashes=(5000 + i,),
+                            parent_block_hash=None if i == 0 else 5000 + i - 1,
+                            token_ids=tuple(tokens[4 * i : 4 * i + 4]),
+                            block_size=4,
+                        )
+                    ]
+                )
+            reply = await eventually(
+                lambda: p.route(tokens, explain=True), lambda r: overlaps(r) == {"w/0": 40}
+            )
+            assert reply.overlap_blocks == 40
+            assert ing.counters.batches == 40
+            assert ing.counters.published < 41  # the announcement plus fewer than one message per batch
+            assert ing.status()["ranks"]["0"]["last_seq"] == 39
+    finally:
+        pub.close()

@@ -172,6 +172,8 @@ async def test_batch_larger_than_max_payload_is_split_with_its_chain_intact(tmp_
                     )
                 ]
             )
+            # Wait for the big batch alone, so the small one is not coalesced into its message.
+            await expect(p, [tokens], [{"w/0": n}])
             pub.publish([stored([7], blk(U, 0))])
             await expect(p, [tokens, U, tokens[: 100 * BS]], [{"w/0": n}, {"w/0": 1}, {"w/0": 100}])
             assert ing.counters.split_batches == 1

@@ -59,7 +59,11 @@ class EventsMessage(msgspec.Struct, tag="events", kw_only=True, frozen=True):
     epoch: int
     """Engine incarnation as counted by ingest; rises when the engine's sequence goes backwards."""
     seq: int
-    """Engine sequence of the batch (ZMQ frame 2); for ingest-made messages the last one seen, -1 before any."""
+    """Engine sequence of the batch (ZMQ frame 2); for ingest-made messages the last one seen, -1 before any.
+
+    When several consecutive batches are coalesced into one message, the last one's sequence."""
+    first_seq: int | None = None
+    """First engine sequence of coalesced batches (``first_seq..seq``); None for a single batch."""
     part: int = 0
     """Index of this part when a batch was split to fit the server's max payload."""
     ts: float = 0.0

@@ -296,14 +296,21 @@ class IndexerService:
         """
         s = self.settings
         while not self._stop.is_set():
-            sub = await self._js.subscribe(
-                subjects.events_wildcard(s.events_prefix),
-                stream=s.stream,
-                ordered_consumer=True,
-                config=ConsumerConfig(
-                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)
-                ),
-            )
+            try:
+                sub = await self._js.subscribe(
+                    subjects.events_wildcard(s.events_prefix),
+                    stream=s.stream,
+                    ordered_consumer=True,
+                    config=ConsumerConfig(
+                        deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)
+                    ),
+                )
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                # NATS down or the stream electing a leader: keep trying, never die over it.
+                log.warning("indexer %s: cannot read the stream yet (%r); retrying", self.replica, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 1.0)
+                continue
             tasks = {asyncio.create_task(self._consume(sub)), asyncio.create_task(self._watch_stall())}
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

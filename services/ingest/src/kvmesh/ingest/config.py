@@ -40,11 +40,17 @@ class IngestSettings:
         DEFAULT_STREAM_MAX_AGE_S,
         "age bound in seconds when this ingest creates the stream (rule: max(24 h, 4 × snapshot interval × kept))",
     )
+    max_coalesced_batches: int = setting(
+        64,
+        "consecutive engine batches of one rank read in one burst that share a stream message (1: one each)",
+    )
     max_pending_acks: int = setting(256, "JetStream publishes awaiting their ack at once")
     replay_timeout_s: float = setting(5.0, "seconds to wait for missing batches from the replay socket")
     max_buffered_batches: int = setting(100_000, "batches buffered while NATS is unreachable; oldest dropped")
     registry_bucket: str = setting("", "KV bucket of the worker registry (default: <stream>_WORKERS)")
-    worker_ttl_s: float = setting(15.0, "registry TTL: the worker is removed this long after its last heartbeat")
+    worker_ttl_s: float = setting(
+        15.0, "registry TTL: the worker is removed this long after its last heartbeat"
+    )
     metrics_url: str | None = setting(
         None, "engine's Prometheus /metrics URL: its load is published on kvmesh.load.<worker> every second"
     )

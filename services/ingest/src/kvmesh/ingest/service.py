@@ -48,6 +48,8 @@ log = logging.getLogger("kvmesh.ingest")
 
 _PAYLOAD_HEADROOM = 4096
 _DRAIN_BATCH = 256
+_COALESCE_MAX_EVENTS = 1024
+"""Events per coalesced stream message before it is cut (the max-payload split still applies after)."""
 """Live messages read without yielding to the event loop before the publisher gets a turn."""
 _ACK_TIMEOUT_S = 5.0
 """Seconds to wait for a publish's ack on a live connection before re-sending from it on, in order."""
@@ -88,6 +90,13 @@ class _Rank:
     warned_block_size: bool = False
     holder_rank: int = -1
     """dp_rank the engine's batches carry (vLLM data_parallel_rank / SGLang attn_dp_rank); -1 until known."""
+    pending: list[Event] = field(default_factory=list)
+    """Events of consecutive delivered batches not yet enqueued (coalesced into one stream message)."""
+    pending_key: tuple[int, int] | None = None
+    """(dp_rank, epoch) of ``pending``."""
+    pending_first: int = -1
+    pending_last: int = -1
+    pending_ts: float = 0.0
     replay_task: asyncio.Task[None] | None = None
     replay_queue: asyncio.Queue[tuple[str, int, bytes]] = field(default_factory=asyncio.Queue)
 
@@ -174,6 +183,8 @@ class IngestService:
                 if rank.replay_task is not None:
                     rank.replay_task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for rank in self._ranks.values():
+                self._flush_pending(rank)
             with contextlib.suppress(Exception):
                 await status_sub.unsubscribe()
             await self._flush(timeout_s=5.0)
@@ -229,6 +240,8 @@ class IngestService:
                     except zmq.Again:
                         break
                     self._on_frames(rank, frames)
+                # What one burst delivered for this rank becomes one stream message.
+                self._flush_pending(rank)
         finally:
             sock.close(linger=0)
 
@@ -243,9 +256,15 @@ class IngestService:
             )
             return
         seq = wire.decode_seq(frames[1])
-        self._act(rank, rank.tracker.on_live(seq, frames[2]))
+        self._act(rank, rank.tracker.on_live(seq, frames[2]), flush=False)
 
-    def _act(self, rank: _Rank, actions: list[Any]) -> None:
+    def _act(self, rank: _Rank, actions: list[Any], *, flush: bool = True) -> None:
+        """Carry out the tracker's actions; ``flush=False`` lets deliveries coalesce until `_flush_pending`."""
+        self._do_actions(rank, actions)
+        if flush:
+            self._flush_pending(rank)
+
+    def _do_actions(self, rank: _Rank, actions: list[Any]) -> None:
         s = self.settings
         for a in actions:
             if isinstance(a, Deliver):
@@ -375,9 +394,30 @@ class IngestService:
                 rank.holder_rank,
             )
         rank.holder_rank = dp_rank
-        self._enqueue_events(dp_rank, rank.tracker.epoch, seq, result.events, ts=batch.ts)
+        key = (dp_rank, rank.tracker.epoch)
+        if (
+            rank.pending_key != key
+            or len(rank.pending) >= _COALESCE_MAX_EVENTS
+            or (rank.pending_key is not None and seq - rank.pending_first >= s.max_coalesced_batches)
+        ):
+            self._flush_pending(rank)
+        if rank.pending_key is None:
+            rank.pending_key = key
+            rank.pending_first = seq
+        rank.pending.extend(result.events)
+        rank.pending_last = seq
+        rank.pending_ts = batch.ts
         if result.lost:
             self._enqueue_clear(rank, "malformed")
+
+    def _flush_pending(self, rank: _Rank) -> None:
+        """Enqueue the coalesced batches of a rank as one stream message (in order, before anything newer)."""
+        if rank.pending_key is None:
+            return
+        dp_rank, epoch = rank.pending_key
+        events, first, last = rank.pending, rank.pending_first, rank.pending_last
+        rank.pending, rank.pending_key = [], None
+        self._enqueue_events(dp_rank, epoch, last, events, ts=rank.pending_ts, first_seq=first)
 
     # ------------------------------------------------------------------ NATS side
 
@@ -386,6 +426,7 @@ class IngestService:
         return f"{self.settings.worker_id}:{rank}:{tracker.epoch}:{tracker.last_seq}:{kind}:{self._nonce}:{self._clear_serial}"
 
     def _enqueue_clear(self, rank: _Rank, reason: str) -> None:
+        self._flush_pending(rank)
         t = rank.tracker
         holder = rank.holder_rank if rank.holder_rank >= 0 else rank.rank
         self._enqueue_events(
@@ -401,6 +442,7 @@ class IngestService:
         *,
         ts: float = 0.0,
         msg_id: str | None = None,
+        first_seq: int | None = None,
     ) -> None:
         s = self.settings
         subject = subjects.events_subject(s.events_prefix, s.model, s.worker_id, dp_rank)
@@ -413,6 +455,7 @@ class IngestService:
             block_size=block_size,
             epoch=epoch,
             seq=seq,
+            first_seq=first_seq if first_seq is not None and first_seq != seq else None,
             ts=ts,
             events=events,
         )
@@ -644,10 +687,13 @@ class IngestService:
             try:
                 if kv is None:
                     kv = await open_registry(
-                        self._js, RegistrySettings(bucket=bucket, ttl_s=s.worker_ttl_s, memory=s.stream_memory)
+                        self._js,
+                        RegistrySettings(bucket=bucket, ttl_s=s.worker_ttl_s, memory=s.stream_memory),
                     )
                 if registered and subjects.kv_key(s.worker_id) not in await registry_keys(kv):
-                    log.warning("worker %s: registry entry expired; rejoining as a new incarnation", s.worker_id)
+                    log.warning(
+                        "worker %s: registry entry expired; rejoining as a new incarnation", s.worker_id
+                    )
                     for rank in self._ranks.values():
                         rank.tracker.epoch += 1
                         self._enqueue_clear(rank, "rejoin")

@@ -6,7 +6,7 @@ UV_ENV := UV_PYTHON_DOWNLOADS=never UV_PYTHON=$(PYTHON)
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint check lock clean
+.PHONY: install install-bench up test lint check lock clean
 
 install: $(STAMP)
 
@@ -17,6 +17,9 @@ $(UV):
 $(STAMP): $(UV) uv.lock pyproject.toml shared/pyproject.toml services/*/pyproject.toml
 	$(UV_ENV) $(UV) sync --frozen --all-packages
 	touch $(STAMP)
+
+install-bench: $(STAMP)
+	$(UV_ENV) $(UV) sync --frozen --all-packages --extra bench
 
 lock: $(UV)
 	$(UV_ENV) $(UV) lock

@@ -56,8 +56,6 @@ _REPLAY_STEPS: Final[int] = 2000
 """Batches each engine keeps for replay (a prompt's batch carries its token ids: ~20 KB)."""
 _LATE_S: Final[float] = 0.010
 """A batch published more than this many wall seconds after its time counts as late."""
-SHARED_TRACE: Final[Path] = Path("../shared/data/mooncake/conversation_trace.jsonl")
-"""The full conversation trace beside the checkout (the packaged 1,000-request excerpt is the fallback)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -465,9 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvmesh bench trace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    default_trace = SHARED_TRACE if SHARED_TRACE.exists() else default_trace_path()
+    default_trace = default_trace_path()
     p.add_argument(
-        "--trace", type=Path, default=default_trace, help=f"Mooncake JSONL trace (default {default_trace})"
+        "--trace", type=Path, default=default_trace, help="Mooncake JSONL trace, such as the full conversation_trace.jsonl of the Mooncake release "
+        "(default: the packaged 1,000-request excerpt)"
     )
     p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--workers", type=int, default=8, help="simulated engines (default 8)")

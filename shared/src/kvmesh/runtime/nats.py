@@ -180,10 +180,8 @@ async def wait_for_stream(
 
 async def close_quietly(nc: Client, *, timeout_s: float = 2.0) -> None:
     """Drain a connection for at most ``timeout_s`` seconds, then close it; never raises (shutdown path)."""
-    try:
+    with contextlib.suppress(TimeoutError, nats.errors.Error, OSError):
         await asyncio.wait_for(nc.drain(), timeout=timeout_s)
-    except (TimeoutError, nats.errors.Error, OSError):
-        pass
     if not nc.is_closed:
         with contextlib.suppress(Exception):
             await nc.close()

@@ -17,6 +17,7 @@ benchmarks:
   ingest    simulated engines → ingest → JetStream → consumer, block events/s with zero loss, vs a
             hand-written ZMQ → nats-py pipe
   route     route latency through NATS (concurrency 1) vs a bare NATS request-reply echo, same run
+  recovery  1M-block index: snapshot write and apply-loop stall, restore to ready, replay rate through NATS
 """
 
 _COMMANDS: dict[str, str] = {
@@ -24,6 +25,7 @@ _COMMANDS: dict[str, str] = {
     "index": "kvmesh.bench.index",
     "ingest": "kvmesh.bench.ingest",
     "route": "kvmesh.bench.route",
+    "recovery": "kvmesh.bench.recovery",
 }
 
 

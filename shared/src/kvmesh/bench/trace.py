@@ -465,8 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     default_trace = default_trace_path()
     p.add_argument(
-        "--trace", type=Path, default=default_trace, help="Mooncake JSONL trace, such as the full conversation_trace.jsonl of the Mooncake release "
-        "(default: the packaged 1,000-request excerpt)"
+        "--trace",
+        type=Path,
+        default=default_trace,
+        help="Mooncake JSONL trace, such as the full conversation_trace.jsonl of the Mooncake release "
+        "(default: the packaged 1,000-request excerpt)",
     )
     p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--workers", type=int, default=8, help="simulated engines (default 8)")

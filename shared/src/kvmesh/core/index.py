@@ -292,13 +292,14 @@ class PrefixIndex:
         if first is None:
             return {}
         result: dict[Holder, int] = {}
-        alive = set(first) if type(first) is dict else {first}
+        alive: set[Holder] = set(first) if isinstance(first, dict) else {first}
         depth = 1
         for h in seq_hashes[1:]:
             holders = where.get(h)
             if holders is None:
                 break
-            if type(holders) is dict:
+            nxt: set[Holder]
+            if isinstance(holders, dict):
                 nxt = alive.intersection(holders)
             else:
                 nxt = {holders} if holders in alive else set()

@@ -230,7 +230,7 @@ class IngestService:
         sock.connect(rank.endpoint)
         # A synchronous view of the same socket: after each awaited message, what is already queued is read
         # without an awaitable per message (zmq.asyncio's per-recv future was a third of the ingest's time).
-        raw = zmq.Socket.shadow(sock.underlying)
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         try:
             while True:
                 self._on_frames(rank, await sock.recv_multipart())

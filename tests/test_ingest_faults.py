@@ -6,7 +6,9 @@ exact overlaps a route request returns once the asynchronous pipeline has caught
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import socket
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -488,3 +490,54 @@ async def test_consecutive_batches_coalesce_into_fewer_messages(nats_url: str, u
             assert ing.status()["ranks"]["0"]["last_seq"] == 39
     finally:
         pub.close()
+
+
+async def test_overlong_sequence_frame_is_dropped_and_reading_goes_on(nats_url: str, uid: str) -> None:
+    """A 20-byte sequence frame is counted and dropped; the reader keeps going and later batches index."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        async with clean_pipeline(nats_url, uid) as p:
+            ing = await p.start_ingest(W, f"tcp://127.0.0.1:{port}", None, block_size=BS)
+            await p.start_indexer()
+            await p.start_router()
+            await expect(p, [T], [{"w/0": 0}])
+            good = encode_batch(EngineBatch(ts=1.0, events=(stored([1, 2, 3, 4], T),), dp_rank=0))
+            for _ in range(50):  # the SUB may join late: repeat until the ingest has read a frame
+                await pub.send_multipart([b"", (2**100 + 1).to_bytes(20, "big"), good])
+                await asyncio.sleep(0.02)
+                if ing.counters.decode_errors:
+                    break
+            assert ing.counters.decode_errors >= 1
+            await pub.send_multipart([b"", (0).to_bytes(8, "big"), good])
+            await expect(p, [T], [{"w/0": 4}])
+            assert ing.counters.batches == 1
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+
+
+def test_split_cuts_long_removals_and_stored_runs_within_the_bound() -> None:
+    """A 150,000-hash BlockRemoved and a 5,000-block BlockStored split into parts, the chain intact."""
+    from kvmesh.core.events import Removed, Stored
+    from kvmesh.ingest.service import _split_events
+
+    stored_ev = Stored(list(range(5000)), None, list(range(10_000, 15_000)))
+    removed_ev = Removed(list(range(20_000, 170_000)))
+    parts = _split_events([stored_ev, removed_ev], 10)
+    flat = [e for part in parts for e in part]
+    assert sum(len(e.engine_hashes) for e in flat if isinstance(e, Removed)) == 150_000
+    stores = [e for e in flat if isinstance(e, Stored)]
+    assert [h for e in stores for h in e.engine_hashes] == list(range(5000))
+    assert all(b.parent == a.engine_hashes[-1] for a, b in itertools.pairwise(stores))
+    assert stores[0].parent is None
+    weights = [
+        sum(2 * len(e.engine_hashes) if isinstance(e, Stored) else len(e.engine_hashes) for e in part)
+        for part in parts
+    ]
+    assert max(weights) <= -(-160_000 // 10)
+    assert len(parts) == 11  # "about" parts: the stored run fills the first part exactly, then 10 of removals

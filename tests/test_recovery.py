@@ -97,3 +97,26 @@ async def test_stream_gap_without_covering_snapshot_marks_workers_incomplete(nat
 
 async def _seq(svc: object) -> int:
     return svc.state.applied_seq  # type: ignore[attr-defined]
+
+
+async def test_replica_becomes_ready_when_the_last_message_was_deleted(nats_url: str, uid: str) -> None:
+    """An operator deleted the stream's last message: a new replica still becomes ready on what is left."""
+    async with group(nats_url, uid) as g:
+        last = await g.publish(12, workers=2)
+        await g.js.delete_msg(g.stream, last)
+        r = await asyncio.wait_for(g.start(f"{uid}-r"), 20)
+        assert r.ready.is_set()
+        assert r.state.applied_seq == last - 1
+
+
+async def test_a_deeply_nested_message_is_skipped_not_fatal(nats_url: str, uid: str) -> None:
+    """A stream message nested 50,000 maps deep is counted and skipped; the replica applies what follows."""
+    async with group(nats_url, uid) as g:
+        await g.publish(4, workers=2)
+        await g.js.publish(f"{g.prefix}.x.y.0", b"\x81\xa1a" * 50_000 + b"\x01")
+        last = await g.publish(4, workers=2)
+        r = await g.start(f"{uid}-r")
+        assert r.ready.is_set()
+        await wait_for(lambda: _seq(r), lambda s: s == last)
+        assert r.decode_errors == 1
+        assert r.state.block_total() == 8 * 4

@@ -230,3 +230,12 @@ def test_lora_and_salt_match_only_their_own_blocks() -> None:
         _hm("lora", 0, 0, 4),
         _hm("salt", 0, 0, 4),
     )
+
+
+def test_deeply_nested_stream_message_is_a_decode_error() -> None:
+    """A message nested 50,000 maps deep raises MessageDecodeError, not RecursionError."""
+    from kvmesh.core.errors import MessageDecodeError
+    from kvmesh.core.events import decode_message
+
+    with pytest.raises(MessageDecodeError, match="nested too deeply"):
+        decode_message(b"\x81\xa1a" * 50_000 + b"\x01")

@@ -1164,3 +1164,11 @@ def test_encode_rejects_out_of_range_fields() -> None:
     stored = BlockStored(block_hashes=(1,), parent_block_hash=None, token_ids=(2**64,), block_size=1)
     with pytest.raises(ValueError):
         encode_batch(EngineBatch(ts=TS, dp_rank=0, events=(stored,)))
+
+
+def test_decode_seq_rejects_frames_longer_than_eight_bytes() -> None:
+    """A 20-byte sequence frame (no publisher sends one; it cannot fit a uint64) is a WireError."""
+    assert decode_seq(b"\x04") == 4
+    assert decode_seq(b"\xff" * 8) == 2**64 - 1
+    with pytest.raises(WireError, match="20 bytes"):
+        decode_seq((2**100 + 1).to_bytes(20, "big"))

@@ -115,6 +115,8 @@ def decode_message(data: bytes) -> Message:
         msg = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise MessageDecodeError(f"not a kvmesh stream message: {exc}") from exc
+    except RecursionError as exc:  # msgspec recurses into nested maps before validating the shape
+        raise MessageDecodeError("not a kvmesh stream message: nested too deeply") from exc
     if msg.v != SCHEMA_VERSION:
         raise MessageDecodeError(f"unsupported schema version {msg.v} (this build reads {SCHEMA_VERSION})")
     return msg

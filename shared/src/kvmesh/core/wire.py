@@ -497,12 +497,17 @@ def engine_key(h: EngineHash) -> int:
 def decode_seq(frame: bytes) -> int:
     """Read a sequence-number frame: big-endian unsigned, normally 8 bytes.
 
-    Any length is accepted, as vLLM's ``int.from_bytes(frame, "big")`` does (a 1-byte ``04`` is 4, empty is
-    0), so this never raises.
+    Shorter frames are accepted, as vLLM's ``int.from_bytes(frame, "big")`` does (a 1-byte ``04`` is 4, empty
+    is 0).
 
     Returns:
         The sequence number (`SEQ_END` for the replay end marker).
+
+    Raises:
+        WireError: the frame is longer than 8 bytes (no publisher sends one; it would not fit a uint64).
     """
+    if len(frame) > 8:
+        raise WireError(f"sequence frame of {len(frame)} bytes (at most 8)")
     return int.from_bytes(frame, "big")
 
 

@@ -40,7 +40,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, ServiceConfig
 
-from kvmesh.core.errors import MessageDecodeError, RequestError
+from kvmesh.core.errors import RequestError
 from kvmesh.core.events import decode_message
 from kvmesh.core.snapshot import encode_snapshot
 from kvmesh.core.state import IndexState, UnknownModelError
@@ -255,14 +255,33 @@ class IndexerService:
         self._stop.set()
 
     async def _wait_caught_up(self) -> None:
-        """Return once the consumer applied the stream's last sequence as of start-up (or on stop)."""
+        """Return once the consumer applied the stream's last sequence as of start-up (or on stop).
+
+        Messages can be deleted after start-up (an operator removing a poison message, age limits): every
+        second, if the stream holds no message after what was applied, the replica is caught up too.
+        """
         if self.state.applied_seq >= self._target_seq:
             return
         stop_wait = asyncio.create_task(self._stop.wait())
         caught = asyncio.create_task(self._caught_up.wait())
-        await asyncio.wait({stop_wait, caught}, return_when=asyncio.FIRST_COMPLETED)
-        stop_wait.cancel()
-        caught.cancel()
+        try:
+            while not (stop_wait.done() or caught.done()):
+                await asyncio.wait({stop_wait, caught}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                if not (stop_wait.done() or caught.done()) and not await self._more_to_read():
+                    self._caught_up.set()
+        finally:
+            stop_wait.cancel()
+            caught.cancel()
+
+    async def _more_to_read(self) -> bool:
+        """Tell whether the stream holds a message after ``applied_seq`` (True when it cannot tell)."""
+        try:
+            await self._js.get_msg(self.settings.stream, seq=self.state.applied_seq + 1, next=True)
+        except nats.js.errors.NotFoundError:
+            return False
+        except Exception:
+            return True
+        return True
 
     async def _recover(self, first_seq: int, last_seq: int) -> int:
         """Load the newest usable snapshot into ``self.state``; return the stream sequence to read from."""
@@ -348,12 +367,13 @@ class IndexerService:
             seq = msg.metadata.sequence.stream
             self.read_messages += 1
             self._since_snapshot += 1
-            if seq >= self._target_seq:
-                # Waiters wake only at our next await, after this message has been applied below.
+            if seq >= self._target_seq or getattr(msg.metadata, "num_pending", None) == 0:
+                # Waiters wake only at our next await, after this message has been applied below. Nothing
+                # pending also counts: the start-up target may have been deleted from the stream.
                 self._caught_up.set()
             try:
                 message = decode_message(msg.data)
-            except MessageDecodeError as exc:
+            except Exception as exc:  # MessageDecodeError, or anything a hostile payload provokes
                 self.decode_errors += 1
                 state.applied_seq = max(state.applied_seq, seq)
                 log.warning(

@@ -255,8 +255,22 @@ class IngestService:
                 len(frames),
             )
             return
-        seq = wire.decode_seq(frames[1])
-        self._act(rank, rank.tracker.on_live(seq, frames[2]), flush=False)
+        try:
+            seq = wire.decode_seq(frames[1])
+        except WireError as exc:
+            self.counters.decode_errors += 1
+            log.warning(
+                "worker %s rank %d: live message dropped: %s", self.settings.worker_id, rank.rank, exc
+            )
+            return
+        try:
+            self._act(rank, rank.tracker.on_live(seq, frames[2]), flush=False)
+        except Exception:
+            # Never let one message stop the reader (the engine would go unread for good).
+            self.counters.decode_errors += 1
+            log.exception(
+                "worker %s rank %d seq %d: message failed; dropped", self.settings.worker_id, rank.rank, seq
+            )
 
     def _act(self, rank: _Rank, actions: list[Any], *, flush: bool = True) -> None:
         """Carry out the tracker's actions; ``flush=False`` lets deliveries coalesce until `_flush_pending`."""
@@ -602,6 +616,22 @@ class IngestService:
                         fut = await js.publish_async(
                             out.subject, out.data, headers={"Nats-Msg-Id": out.msg_id}, wait_stall=5.0
                         )
+                    except nats.errors.MaxPayloadError as exc:
+                        # Permanent: retrying would block every later batch. Drop it and resynchronise.
+                        self._outbox.popleft()
+                        self._queued[out.holder] -= 1
+                        self.counters.dropped_batches += 1
+                        self._overflowed[out.holder] = (out.epoch, out.seq)
+                        log.error(
+                            "worker %s: message %s of %d bytes exceeds the server's max payload (%r); dropped, "
+                            "resynchronising dp rank %d",
+                            self.settings.worker_id,
+                            out.msg_id,
+                            len(out.data),
+                            exc,
+                            out.holder[1],
+                        )
+                        continue
                     except (TimeoutError, nats.errors.Error, OSError) as exc:
                         log.debug("publish of %s failed: %r", out.msg_id, exc)
                         failed = True
@@ -755,29 +785,44 @@ def _cursor(tracker: SeqTracker) -> int:
 
 
 def _split_events(events: list[Event], parts: int) -> list[list[Event]]:
-    """Split events into about ``parts`` lists, cutting long Stored runs without breaking the parent chain."""
-    total = sum(len(e.engine_hashes) if isinstance(e, Stored | Removed) else 1 for e in events)
-    per_part = max(1, math.ceil(total / parts))
+    """Split events into about ``parts`` lists of similar encoded size.
+
+    Long Stored runs are cut without breaking the parent chain (each piece's parent is the previous piece's
+    last block); long Removed lists are cut into several removals. A stored block weighs two hashes (engine
+    and local), a removed block one.
+    """
+
+    def weight(e: Event) -> int:
+        if isinstance(e, Stored):
+            return 2 * len(e.engine_hashes)
+        if isinstance(e, Removed):
+            return len(e.engine_hashes)
+        return 1
+
+    per_part = max(2, math.ceil(sum(weight(e) for e in events) / parts))
     out: list[list[Event]] = [[]]
     size = 0
-    for e in events:
-        if isinstance(e, Stored) and len(e.engine_hashes) > per_part:
-            parent = e.parent
-            for i in range(0, len(e.engine_hashes), per_part):
-                chunk = Stored(
-                    e.engine_hashes[i : i + per_part], parent, e.local_hashes[i : i + per_part], e.medium
-                )
-                parent = chunk.engine_hashes[-1]
-                if size + len(chunk.engine_hashes) > per_part and out[-1]:
-                    out.append([])
-                    size = 0
-                out[-1].append(chunk)
-                size += len(chunk.engine_hashes)
-            continue
-        n = len(e.engine_hashes) if isinstance(e, Stored | Removed) else 1
+
+    def add(e: Event) -> None:
+        nonlocal size
+        n = weight(e)
         if size + n > per_part and out[-1]:
             out.append([])
             size = 0
         out[-1].append(e)
         size += n
+
+    for e in events:
+        if isinstance(e, Stored) and weight(e) > per_part:
+            step = max(1, per_part // 2)
+            parent = e.parent
+            for i in range(0, len(e.engine_hashes), step):
+                chunk = Stored(e.engine_hashes[i : i + step], parent, e.local_hashes[i : i + step], e.medium)
+                parent = chunk.engine_hashes[-1]
+                add(chunk)
+        elif isinstance(e, Removed) and weight(e) > per_part:
+            for i in range(0, len(e.engine_hashes), per_part):
+                add(Removed(e.engine_hashes[i : i + per_part], e.medium))
+        else:
+            add(e)
     return out

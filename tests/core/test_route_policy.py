@@ -313,3 +313,13 @@ def test_policy_override_applies_only_given_terms() -> None:
     assert req.policy is not None
     pol = req.policy.apply(Policy(decode_weight=3.0))
     assert (pol.overlap_weight, pol.decode_weight, pol.temperature, pol.busy_waiting) == (2.0, 3.0, 0.5, 8)
+
+
+def test_deeply_nested_unknown_field_is_a_bad_request() -> None:
+    """An unknown field nested 50,000 objects deep is a RequestError, not a RecursionError."""
+    from kvmesh.core.errors import RequestError
+    from kvmesh.core.route import parse_route_request
+
+    body = b'{"model": "m", "token_ids": [1, 2], "x": ' + b'{"a":' * 50_000 + b"1" + b"}" * 50_000 + b"}"
+    with pytest.raises(RequestError, match="nested too deeply"):
+        parse_route_request(body)

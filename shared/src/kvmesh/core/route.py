@@ -182,6 +182,8 @@ def parse_route_request(
         raise RequestError(f"invalid request: {text}", field=name) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # msgspec recurses into nested values of unknown fields
+        raise RequestError("request body is nested too deeply") from exc
     if not req.model:
         raise RequestError("model must be a non-empty string", field="model")
     if not req.token_ids:

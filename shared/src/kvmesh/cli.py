@@ -42,7 +42,7 @@ commands:
   replay    rebuild an index offline from the stream (optionally from a snapshot): size, digest, time
   reset     start a new index epoch: every replica forgets its index at one point of the stream
   sim       run simulated vLLM workers that publish real KV events
-  bench     benchmarks: trace (routing policies on a Mooncake trace), index, ingest
+  bench     benchmarks: trace (routing policies on a Mooncake trace), index, ingest, route, recovery
 """
 
 
@@ -436,7 +436,7 @@ def replay_command(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--events-prefix",
         default=None,
-        help="subject prefix of the stream (default: from the stream's subjects)",
+        help="subject prefix of the stream (when not given: taken from the stream's subjects)",
     )
     parser.add_argument(
         "--from-snapshot",
@@ -543,7 +543,7 @@ def reset_command(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--events-prefix",
         default=None,
-        help="subject prefix of the stream (default: from the stream's subjects)",
+        help="subject prefix of the stream (when not given: taken from the stream's subjects)",
     )
     parser.add_argument("--reason", default="operator", help="recorded in the reset message")
     parser.add_argument("--wait-s", type=float, default=10.0, help="seconds to wait for replicas to apply it")

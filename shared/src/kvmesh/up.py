@@ -372,7 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=None, help="stop replaying after S seconds")
     p.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
     p.add_argument(
-        "--num-blocks", type=int, default=16384, help="KV blocks per simulated worker (default 16384)"
+        "--num-blocks",
+        type=int,
+        default=131072,
+        help="KV blocks per simulated worker (default 131072: 2M tokens at block size 16)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16, vLLM's)")
     p.add_argument(

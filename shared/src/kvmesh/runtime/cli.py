@@ -81,10 +81,11 @@ def run_async(svc: Service) -> int:
             nonlocal signals
             signals += 1
             svc.stop()
-            if signals == 1:
-                loop.call_later(STOP_GRACE_S, task.cancel)
+            ready = getattr(svc, "ready", None)
+            if signals > 1 or (isinstance(ready, asyncio.Event) and not ready.is_set()):
+                task.cancel()  # a second signal, or still starting (e.g. waiting for NATS): stop now
             else:
-                task.cancel()
+                loop.call_later(STOP_GRACE_S, task.cancel)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)

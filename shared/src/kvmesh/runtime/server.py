@@ -96,7 +96,11 @@ class NatsServer:
         ]
         if self._name:
             cmd += ["-n", self._name]
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # A session of its own: a terminal Ctrl-C aimed at our process group must not stop the server before
+        # the clients that still need it (callers stop it last).
+        self._proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
         deadline = time.monotonic() + timeout_s
         port: int | None = None
         ready = False

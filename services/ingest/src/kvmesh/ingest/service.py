@@ -47,6 +47,8 @@ from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, heartbeat, o
 log = logging.getLogger("kvmesh.ingest")
 
 _PAYLOAD_HEADROOM = 4096
+_STOP_FLUSH_S = 2.0
+"""Seconds a stopping ingest spends publishing what it buffered (the rest is replayed after a restart)."""
 _DRAIN_BATCH = 256
 _COALESCE_MAX_EVENTS = 1024
 """Events per coalesced stream message before it is cut (the max-payload split still applies after)."""
@@ -187,7 +189,15 @@ class IngestService:
                 self._flush_pending(rank)
             with contextlib.suppress(Exception):
                 await status_sub.unsubscribe()
-            await self._flush(timeout_s=5.0)
+            await self._flush(timeout_s=_STOP_FLUSH_S)
+            if self._outbox or self._inflight:
+                log.warning(
+                    "worker %s: stopping with %d batch(es) unpublished and %d unacknowledged; a restarted "
+                    "ingest replays them from the engine",
+                    self.settings.worker_id,
+                    len(self._outbox),
+                    len(self._inflight),
+                )
             await close_quietly(self._nc)
             self._ctx.destroy(linger=0)
 

@@ -32,6 +32,7 @@ import msgspec
 from kvmesh.client import RouteError, Router, UnavailableError
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
+from kvmesh.runtime.procs import stop_processes
 from kvmesh.runtime.server import NatsServer
 from kvmesh.sim.blockpool import BlockPool, PoolExhaustedError
 from kvmesh.sim.engine import output_tokens
@@ -133,16 +134,7 @@ class Up:
         """
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for _name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 8
-        for _name, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes([proc for _name, proc in self.procs])
         if self.server is not None:
             self.server.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)

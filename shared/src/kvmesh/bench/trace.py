@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvmesh.bench.chart import write_bar_charts
+from kvmesh.runtime.procs import stop_processes
 from kvmesh.sim.blockpool import BlockPool
 from kvmesh.sim.engine import output_tokens
 from kvmesh.sim.publisher import EventPublisher
@@ -251,16 +252,7 @@ class _Pipeline:
     def stop(self) -> None:
         for pub in self.publishers:
             pub.close()
-        for _name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 8
-        for _name, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes([proc for _name, proc in self.procs])
         if self.server is not None:
             self.server.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ Only full blocks are keys: a trailing partial block is ignored.
 
 from __future__ import annotations
 
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -46,6 +47,8 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _SALT_TAG: Final[bytes] = b"\x00kvmesh-salt\x00"
 _LORA_TAG: Final[bytes] = b"kvmesh-lora\x00"
 _BIG_ENDIAN: Final[bool] = sys.byteorder == "big"
+_pack_pair = struct.Struct("<QQ").pack
+"""``le_u64(a) ‖ le_u64(b)``: the chaining input (one call instead of two ``to_bytes`` and a concatenation)."""
 
 
 def lora_seed(lora_name: str | None) -> int:
@@ -130,7 +133,7 @@ def local_block_hashes(
 
 def chain_hash(parent: int, local: int) -> int:
     """Return the sequence hash of a block whose parent's sequence hash is ``parent``."""
-    return _xxh3(parent.to_bytes(8, "little") + local.to_bytes(8, "little"), seed=SEED)
+    return _xxh3(_pack_pair(parent, local), seed=SEED)
 
 
 def sequence_hashes(local_hashes: Sequence[int], parent: int | None = None) -> list[int]:
@@ -144,14 +147,15 @@ def sequence_hashes(local_hashes: Sequence[int], parent: int | None = None) -> l
         one sequence hash per local hash.
     """
     out: list[int] = []
-    prev = parent
-    for local in local_hashes:
-        prev = (
-            local
-            if prev is None
-            else _xxh3(prev.to_bytes(8, "little") + local.to_bytes(8, "little"), seed=SEED)
-        )
-        out.append(prev)
+    if not local_hashes:
+        return out
+    append = out.append
+    locals_ = iter(local_hashes)
+    prev = next(locals_) if parent is None else _xxh3(_pack_pair(parent, next(locals_)), seed=SEED)
+    append(prev)
+    for local in locals_:
+        prev = _xxh3(_pack_pair(prev, local), seed=SEED)
+        append(prev)
     return out
 
 

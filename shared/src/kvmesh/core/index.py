@@ -224,21 +224,32 @@ class PrefixIndex:
         """Remove one copy of each block (a BlockRemoved); unknown hashes are counted and skipped."""
         state = self._holders.get(holder)
         removed = decremented = unknown = 0
+        if state is None:
+            unknown = sum(1 for _ in engine_hashes)
+            self._unknown_removals += unknown
+            return RemoveResult(removed=0, decremented=0, unknown=unknown)
+        pop = state.blocks.pop
+        counts = state.counts
+        where = self._where
+        key = state.key  # the very object `_where` holds for this holder
         for h in engine_hashes:
-            seq = state.blocks.get(h) if state is not None else None
-            if seq is None or state is None:
-                unknown += 1
-                continue
-            count = state.counts.get(h)
-            if count is not None:
+            if counts and h in counts:
+                count = counts[h]
                 if count > 2:
-                    state.counts[h] = count - 1
+                    counts[h] = count - 1
                 else:
-                    del state.counts[h]
+                    del counts[h]
                 decremented += 1
                 continue
-            del state.blocks[h]
-            self._unwhere(seq, holder)
+            seq = pop(h, None)
+            if seq is None:
+                unknown += 1
+                continue
+            # Inline fast path of `_unwhere`: the prefix held once by this holder alone.
+            if where.get(seq) is key:
+                del where[seq]
+            else:
+                self._unwhere(seq, key)
             removed += 1
         self._unknown_removals += unknown
         return RemoveResult(removed=removed, decremented=decremented, unknown=unknown)

@@ -1,20 +1,38 @@
-"""``kvmesh bench route``: route latency through NATS, next to a bare request-reply echo in the same run.
+"""``kvmesh bench route``: route latency and throughput through NATS, next to a bare request-reply echo in the same run.
 
-Starts the real pipeline (private ``nats-server``, one ``kvmesh ingest`` per simulated engine, ``kvmesh
-indexer``, ``kvmesh router``), fills the index by serving the first requests of the packaged Mooncake excerpt
-on the engines' block pools, then sends ``--requests`` route requests of ``--tokens``-token prompts one at a
-time (concurrency 1) through `kvmesh.client.Router`. The baseline is a child process that answers the same
-JSON request bodies on another subject with a fixed reply: NATS request-reply plus one Python process hop,
-without hashing, the router → indexer hop and the match.
+Starts the real pipeline on a private ``nats-server`` (``kvmesh indexer``, ``kvmesh router``) and fills the
+index in one of two ways:
+
+* default: one ``kvmesh ingest`` per simulated engine, serving the first ``--fill`` requests of the packaged
+  Mooncake excerpt on the engines' block pools;
+* ``--blocks N``: no engines; kvmesh `EventsMessage` batches are published straight to the JetStream stream
+  before the indexer starts: N stored blocks (block size 16) over ``--workers`` workers, each holding 8 of
+  32 shared 512-token system prefixes and conversations that extend one of them to ``--tokens`` tokens, so
+  a million blocks take seconds. A query extends a stored conversation's first k blocks (k uniform) with
+  fresh tokens; one in ten shares nothing with the index.
+
+Then it sends route requests of ``--tokens``-token prompts through `kvmesh.client.Router`:
+
+* default: ``--requests`` requests one at a time (concurrency 1), interleaved with the echo;
+* ``--rate R``: open loop, R requests/s for ``--duration`` seconds; latency counts from each request's
+  scheduled send time, so a load generator that falls behind shows up as latency;
+* ``--concurrency C``: closed loop, C requests in flight for ``--duration`` seconds; throughput in routes/s.
+
+``--rate`` and ``--concurrency`` may be combined; each runs against the echo, then against kvmesh. The echo is
+a child process that answers the same JSON request bodies on another subject with a fixed reply: NATS
+request-reply plus one Python process hop, without hashing, the router → indexer hop and the match.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import sys
 import time
-from collections.abc import Sequence
+from array import array
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
@@ -26,67 +44,294 @@ from kvmesh.sim.trace import default_trace_path, expand_tokens, load_trace
 __all__ = ["command"]
 
 ECHO_SUBJECT: Final[str] = "bench.route.echo"
+ECHO: Final[str] = "echo (NATS request-reply)"
+ROUTE: Final[str] = "kvmesh route"
+_BLOCK_SIZE: Final[int] = 16
+_PREFIXES: Final[int] = 32
+"""Shared system prefixes of the ``--blocks`` fill."""
+_PREFIX_BLOCKS: Final[int] = 32
+_PREFIXES_PER_WORKER: Final[int] = 8
+_EVENTS_PER_MESSAGE: Final[int] = 16
+
+Send = Callable[[bytes], Awaitable[bytes]]
 
 
-async def _run(a: argparse.Namespace) -> dict[str, list[float]]:
-    from kvmesh.client import Router  # noqa: PLC0415
-    from kvmesh.runtime.nats import connect  # noqa: PLC0415
+@dataclass
+class Phase:
+    """One measured phase: a path (kvmesh or the echo) under one load mode."""
 
-    pipe = _Pipeline(a.workers, 16, None)
-    try:
-        url = pipe.start(None)
-        pipe._spawn("echo", "kvmesh.bench.route", "echo", url)
-        nc = await connect(url, name="kvmesh-bench-route")
-        router = Router(nc, timeout_s=5.0)
+    path: str
+    mode: str
+    latencies: list[float]
+    elapsed_s: float
+    errors: int
+    lag_s: float = 0.0
+    """Open loop: the largest delay between a request's scheduled and actual send time."""
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def _tokens(seed: int, n: int) -> array[int]:
+    """``n`` pseudo-random token ids below 65,536, reproducible from ``seed``."""
+    return array("I", array("H", random.Random(seed).randbytes(2 * n)))
+
+
+async def _fill_stream(nc: Any, a: argparse.Namespace) -> tuple[list[list[int]], int]:
+    """Publish ``a.blocks`` stored blocks over ``a.workers`` workers to the stream; return (queries, messages)."""
+    from kvmesh.core.events import EventsMessage, Stored, encode_message  # noqa: PLC0415
+    from kvmesh.core.hashing import local_block_hashes  # noqa: PLC0415
+    from kvmesh.runtime import subjects  # noqa: PLC0415
+    from kvmesh.runtime.nats import StreamSettings, ensure_stream  # noqa: PLC0415
+
+    js = nc.jetstream()
+    await ensure_stream(js, StreamSettings())
+    rng = random.Random(42)
+    bs = _BLOCK_SIZE
+    tail_blocks = a.tokens // bs - _PREFIX_BLOCKS
+    if tail_blocks <= 0:
+        raise SystemExit(f"--tokens must be at least {(_PREFIX_BLOCKS + 1) * bs} with --blocks")
+    prefixes = [_tokens(10_000_000 + p, _PREFIX_BLOCKS * bs) for p in range(_PREFIXES)]
+    prefix_local = [local_block_hashes(t, bs) for t in prefixes]
+    per_worker = a.blocks // a.workers
+    convs: list[tuple[int, int]] = []  # (prefix, tail seed) of every stored conversation
+    messages = 0
+    for w in range(a.workers):
+        worker = f"w{w}"
+        subject = subjects.events_subject(subjects.EVENTS_PREFIX, MODEL, worker, 0)
+        held = rng.sample(range(_PREFIXES), _PREFIXES_PER_WORKER)
+        events: list[Any] = []
+        ends: dict[int, int] = {}
+        for p in held:
+            engine = [rng.getrandbits(63) for _ in range(_PREFIX_BLOCKS)]
+            events.append(Stored(engine, None, prefix_local[p]))
+            ends[p] = engine[-1]
+        stored = _PREFIX_BLOCKS * len(held)
+        seq = 0
+        while events or stored < per_worker:
+            if stored < per_worker:
+                p = held[len(convs) % len(held)]
+                n = min(tail_blocks, per_worker - stored)
+                seed = len(convs)
+                local = local_block_hashes(_tokens(seed, tail_blocks * bs)[: n * bs], bs)
+                events.append(Stored([rng.getrandbits(63) for _ in range(n)], ends[p], local))
+                convs.append((p, seed))
+                stored += n
+            if len(events) >= _EVENTS_PER_MESSAGE or (events and stored >= per_worker):
+                msg = EventsMessage(
+                    worker_id=worker, dp_rank=0, model=MODEL, block_size=bs, epoch=0, seq=seq, events=events
+                )
+                await js.publish(subject, encode_message(msg), stream=subjects.STREAM)
+                seq += 1
+                messages += 1
+                events = []
+    queries: list[list[int]] = []
+    qrng = random.Random(7)
+    for i in range(a.queries):
+        if i % 10 == 9:
+            queries.append(list(_tokens(20_000_000 + i, a.tokens)))
+            continue
+        p, seed = convs[qrng.randrange(len(convs))]
+        tail = _tokens(seed, tail_blocks * bs)[: qrng.randint(0, tail_blocks) * bs]
+        fresh = _tokens(30_000_000 + i, a.tokens - len(prefixes[p]) - len(tail))
+        queries.append([*prefixes[p], *tail, *fresh])
+    return queries, messages
+
+
+async def _fill_engines(pipe: _Pipeline, router: Any, a: argparse.Namespace) -> list[list[int]]:
+    """Serve the first ``a.fill`` trace requests on simulated engines; return the queries."""
+    trace = load_trace(default_trace_path(), limit=a.fill)
+    pools = [BlockPool(num_blocks=a.num_blocks, block_size=16, seed=i) for i in range(a.workers)]
+    prompts = []
+    for i, req in enumerate(trace):
+        tokens = expand_tokens(req)
+        prompts.append(tokens)
+        k = i % a.workers
         try:
-            await _wait_ready(pipe, router)
-            trace = load_trace(default_trace_path(), limit=a.fill)
-            pools = [BlockPool(num_blocks=a.num_blocks, block_size=16, seed=i) for i in range(a.workers)]
-            prompts = []
-            for i, req in enumerate(trace):
-                tokens = expand_tokens(req)
-                prompts.append(tokens)
-                k = i % a.workers
-                try:
-                    pools[k].start(f"r{i}", tokens)
-                    pools[k].finish(f"r{i}")
-                except PoolExhaustedError:
-                    continue
-                pipe.publishers[k].publish(pools[k].take_events())
-                if i % 16 == 15:
-                    await asyncio.sleep(0)
-            stored = sum(p.stats().cached_blocks for p in pools)
-            # Wait until the index holds the last prompt the fill served.
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                reply = await router.route(MODEL, prompts[-1])
-                if reply.overlap_blocks > 0:
-                    break
-                await asyncio.sleep(0.1)
-            print(f"index filled: {len(prompts)} prompts, {stored:,} cached blocks on {a.workers} engines")
-            queries = [(p * (a.tokens // len(p) + 1))[: a.tokens] for p in prompts]
-            bodies = [
-                msgspec.json.encode({"model": MODEL, "token_ids": q, "request_id": f"q{i}"})
-                for i, q in enumerate(queries)
-            ]
-            out: dict[str, list[float]] = {"kvmesh route": [], "echo (NATS request-reply)": []}
-            for _ in range(5):  # warm-up
-                await router.request_raw(bodies[0])
-                await nc.request(ECHO_SUBJECT, bodies[0], timeout=5)
-            perf = time.perf_counter
-            for i in range(a.requests):
-                body = bodies[i % len(bodies)]
-                t0 = perf()
-                await router.request_raw(body)
-                out["kvmesh route"].append(perf() - t0)
-                t0 = perf()
-                await nc.request(ECHO_SUBJECT, body, timeout=5)
-                out["echo (NATS request-reply)"].append(perf() - t0)
-            return out
-        finally:
-            await nc.close()
+            pools[k].start(f"r{i}", tokens)
+            pools[k].finish(f"r{i}")
+        except PoolExhaustedError:
+            continue
+        pipe.publishers[k].publish(pools[k].take_events())
+        if i % 16 == 15:
+            await asyncio.sleep(0)
+    stored = sum(p.stats().cached_blocks for p in pools)
+    # Wait until the index holds the last prompt the fill served.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        reply = await router.route(MODEL, prompts[-1])
+        if reply.overlap_blocks > 0:
+            break
+        await asyncio.sleep(0.1)
+    print(f"index filled: {len(prompts)} prompts, {stored:,} cached blocks on {a.workers} engines")
+    return [(p * (a.tokens // len(p) + 1))[: a.tokens] for p in prompts]
+
+
+async def _interleaved(sends: dict[str, Send], bodies: list[bytes], n: int) -> list[Phase]:
+    """Concurrency 1, the paths alternating request by request."""
+    out = {name: Phase(name, "concurrency 1", [], 0.0, 0) for name in sends}
+    perf = time.perf_counter
+    for i in range(n):
+        body = bodies[i % len(bodies)]
+        for name, send in sends.items():
+            t0 = perf()
+            reply = await send(body)
+            dt = perf() - t0
+            out[name].latencies.append(dt)
+            out[name].elapsed_s += dt
+            out[name].errors += reply.startswith(b'{"error"')
+    return list(out.values())
+
+
+async def _open_loop(name: str, send: Send, bodies: list[bytes], rate: float, duration_s: float) -> Phase:
+    """Send at ``rate`` requests/s; each latency counts from the request's scheduled send time."""
+    loop = asyncio.get_running_loop()
+    phase = Phase(name, f"open loop {rate:g}/s", [], 0.0, 0)
+    n = max(1, int(rate * duration_s))
+    start = loop.time() + 0.05
+    pending: set[asyncio.Task[None]] = set()
+
+    async def one(body: bytes, at: float) -> None:
+        try:
+            reply = await send(body)
+        except Exception:
+            phase.errors += 1
+            return
+        phase.latencies.append(loop.time() - at)
+        phase.errors += reply.startswith(b'{"error"')
+
+    for i in range(n):
+        at = start + i / rate
+        delay = at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        else:
+            phase.lag_s = max(phase.lag_s, -delay)
+        t = asyncio.create_task(one(bodies[i % len(bodies)], at))
+        pending.add(t)
+        t.add_done_callback(pending.discard)
+    if pending:
+        await asyncio.wait(pending)
+    phase.elapsed_s = loop.time() - start
+    return phase
+
+
+async def _closed_loop(name: str, send: Send, bodies: list[bytes], concurrency: int, duration_s: float) -> Phase:
+    """Keep ``concurrency`` requests in flight for ``duration_s`` seconds."""
+    loop = asyncio.get_running_loop()
+    phase = Phase(name, f"concurrency {concurrency}", [], 0.0, 0)
+    start = loop.time()
+    end = start + duration_s
+    counter = iter(range(1 << 62))
+
+    async def client() -> None:
+        while loop.time() < end:
+            body = bodies[next(counter) % len(bodies)]
+            t0 = loop.time()
+            try:
+                reply = await send(body)
+            except Exception:
+                phase.errors += 1
+                continue
+            phase.latencies.append(loop.time() - t0)
+            phase.errors += reply.startswith(b'{"error"')
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    phase.elapsed_s = loop.time() - start
+    return phase
+
+
+async def _run(a: argparse.Namespace) -> list[Phase]:
+    from kvmesh.cli import gather_status  # noqa: PLC0415
+    from kvmesh.client import Router  # noqa: PLC0415
+    from kvmesh.runtime import subjects  # noqa: PLC0415
+    from kvmesh.runtime.nats import connect  # noqa: PLC0415
+    from kvmesh.runtime.server import NatsServer  # noqa: PLC0415
+
+    synthetic = a.blocks > 0
+    pipe = _Pipeline(0 if synthetic else a.workers, _BLOCK_SIZE, None)
+    nc = None
+    try:
+        if synthetic:
+            pipe.server = NatsServer(store_dir=pipe.tmp / "nats").start()
+            url = str(pipe.server.url)
+            nc = await connect(url, name="kvmesh-bench-route")
+            t0 = time.perf_counter()
+            queries, messages = await _fill_stream(nc, a)
+            fill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            pipe._spawn("indexer", "kvmesh.indexer", "--nats-url", url)
+            pipe._spawn("router", "kvmesh.router", "--nats-url", url)
+        else:
+            url = pipe.start(None)
+            nc = await connect(url, name="kvmesh-bench-route")
+        pipe._spawn("echo", "kvmesh.bench.route", "echo", url)
+        router = Router(nc, timeout_s=5.0)
+        await _wait_ready(pipe, router)
+        if synthetic:
+            ready_s = time.perf_counter() - t0
+            status = await gather_status(nc, subjects.STATUS_SUBJECT, 1.0)
+            blocks = sum(s["blocks"] for s in status)
+            print(
+                f"index filled: {blocks:,} blocks on {len(status[0]['workers']) if status else 0} workers "
+                f"({messages} stream messages published in {fill_s:.1f} s; indexer and router ready "
+                f"{ready_s:.1f} s after start)"
+            )
+        else:
+            queries = await _fill_engines(pipe, router, a)
+        bodies = [
+            msgspec.json.encode({"model": MODEL, "token_ids": q, "request_id": f"q{i}"})
+            for i, q in enumerate(queries)
+        ]
+
+        async def echo(body: bytes) -> bytes:
+            return bytes((await nc.request(ECHO_SUBJECT, body, timeout=5)).data)
+
+        sends: dict[str, Send] = {ROUTE: router.request_raw, ECHO: echo}
+        for body in bodies[:20]:  # warm-up
+            for send in sends.values():
+                await send(body)
+        out: list[Phase] = []
+        if not a.rate and not a.concurrency:
+            out += await _interleaved(sends, bodies, a.requests)
+        for rate in a.rate:
+            for name in (ECHO, ROUTE):
+                out.append(await _open_loop(name, sends[name], bodies, rate, a.duration))
+                await asyncio.sleep(0.5)
+        for conc in a.concurrency:
+            for name in (ECHO, ROUTE):
+                out.append(await _closed_loop(name, sends[name], bodies, conc, a.duration))
+                await asyncio.sleep(0.5)
+        return out
     finally:
+        if nc is not None:
+            await nc.close()
         pipe.stop()
+
+
+def _table(phases: list[Phase]) -> str:
+    lines = [
+        "| mode | path | requests | routes/s | p50 (ms) | p99 (ms) | p50 vs echo | p99 vs echo | routes/s vs echo | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    echo = {p.mode: p for p in phases if p.path == ECHO}
+    for p in phases:
+        e = echo.get(p.mode)
+        p50, p99 = percentile(p.latencies, 0.5), percentile(p.latencies, 0.99)
+        r50 = r99 = rr = "–"
+        if e is not None and e.latencies:
+            r50 = f"{p50 / percentile(e.latencies, 0.5):.2f}"
+            r99 = f"{p99 / percentile(e.latencies, 0.99):.2f}"
+            rr = f"{p.rate / e.rate:.2f}" if e.rate else "–"
+        lines.append(
+            f"| {p.mode} | {p.path} | {len(p.latencies):,} | {p.rate:,.0f} | {1e3 * p50:.2f} | {1e3 * p99:.2f} "
+            f"| {r50} | {r99} | {rr} | {p.errors} |"
+        )
+    lag = [p for p in phases if p.lag_s > 0.005]
+    for p in lag:
+        lines.append(f"\n{p.path}, {p.mode}: the load generator fell behind by up to {1e3 * p.lag_s:.1f} ms")
+    return "\n".join(lines)
 
 
 def command(argv: Sequence[str] | None = None) -> int:
@@ -94,24 +339,35 @@ def command(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="kvmesh bench route", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--workers", type=int, default=4, help="simulated engines (default 4)")
+    p.add_argument("--workers", type=int, default=4, help="simulated engines / workers (default 4)")
     p.add_argument("--num-blocks", type=int, default=16384, help="KV blocks per engine (default 16384)")
     p.add_argument(
         "--fill", type=int, default=200, help="trace requests served to fill the index (default 200)"
     )
     p.add_argument(
+        "--blocks",
+        type=int,
+        default=0,
+        help="fill the index with this many blocks published straight to the stream instead (default: off)",
+    )
+    p.add_argument("--queries", type=int, default=512, help="distinct prompts with --blocks (default 512)")
+    p.add_argument(
         "--tokens", type=int, default=4096, help="prompt length of each route request (default 4096)"
     )
-    p.add_argument("--requests", type=int, default=2000, help="route requests, concurrency 1 (default 2000)")
+    p.add_argument(
+        "--requests", type=int, default=2000, help="route requests at concurrency 1 (default 2000)"
+    )
+    p.add_argument(
+        "--rate", type=float, action="append", default=[], help="open loop at this many requests/s (repeatable)"
+    )
+    p.add_argument(
+        "--concurrency", type=int, action="append", default=[], help="closed loop, requests in flight (repeatable)"
+    )
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per open/closed-loop phase (default 10)")
     a = p.parse_args(argv)
-    res = asyncio.run(_run(a))
-    print(f"\n{a.requests} requests of {a.tokens} tokens, concurrency 1, interleaved")
-    print("| path | p50 (ms) | p99 (ms) | p50 vs echo |")
-    print("|---|---:|---:|---:|")
-    echo = percentile(res["echo (NATS request-reply)"], 0.5)
-    for name, lat in res.items():
-        p50, p99 = percentile(lat, 0.5), percentile(lat, 0.99)
-        print(f"| {name} | {1e3 * p50:.2f} | {1e3 * p99:.2f} | {p50 / echo:.2f} |")
+    phases = asyncio.run(_run(a))
+    print(f"\nprompts of {a.tokens} tokens; each mode against the echo and kvmesh in the same run")
+    print(_table(phases))
     return 0
 
 

@@ -150,3 +150,34 @@ async def test_route_errors_have_codes_and_service_headers(nats_url: str, uid: s
                 await p.route([])
     finally:
         w.close()
+
+
+async def test_match_accepts_packed_and_listed_token_ids_alike(nats_url: str, uid: str) -> None:
+    """The indexer answers a packed-uint32 and a listed match query identically; a ragged packing is bad_request."""
+    from array import array
+
+    import msgspec
+
+    w = SimWorker("worker-m", num_blocks=16, block_size=BS, endpoint="tcp://127.0.0.1:*", seed=4)
+    try:
+        async with pipeline(nats_url, uid) as p:
+            await p.start_ingest(w.worker_id, w.publisher.endpoint, block_size=BS)
+            await w.publisher.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router()
+            await w.serve_request(P1, 0)
+            await eventually(lambda: p.route(P1), lambda r: r.overlap_blocks == 4)
+            nc = p._nc
+
+            async def match(token_ids: object) -> dict[str, object]:
+                body = msgspec.msgpack.encode({"model": "test-model", "token_ids": token_ids})
+                return dict(msgspec.msgpack.decode((await nc.request(p.match_subject, body, timeout=3)).data))
+
+            packed = await match(array("I", P1).tobytes())
+            listed = await match(P1)
+            assert packed["candidates"] == listed["candidates"] == [["worker-m", 0, 4, 4]]
+            ragged = await match(array("I", P1).tobytes()[:-1])
+            assert ragged["error"]["code"] == "bad_request"  # type: ignore[index]
+            assert "4 bytes each" in ragged["error"]["message"]  # type: ignore[index]
+    finally:
+        w.close()

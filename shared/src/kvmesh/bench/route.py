@@ -217,7 +217,9 @@ async def _open_loop(name: str, send: Send, bodies: list[bytes], rate: float, du
     return phase
 
 
-async def _closed_loop(name: str, send: Send, bodies: list[bytes], concurrency: int, duration_s: float) -> Phase:
+async def _closed_loop(
+    name: str, send: Send, bodies: list[bytes], concurrency: int, duration_s: float
+) -> Phase:
     """Keep ``concurrency`` requests in flight for ``duration_s`` seconds."""
     loop = asyncio.get_running_loop()
     phase = Phase(name, f"concurrency {concurrency}", [], 0.0, 0)
@@ -358,12 +360,22 @@ def command(argv: Sequence[str] | None = None) -> int:
         "--requests", type=int, default=2000, help="route requests at concurrency 1 (default 2000)"
     )
     p.add_argument(
-        "--rate", type=float, action="append", default=[], help="open loop at this many requests/s (repeatable)"
+        "--rate",
+        type=float,
+        action="append",
+        default=[],
+        help="open loop at this many requests/s (repeatable)",
     )
     p.add_argument(
-        "--concurrency", type=int, action="append", default=[], help="closed loop, requests in flight (repeatable)"
+        "--concurrency",
+        type=int,
+        action="append",
+        default=[],
+        help="closed loop, requests in flight (repeatable)",
     )
-    p.add_argument("--duration", type=float, default=10.0, help="seconds per open/closed-loop phase (default 10)")
+    p.add_argument(
+        "--duration", type=float, default=10.0, help="seconds per open/closed-loop phase (default 10)"
+    )
     a = p.parse_args(argv)
     phases = asyncio.run(_run(a))
     print(f"\nprompts of {a.tokens} tokens; each mode against the echo and kvmesh in the same run")

@@ -16,7 +16,9 @@ kept snapshot needs purged. Every replica also watches the worker registry and p
 when a worker's key expires or is deleted (`kvmesh.runtime.registry`). Match and status endpoints are a NATS micro service (``kvmesh-indexer``), so ``$SRV.PING``,
 ``$SRV.INFO`` and ``$SRV.STATS`` discover it.
 
-Match protocol (msgpack): request ``{"model", "token_ids", "lora_name", "cache_salt"}``; reply
+Match protocol (msgpack): request ``{"model", "token_ids", "lora_name", "cache_salt"}``, ``token_ids`` either
+the token ids packed as little-endian uint32 (msgpack bin: what the router sends, no per-token work on either
+side) or a msgpack array of ints; reply
 ``{"index_seq", "block_size", "prompt_blocks", "candidates": [[worker_id, dp_rank, overlap_blocks,
 cached_blocks], ...]}`` or ``{"error": {"code", "message"}}`` with codes ``bad_request`` and
 ``unknown_model``.
@@ -27,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
+from array import array
 from dataclasses import asdict
 from typing import Any
 
@@ -69,9 +73,28 @@ class MatchRequest(msgspec.Struct, kw_only=True):
     """A match query from a router."""
 
     model: str
-    token_ids: list[int]
+    token_ids: bytes | list[int]
+    """Token ids packed as little-endian uint32, or as a list of ints."""
     lora_name: str | None = None
     cache_salt: str | None = None
+
+
+def _unpack_tokens(packed: bytes) -> array[int]:
+    """Token ids from little-endian uint32 bytes.
+
+    Raises:
+        RequestError: the length is not a multiple of 4 (``field="token_ids"``).
+    """
+    if len(packed) % 4:
+        raise RequestError(
+            f"packed token_ids must be little-endian uint32 (4 bytes each), got {len(packed)} bytes",
+            field="token_ids",
+        )
+    tokens = array("I")
+    tokens.frombytes(packed)
+    if sys.byteorder == "big":  # pragma: no cover
+        tokens.byteswap()
+    return tokens
 
 
 class IndexerService:
@@ -581,8 +604,12 @@ class IndexerService:
             await self._error(req, "bad_request", f"bad match request: {exc}", 400)
             return
         try:
+            tokens = query.token_ids
             result = self.state.match(
-                query.model, query.token_ids, lora_name=query.lora_name, cache_salt=query.cache_salt
+                query.model,
+                _unpack_tokens(tokens) if isinstance(tokens, bytes) else tokens,
+                lora_name=query.lora_name,
+                cache_salt=query.cache_salt,
             )
         except UnknownModelError:
             await self._error(req, "unknown_model", f"no worker serves model {query.model!r}", 404)

@@ -39,6 +39,7 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, EndpointStats, ServiceConfig
 
 from kvmesh.core.errors import RequestError
+from kvmesh.core.hashing import pack_tokens
 from kvmesh.core.load import (
     ActiveLoad,
     EngineLoads,
@@ -66,6 +67,9 @@ from kvmesh.runtime.nats import connect
 log = logging.getLogger("kvmesh.router")
 
 VERSION = "0.2.0"
+MAX_IN_FLIGHT = 256
+"""Route requests served at once by one replica (beyond it, requests wait in the subscription's queue)."""
+_STOP_TIMEOUT_S = 5.0
 
 
 class WorkerRegistry(Protocol):
@@ -122,6 +126,8 @@ class RouterService:
         self.ready = asyncio.Event()
         self.routed = 0
         self.errors: dict[str, int] = {}
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
 
     async def run(self) -> None:
         """Join the shared accounting, then serve route requests until `stop()`."""
@@ -172,6 +178,8 @@ class RouterService:
         finally:
             with contextlib.suppress(Exception):
                 await service.stop()
+            if self._in_flight:  # answer what was accepted before the connection drains
+                await asyncio.wait(set(self._in_flight), timeout=_STOP_TIMEOUT_S)
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -252,6 +260,23 @@ class RouterService:
     # ------------------------------------------------------------------ route
 
     async def _on_route(self, req: Request) -> None:
+        """Serve each request in its own task, at most `MAX_IN_FLIGHT` at once.
+
+        nats-py awaits a subscription's handler before it delivers the next message, so a handler that awaited
+        the indexer itself would serve one request per indexer round trip (about 1,000/s on one box).
+        """
+        await self._slots.acquire()
+        task = asyncio.create_task(self._serve_route(req))
+        self._in_flight.add(task)
+        task.add_done_callback(self._route_done)
+
+    def _route_done(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        self._slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("route: reply failed: %r", task.exception())
+
+    async def _serve_route(self, req: Request) -> None:
         request_id: str | None = None
         try:
             try:
@@ -284,10 +309,16 @@ class RouterService:
 
     async def _match(self, parsed: RouteRequest) -> dict[str, Any]:
         assert self._nc is not None
+        # Packed uint32 spares both ends per-token work; a msgpack list is smaller for ids below 128 and is sent
+        # when the packed form would not fit the server's max payload (the JSON request did).
+        packed = pack_tokens(parsed.token_ids)  # the ids were checked by parse_route_request
+        tokens: bytes | list[int] = (
+            packed if len(packed) + _match_overhead(parsed) <= self._nc.max_payload else parsed.token_ids
+        )
         query = self._enc.encode(
             {
                 "model": parsed.model,
-                "token_ids": parsed.token_ids,
+                "token_ids": tokens,
                 "lora_name": parsed.lora_name,
                 "cache_salt": parsed.cache_salt,
             }
@@ -375,6 +406,12 @@ class RouterService:
             await self._nc.publish(
                 subjects.requests_subject(self.settings.requests_prefix, "routed"), self._json.encode(event)
             )
+
+
+def _match_overhead(parsed: RouteRequest) -> int:
+    """An upper bound on the bytes of a match request besides its token ids."""
+    strings = (parsed.model, parsed.lora_name or "", parsed.cache_salt or "")
+    return 128 + sum(4 * len(x) for x in strings)
 
 
 def _reply(parsed: RouteRequest, decision: Decision, answer: dict[str, Any]) -> dict[str, Any]:

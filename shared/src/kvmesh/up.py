@@ -18,7 +18,6 @@ import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ import msgspec
 from kvmesh.client import RouteError, Router, UnavailableError
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
-from kvmesh.runtime.procs import stop_processes
+from kvmesh.runtime.procs import ChildProcesses
 from kvmesh.runtime.server import NatsServer
 from kvmesh.sim.blockpool import BlockPool, PoolExhaustedError
 from kvmesh.sim.engine import output_tokens
@@ -102,30 +101,11 @@ class Up:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
         self.log_dir = Path(args.log_dir) if args.log_dir else self.tmp / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.children = ChildProcesses(self.log_dir)
         self.server: NatsServer | None = None
         self.out: TextIO = sys.stdout
 
     # ------------------------------------------------------------------ processes
-
-    def spawn(self, name: str, *argv: str) -> None:
-        """Start ``python -m <module> ...`` with its output in the log directory."""
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        # A session of its own: a terminal Ctrl-C reaches only `kvmesh up`, which then stops the children in
-        # order (router and indexer first, NATS last) instead of all of them racing each other.
-        proc = subprocess.Popen(
-            [sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        self.procs.append((name, proc))
-
-    def check_children(self) -> None:
-        """Raise if a child exited early, with the tail of its log."""
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
-                raise RuntimeError(f"{name} exited with status {proc.returncode}:\n  " + "\n  ".join(tail))
 
     def stop(self) -> None:
         """Stop every child (SIGTERM, then SIGKILL), the embedded server, and remove the temporary directory.
@@ -134,7 +114,7 @@ class Up:
         """
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_processes([proc for _name, proc in self.procs])
+        self.children.stop()
         if self.server is not None:
             self.server.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -149,7 +129,7 @@ class Up:
             url = self.server.url
             self.say(f"started nats-server with JetStream at {url} (store in a temporary directory)")
         base = a.base_port or _free_base_port(20 * a.workers + 11)
-        self.spawn(
+        self.children.spawn(
             "sim",
             "-m",
             "kvmesh.cli",
@@ -171,7 +151,7 @@ class Up:
         )
         for i in range(a.workers):
             port = base + 20 * i
-            self.spawn(
+            self.children.spawn(
                 f"ingest-{i}",
                 "-m",
                 "kvmesh.ingest",
@@ -188,8 +168,8 @@ class Up:
                 "--block-size",
                 str(a.block_size),
             )
-        self.spawn("indexer", "-m", "kvmesh.indexer", "--nats-url", url)
-        self.spawn("router", "-m", "kvmesh.router", "--nats-url", url)
+        self.children.spawn("indexer", "-m", "kvmesh.indexer", "--nats-url", url)
+        self.children.spawn("router", "-m", "kvmesh.router", "--nats-url", url)
         self.say(
             f"started {a.workers} simulated workers, {a.workers} ingests, an indexer and a router "
             f"(logs in {self.log_dir if a.log_dir else 'a temporary directory'})"
@@ -207,7 +187,7 @@ class Up:
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
-            self.check_children()
+            self.children.check()
             try:
                 reply = await router.route(MODEL, [0] * self.args.block_size, explain=True)
                 if reply.scores is not None and len(reply.scores) >= workers:

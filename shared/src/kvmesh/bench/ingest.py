@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ from typing import Any, Final
 import msgspec
 
 from kvmesh.core.wire import BlockStored, EngineBatch, encode_batch
+from kvmesh.runtime.procs import ChildProcesses
 from kvmesh.sim.publisher import EventPublisher
 
 __all__ = ["command"]
@@ -72,36 +71,6 @@ def make_batches(engine: int, batches: int, blocks: int) -> list[bytes]:
     return out
 
 
-class _Procs:
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def spawn(self, name: str, *argv: str) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(self.log_dir / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.procs.append((name, proc))
-
-    def check(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-10:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n  " + "\n  ".join(tail))
-
-    def stop(self) -> None:
-        for _n, p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for _n, p in self.procs:
-            try:
-                p.wait(timeout=8)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.procs.clear()
-
-
 async def _request_json(nc: Any, subject: str) -> dict[str, Any] | None:
     try:
         msg = await nc.request(subject, b"", timeout=1.0)
@@ -128,7 +97,7 @@ async def _indexer_blocks(nc: Any) -> int:
 
 async def _drive(
     pubs: list[EventPublisher], payloads: list[list[bytes]], probe: Callable[[], Awaitable[int]], *,
-    total: int, procs: _Procs, timeout_s: float,
+    total: int, procs: ChildProcesses, timeout_s: float,
 ) -> tuple[float, int]:  # fmt: skip
     """Publish every batch, then wait until ``probe()`` (blocks applied) reaches ``total``."""
     t0 = time.perf_counter()
@@ -165,7 +134,7 @@ async def _run(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
     try:
         nc = await connect(server.url, name="kvmesh-bench-ingest")
         for which in a.order:
-            procs = _Procs(log_dir)
+            procs = ChildProcesses(log_dir)
             pubs = [
                 EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=a.batches + 10)
                 for _ in range(a.engines)

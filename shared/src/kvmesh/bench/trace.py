@@ -25,12 +25,9 @@ import argparse
 import asyncio
 import contextlib
 import math
-import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +36,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvmesh.bench.chart import write_bar_charts
-from kvmesh.runtime.procs import stop_processes
+from kvmesh.runtime.procs import ChildProcesses
 from kvmesh.sim.blockpool import BlockPool
 from kvmesh.sim.engine import output_tokens
 from kvmesh.sim.publisher import EventPublisher
@@ -213,7 +210,7 @@ class _Pipeline:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers = workers
         self.block_size = block_size
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.children = ChildProcesses(self.log_dir)
         self.server: Any = None
         self.publishers: list[EventPublisher] = []
 
@@ -236,23 +233,15 @@ class _Pipeline:
         return nats_url
 
     def _spawn(self, name: str, module: str, *argv: str) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(self.log_dir / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen(
-                [sys.executable, "-m", module, *argv], stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-        self.procs.append((name, proc))
+        self.children.spawn(name, "-m", module, *argv)
 
     def check(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                tail = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
-                raise RuntimeError(f"{name} exited with status {proc.returncode}:\n  " + "\n  ".join(tail))
+        self.children.check()
 
     def stop(self) -> None:
         for pub in self.publishers:
             pub.close()
-        stop_processes([proc for _name, proc in self.procs])
+        self.children.stop()
         if self.server is not None:
             self.server.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -30,7 +30,7 @@ import msgspec
 
 from kvmesh.client import RouteError, Router, UnavailableError
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import connect
+from kvmesh.runtime.nats import close_quietly, connect
 from kvmesh.runtime.procs import ChildProcesses
 from kvmesh.runtime.server import NatsServer
 from kvmesh.sim.blockpool import BlockPool, PoolExhaustedError
@@ -258,7 +258,7 @@ class Up:
             self.progress(done, len(trace), tally, start, final=True)
             return tally, failures, elapsed, latencies
         finally:
-            await nc.drain()
+            await close_quietly(nc)
 
     def progress(self, done: int, total: int, tally: Tally, start: float, *, final: bool = False) -> None:
         """Print the live progress line (every request on a terminal, every 10 % otherwise)."""

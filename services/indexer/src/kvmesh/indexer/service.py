@@ -1,9 +1,9 @@
 """The indexer service: stream → `IndexState` → match queries over NATS request-reply.
 
-On start it loads the newest snapshot that verifies from the group's Object Store bucket (falling back to
-older ones), then reads the events stream from the snapshot's sequence + 1 with an ordered push consumer
-(no durable consumer, so nothing is orphaned when a replica goes away), applies every message in stream
-order, and joins the match queue group only once it has caught up with the stream's last sequence as of
+On start its `kvmesh.runtime.replica.StreamReplica` loads the newest snapshot that verifies from the group's
+Object Store bucket (falling back to older ones), then reads the events stream from the snapshot's sequence
++ 1 with an ordered push consumer (no durable consumer, so nothing is orphaned when a replica goes away) and
+applies every message in stream order; the service joins the match queue group only once it has caught up with the stream's last sequence as of
 its start — a replica that is behind never answers. When the stream no longer holds the messages after
 every usable snapshot, it starts from what the stream holds, marks the state incomplete
 (`IndexState.mark_gap`, shown by ``kvmesh status``) and logs it.
@@ -13,8 +13,8 @@ While running, the holder of the group's snapshot-writer lease writes a snapshot
 the state is copied between two applied messages (`IndexState.export`, tens of ms per million blocks),
 encoded in a thread, stored, the oldest snapshots beyond ``snapshot_keep`` deleted, and stream messages no
 kept snapshot needs purged. Every replica also watches the worker registry and publishes `WorkerRemoved`
-when a worker's key expires or is deleted (`kvmesh.runtime.registry`). Match and status endpoints are a NATS micro service (``kvmesh-indexer``), so ``$SRV.PING``,
-``$SRV.INFO`` and ``$SRV.STATS`` discover it.
+when a worker's key expires or is deleted (`kvmesh.runtime.registry`). Match and status endpoints are a
+NATS micro service (``kvmesh-indexer``), so ``$SRV.PING``, ``$SRV.INFO`` and ``$SRV.STATS`` discover it.
 
 Match protocol (msgpack): request ``{"model", "token_ids", "lora_name", "cache_salt"}``, ``token_ids`` either
 the token ids packed as little-endian uint32 (msgpack bin: what the router sends, no per-token work on either
@@ -39,33 +39,29 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from kvmesh.core.errors import RequestError
-from kvmesh.core.events import decode_message
 from kvmesh.core.snapshot import encode_snapshot
 from kvmesh.core.state import IndexState, UnknownModelError
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import close_quietly, connect, wait_for_stream
 from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, open_registry, publish_removal
+from kvmesh.runtime.replica import StreamReplica
 from kvmesh.runtime.snapshots import (
     SnapshotLease,
     SnapshotStore,
     default_stream_max_age_s,
     open_kv,
-    plan_recovery,
 )
 
 log = logging.getLogger("kvmesh.indexer")
 
 VERSION = "0.1.0"
 _STOP_TIMEOUT_S = 5.0
-_STALL_S = 5.0
-"""A consumer that applied nothing for this long while the stream holds more is re-created."""
 """Bound on each shutdown step, so a stuck call never keeps a stopping replica (and its connection) alive."""
 
 
@@ -102,16 +98,12 @@ class IndexerService:
 
     def __init__(self, settings: IndexerSettings) -> None:
         self.settings = settings
-        self.state = IndexState()
         self.replica = settings.replica_name()
         self.ready = asyncio.Event()
-        self.decode_errors = 0
-        self.apply_errors = 0
         self._stop = asyncio.Event()
         self._nc: Client | None = None
-        self._target_seq = 0
-        self._caught_up = asyncio.Event()
-        self._stream_last_seq = 0
+        self._replica: StreamReplica | None = None
+        self._empty = IndexState()
         self._started = time.monotonic()
         self._decoder = msgspec.msgpack.Decoder(MatchRequest)
         self._encoder = msgspec.msgpack.Encoder()
@@ -123,10 +115,6 @@ class IndexerService:
         self._snapshot_lock = asyncio.Lock()
         self._since_snapshot = 0
         self._last_snapshot_at = time.monotonic()
-        self.read_messages = 0
-        """Stream messages this replica's consumer received."""
-        self.recovery: dict[str, Any] = {}
-        """How this replica started: snapshot used, skipped ones, start sequence, messages read to ready."""
         self.snapshots: dict[str, Any] = {
             "written": 0,
             "last": None,
@@ -134,8 +122,38 @@ class IndexerService:
             "last_stall_ms": 0.0,
         }
         self.removals_published = 0
-        self.resubscribes = 0
+
+    # The replica's state and counters (an empty state until `run()` has connected).
+
+    @property
+    def state(self) -> IndexState:
+        """The index state this replica serves."""
+        return self._replica.state if self._replica is not None else self._empty
+
+    @property
+    def read_messages(self) -> int:
+        """Stream messages this replica's consumer received."""
+        return self._replica.read_messages if self._replica is not None else 0
+
+    @property
+    def decode_errors(self) -> int:
+        """Stream messages that could not be decoded (skipped)."""
+        return self._replica.decode_errors if self._replica is not None else 0
+
+    @property
+    def apply_errors(self) -> int:
+        """Stream messages that failed to apply (skipped)."""
+        return self._replica.apply_errors if self._replica is not None else 0
+
+    @property
+    def resubscribes(self) -> int:
         """Times the stream consumer stalled and was re-created (NATS restarts)."""
+        return self._replica.resubscribes if self._replica is not None else 0
+
+    @property
+    def recovery(self) -> dict[str, Any]:
+        """How this replica started: snapshot used, skipped ones, start sequence, messages read to ready."""
+        return self._replica.recovery if self._replica is not None else {}
 
     async def run(self) -> None:
         """Catch up with the stream, then serve match queries until `stop()`."""
@@ -183,8 +201,16 @@ class IndexerService:
         )
         info = await js.stream_info(s.stream)
         self._check_retention(info.config.max_age or 0.0)
-        self._target_seq = info.state.last_seq
-        start_seq = await self._recover(info.state.first_seq, info.state.last_seq)
+        self._replica = replica = StreamReplica(
+            js,
+            stream=s.stream,
+            events_prefix=s.events_prefix,
+            store=self._store,
+            name=f"indexer {self.replica}",
+            stop=self._stop,
+            on_message=self._count_message,
+        )
+        start_seq = await replica.recover(info)
         log.info(
             "indexer %s: reading %s from seq %d (%d messages, last seq %d)",
             self.replica,
@@ -193,12 +219,12 @@ class IndexerService:
             info.state.messages,
             info.state.last_seq,
         )
-        consume = asyncio.create_task(self._follow(start_seq))
+        consume = asyncio.create_task(replica.follow(start_seq))
         service = None
         tasks: list[asyncio.Task[None]] = [consume]
         subs: list[Any] = []
         try:
-            await self._wait_caught_up()
+            await replica.wait_caught_up()
             if self._stop.is_set():
                 return
             service = await add_service(
@@ -277,144 +303,8 @@ class IndexerService:
         """Ask `run()` to finish."""
         self._stop.set()
 
-    async def _wait_caught_up(self) -> None:
-        """Return once the consumer applied the stream's last sequence as of start-up (or on stop).
-
-        Messages can be deleted after start-up (an operator removing a poison message, age limits): every
-        second, if the stream holds no message after what was applied, the replica is caught up too.
-        """
-        if self.state.applied_seq >= self._target_seq:
-            return
-        stop_wait = asyncio.create_task(self._stop.wait())
-        caught = asyncio.create_task(self._caught_up.wait())
-        try:
-            while not (stop_wait.done() or caught.done()):
-                await asyncio.wait({stop_wait, caught}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-                if not (stop_wait.done() or caught.done()) and not await self._more_to_read():
-                    self._caught_up.set()
-        finally:
-            stop_wait.cancel()
-            caught.cancel()
-
-    async def _more_to_read(self) -> bool:
-        """Tell whether the stream holds a message after ``applied_seq`` (True when it cannot tell)."""
-        try:
-            await self._js.get_msg(self.settings.stream, seq=self.state.applied_seq + 1, next=True)
-        except nats.js.errors.NotFoundError:
-            return False
-        except Exception:
-            return True
-        return True
-
-    async def _recover(self, first_seq: int, last_seq: int) -> int:
-        """Load the newest usable snapshot into ``self.state``; return the stream sequence to read from."""
-        plan = await plan_recovery(
-            self._store, first_seq=first_seq, last_seq=last_seq, name=f"indexer {self.replica}"
-        )
-        self.state = plan.state()
-        self.recovery = {
-            "snapshot": plan.snapshot,
-            "snapshot_seq": plan.snapshot_seq,
-            "skipped": plan.skipped,
-            "start_seq": plan.start_seq,
-            "gap": plan.gap,
-        }
-        if plan.snapshot is not None:
-            log.info(
-                "indexer %s: restored snapshot %s (seq %s, %d blocks)",
-                self.replica,
-                plan.snapshot,
-                plan.snapshot_seq,
-                self.state.block_total(),
-            )
-        return plan.start_seq
-
-    async def _follow(self, start_seq: int) -> None:
-        """Read the stream from ``start_seq`` until stopped, with an ordered consumer.
-
-        nats-py's ordered consumer re-creates itself when heartbeats stop, but gives up for good if that
-        attempt fails (the server still down): when the stream has messages past ``applied_seq`` and nothing
-        was applied for `_STALL_S`, subscribe again from ``applied_seq + 1``.
-        """
-        s = self.settings
-        while not self._stop.is_set():
-            try:
-                sub = await self._js.subscribe(
-                    subjects.events_wildcard(s.events_prefix),
-                    stream=s.stream,
-                    ordered_consumer=True,
-                    config=ConsumerConfig(
-                        deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)
-                    ),
-                )
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-                # NATS down or the stream electing a leader: keep trying, never die over it.
-                log.warning("indexer %s: cannot read the stream yet (%r); retrying", self.replica, exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), 1.0)
-                continue
-            tasks = {asyncio.create_task(self._consume(sub)), asyncio.create_task(self._watch_stall())}
-            try:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    t.result()  # a consumer that failed fails the replica
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.wait(tasks, timeout=_STOP_TIMEOUT_S)
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(sub.unsubscribe(), _STOP_TIMEOUT_S)
-            start_seq = self.state.applied_seq + 1
-            self.resubscribes += 1
-            log.warning("indexer %s: consumer stalled; reading again from seq %d", self.replica, start_seq)
-
-    async def _watch_stall(self) -> None:
-        """Return when the stream holds messages past ``applied_seq`` but none was applied for `_STALL_S`."""
-        last_applied = self.state.applied_seq
-        while True:
-            await asyncio.sleep(_STALL_S)
-            applied = self.state.applied_seq
-            if applied != last_applied:
-                last_applied = applied
-                continue
-            try:
-                info = await self._js.stream_info(self.settings.stream)
-            except Exception:
-                continue  # NATS unreachable: nothing to read anyway
-            if info.state.last_seq > applied:
-                return
-
-    async def _consume(self, sub: Any) -> None:
-        state = self.state
-        async for msg in sub.messages:
-            seq = msg.metadata.sequence.stream
-            self.read_messages += 1
-            self._since_snapshot += 1
-            if seq >= self._target_seq or getattr(msg.metadata, "num_pending", None) == 0:
-                # Waiters wake only at our next await, after this message has been applied below. Nothing
-                # pending also counts: the start-up target may have been deleted from the stream.
-                self._caught_up.set()
-            try:
-                message = decode_message(msg.data)
-            except Exception as exc:  # MessageDecodeError, or anything a hostile payload provokes
-                self.decode_errors += 1
-                state.applied_seq = max(state.applied_seq, seq)
-                log.warning(
-                    "indexer %s: stream seq %d (%s) undecodable, skipped: %s",
-                    self.replica,
-                    seq,
-                    msg.subject,
-                    exc,
-                )
-                continue
-            try:
-                state.apply(seq, message)
-            except Exception:
-                self.apply_errors += 1
-                state.applied_seq = max(state.applied_seq, seq)
-                log.exception(
-                    "indexer %s: stream seq %d (%s) failed to apply, skipped", self.replica, seq, msg.subject
-                )
+    def _count_message(self) -> None:
+        self._since_snapshot += 1
 
     # ------------------------------------------------------------------ snapshots
 

@@ -1,0 +1,229 @@
+"""A replica of the prefix index: the newest valid snapshot plus the events stream after it, applied in order.
+
+The indexer service and a router with a local index (``kvmesh router --index local``) both hold one. A
+`StreamReplica` is the async shell around the pure `kvmesh.core.state.IndexState`:
+
+1. `StreamReplica.recover` loads the newest snapshot of the group's Object Store bucket that verifies and
+   that the stream still continues (`kvmesh.runtime.snapshots.plan_recovery`; an older one, or the stream's
+   first message with the state marked incomplete, when not);
+2. `StreamReplica.follow` reads the stream from the next sequence with an ordered push consumer (no durable
+   consumer, so nothing is orphaned when a replica goes away) and applies every message; a message that
+   cannot be decoded or applied is counted, logged with its sequence and subject, and skipped;
+3. `StreamReplica.wait_caught_up` returns once the stream's last sequence as of `recover` is applied.
+
+Two replicas that have applied the stream up to the same sequence hold the same state (`IndexState.digest`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
+
+from kvmesh.core.events import decode_message
+from kvmesh.core.state import IndexState
+from kvmesh.runtime import subjects
+from kvmesh.runtime.snapshots import SnapshotStore, plan_recovery
+
+log = logging.getLogger("kvmesh.replica")
+
+STALL_S = 5.0
+"""A consumer that applied nothing for this long while the stream holds more is re-created (seconds)."""
+STOP_TIMEOUT_S = 5.0
+"""Bound on each shutdown step (seconds)."""
+
+
+class StreamReplica:
+    """One replica's index state and the stream consumer that keeps it current.
+
+    Args:
+        js: a JetStream context.
+        stream: the events stream (``KVMESH_EVENTS`` by default).
+        events_prefix: subject prefix of the events (``kvmesh.events``).
+        store: the group's snapshot bucket, or None to rebuild from the stream alone.
+        name: who this replica is in log lines (``"indexer host-123"``, ``"router host-456"``).
+        stop: set by the owner to stop `follow` and `wait_caught_up`.
+        on_message: called once per stream message read (before it is applied), e.g. to count towards
+            the next snapshot.
+    """
+
+    def __init__(
+        self,
+        js: Any,
+        *,
+        stream: str,
+        events_prefix: str,
+        store: SnapshotStore | None,
+        name: str,
+        stop: asyncio.Event,
+        on_message: Callable[[], None] | None = None,
+    ) -> None:
+        self.state = IndexState()
+        self.read_messages = 0
+        """Stream messages the consumer received."""
+        self.decode_errors = 0
+        self.apply_errors = 0
+        self.resubscribes = 0
+        """Times the consumer stalled and was re-created (NATS restarts)."""
+        self.recovery: dict[str, Any] = {}
+        """How this replica started: snapshot used, skipped ones, start sequence, gap."""
+        self._js = js
+        self._stream = stream
+        self._events_prefix = events_prefix
+        self._store = store
+        self._name = name
+        self._stop = stop
+        self._on_message = on_message
+        self._target_seq = 0
+        self._caught_up = asyncio.Event()
+
+    @property
+    def caught_up(self) -> bool:
+        """True once the stream's last sequence as of `recover` was applied."""
+        return self._caught_up.is_set() or self.state.applied_seq >= self._target_seq
+
+    async def recover(self, info: StreamInfo) -> int:
+        """Load the newest usable snapshot into `state`; return the stream sequence to read from.
+
+        Args:
+            info: the stream's info as of start-up; its last sequence is the catch-up target.
+        """
+        self._target_seq = info.state.last_seq
+        plan = await plan_recovery(
+            self._store, first_seq=info.state.first_seq, last_seq=info.state.last_seq, name=self._name
+        )
+        self.state = plan.state()
+        self.recovery = {
+            "snapshot": plan.snapshot,
+            "snapshot_seq": plan.snapshot_seq,
+            "skipped": plan.skipped,
+            "start_seq": plan.start_seq,
+            "gap": plan.gap,
+        }
+        if plan.snapshot is not None:
+            log.info(
+                "%s: restored snapshot %s (seq %s, %d blocks)",
+                self._name,
+                plan.snapshot,
+                plan.snapshot_seq,
+                self.state.block_total(),
+            )
+        return plan.start_seq
+
+    async def wait_caught_up(self) -> None:
+        """Return once the consumer applied the stream's last sequence as of `recover` (or on stop).
+
+        Messages can be deleted after start-up (an operator removing a poison message, age limits): every
+        second, if the stream holds no message after what was applied, the replica is caught up too.
+        """
+        if self.state.applied_seq >= self._target_seq:
+            self._caught_up.set()
+            return
+        stop_wait = asyncio.create_task(self._stop.wait())
+        caught = asyncio.create_task(self._caught_up.wait())
+        try:
+            while not (stop_wait.done() or caught.done()):
+                await asyncio.wait({stop_wait, caught}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                if not (stop_wait.done() or caught.done()) and not await self._more_to_read():
+                    self._caught_up.set()
+        finally:
+            stop_wait.cancel()
+            caught.cancel()
+
+    async def _more_to_read(self) -> bool:
+        """Tell whether the stream holds a message after ``applied_seq`` (True when it cannot tell)."""
+        try:
+            await self._js.get_msg(self._stream, seq=self.state.applied_seq + 1, next=True)
+        except nats.js.errors.NotFoundError:
+            return False
+        except Exception:
+            return True
+        return True
+
+    async def follow(self, start_seq: int) -> None:
+        """Read the stream from ``start_seq`` until stopped, with an ordered consumer.
+
+        nats-py's ordered consumer re-creates itself when heartbeats stop, but gives up for good if that
+        attempt fails (the server still down): when the stream has messages past ``applied_seq`` and nothing
+        was applied for `STALL_S`, subscribe again from ``applied_seq + 1``.
+        """
+        while not self._stop.is_set():
+            try:
+                sub = await self._js.subscribe(
+                    subjects.events_wildcard(self._events_prefix),
+                    stream=self._stream,
+                    ordered_consumer=True,
+                    config=ConsumerConfig(
+                        deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq)
+                    ),
+                )
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
+                # NATS down or the stream electing a leader: keep trying, never die over it.
+                log.warning("%s: cannot read the stream yet (%r); retrying", self._name, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 1.0)
+                continue
+            tasks = {asyncio.create_task(self._consume(sub)), asyncio.create_task(self._watch_stall())}
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()  # a consumer that failed fails the replica
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(sub.unsubscribe(), STOP_TIMEOUT_S)
+            start_seq = self.state.applied_seq + 1
+            self.resubscribes += 1
+            log.warning("%s: consumer stalled; reading again from seq %d", self._name, start_seq)
+
+    async def _watch_stall(self) -> None:
+        """Return when the stream holds messages past ``applied_seq`` but none was applied for `STALL_S`."""
+        last_applied = self.state.applied_seq
+        while True:
+            await asyncio.sleep(STALL_S)
+            applied = self.state.applied_seq
+            if applied != last_applied:
+                last_applied = applied
+                continue
+            try:
+                info = await self._js.stream_info(self._stream)
+            except Exception:
+                continue  # NATS unreachable: nothing to read anyway
+            if info.state.last_seq > applied:
+                return
+
+    async def _consume(self, sub: Any) -> None:
+        state = self.state
+        on_message = self._on_message
+        async for msg in sub.messages:
+            seq = msg.metadata.sequence.stream
+            self.read_messages += 1
+            if on_message is not None:
+                on_message()
+            if seq >= self._target_seq or getattr(msg.metadata, "num_pending", None) == 0:
+                # Waiters wake only at our next await, after this message has been applied below. Nothing
+                # pending also counts: the start-up target may have been deleted from the stream.
+                self._caught_up.set()
+            try:
+                message = decode_message(msg.data)
+            except Exception as exc:  # MessageDecodeError, or anything a hostile payload provokes
+                self.decode_errors += 1
+                state.applied_seq = max(state.applied_seq, seq)
+                log.warning(
+                    "%s: stream seq %d (%s) undecodable, skipped: %s", self._name, seq, msg.subject, exc
+                )
+                continue
+            try:
+                state.apply(seq, message)
+            except Exception:
+                self.apply_errors += 1
+                state.applied_seq = max(state.applied_seq, seq)
+                log.exception("%s: stream seq %d (%s) failed to apply, skipped", self._name, seq, msg.subject)

@@ -92,10 +92,15 @@ class Pipeline:
         await asyncio.wait_for(svc.ready.wait(), 10)
         return svc
 
-    async def start_router(self) -> Router:
+    async def start_router(self, index: str = "remote") -> Router:
         svc = RouterService(
             RouterSettings(
-                nats_url=self.nats_url, route_subject=self.route_subject, match_subject=self.match_subject
+                nats_url=self.nats_url,
+                route_subject=self.route_subject,
+                match_subject=self.match_subject,
+                index=index,
+                stream=self.stream,
+                events_prefix=self.prefix,
             )
         )
         self.router_service = svc

@@ -18,8 +18,15 @@ P2 = [*P1[:8], 900, 901, 902, 903]  # shares 2 blocks with P1, then 1 of its own
 Q = list(range(2000, 2064))  # 16 distinct blocks: fills worker A's pool
 
 
-async def test_route_answers_exact_overlaps_through_evictions_and_clear(nats_url: str, uid: str) -> None:
-    """Two workers' events reach the router: exact overlaps before and after an eviction and a reset."""
+@pytest.mark.parametrize("index", ["remote", "local"])
+async def test_route_answers_exact_overlaps_through_evictions_and_clear(
+    nats_url: str, uid: str, index: str
+) -> None:
+    """Two workers' events reach the router: exact overlaps before and after an eviction and a reset.
+
+    With ``--index remote`` the router asks the indexer; with ``--index local`` it holds its own replica of the
+    index, fed by the same stream: every answer must be the same.
+    """
     a = SimWorker(
         "worker-a",
         num_blocks=16,
@@ -46,7 +53,9 @@ async def test_route_answers_exact_overlaps_through_evictions_and_clear(nats_url
                 )
                 await w.publisher.wait_for_subscribers(1)
             await p.start_indexer()
-            await p.start_router()
+            await p.start_router(index)
+            assert p.router_service is not None
+            assert (p.router_service.replica is not None) == (index == "local")
 
             # Both workers announced themselves: nothing cached yet, both are candidates.
             first = await eventually(lambda: p.route(P1, explain=True), lambda r: len(r.scores or []) == 2)

@@ -120,3 +120,58 @@ async def test_a_deeply_nested_message_is_skipped_not_fatal(nats_url: str, uid: 
         await wait_for(lambda: _seq(r), lambda s: s == last)
         assert r.decode_errors == 1
         assert r.state.block_total() == 8 * 4
+
+
+async def test_local_index_router_restores_from_the_indexers_snapshot_and_follows(
+    nats_url: str, uid: str
+) -> None:
+    """``kvmesh router --index local`` after the stream was purged behind a snapshot: the router's replica
+    starts from the indexer's snapshot, reads exactly the messages after it, follows new ones, and holds the
+    indexer's digest; its route answers match the indexer's overlaps."""
+    from kvmesh.client import Router
+    from kvmesh.router.config import RouterSettings
+    from kvmesh.router.service import RouterService
+
+    async with group(nats_url, uid) as g:
+        writer = await g.start(f"{uid}-w")
+        await g.publish(40)
+        await wait_for(lambda: _seq(writer), lambda s: s == 40)
+        assert (await writer.snapshot())["applied_seq"] == 40
+        await g.js.purge_stream(g.stream, seq=41)  # only the snapshot knows messages 1-40 now
+        await g.publish(12)
+        await wait_for(lambda: _seq(writer), lambda s: s == 52)
+        assert (await g.js.stream_info(g.stream)).state.first_seq == 41
+
+        router = RouterService(
+            RouterSettings(
+                nats_url=nats_url,
+                route_subject=f"r{uid}.route",
+                index="local",
+                stream=g.stream,
+                events_prefix=g.prefix,
+            )
+        )
+        task = asyncio.create_task(router.run())
+        try:
+            await asyncio.wait_for(router.ready.wait(), 15)
+            replica = router.replica
+            assert replica is not None
+            assert (replica.recovery["snapshot"], replica.recovery["start_seq"]) == (snapshot_name(40), 41)
+            assert (replica.read_messages, replica.state.applied_seq) == (12, 52)
+            assert replica.state.digest() == writer.state.digest()
+            await g.publish(3)
+            await wait_for(lambda: _seq(router.replica), lambda s: s == 55)
+            await wait_for(lambda: _seq(writer), lambda s: s == 55)
+            assert replica.state.digest() == writer.state.digest()
+
+            client = Router(g.nc, subject=f"r{uid}.route", timeout_s=3.0)
+            reply = await client.route("m", PROMPT, explain=True)
+            remote = await g.match(f"r{uid}.match", PROMPT)
+            assert reply.index_seq == remote["index_seq"] == 55
+            assert reply.scores is not None
+            assert {(s["worker_id"], s["overlap_blocks"]) for s in reply.scores} == {
+                (c[0], c[2]) for c in remote["candidates"]
+            }
+        finally:
+            router.stop()
+            await asyncio.wait_for(task, 10)

@@ -19,7 +19,18 @@ class RouterSettings:
 
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
     route_subject: str = setting(subjects.ROUTE_SUBJECT, "subject of route requests (queue group)")
+    index: str = setting(
+        "remote",
+        "where overlaps come from: 'remote' asks the indexers on --match-subject (one more NATS round trip "
+        "per route); 'local' keeps a replica of the index in this process, restored from the indexers' "
+        "snapshots and the stream (one round trip less, the memory of one index)",
+    )
     match_subject: str = setting(subjects.MATCH_SUBJECT, "subject of the indexers' match queries")
+    stream: str = setting(subjects.STREAM, "JetStream stream of the events (--index local)")
+    events_prefix: str = setting(subjects.EVENTS_PREFIX, "subject prefix of the events (--index local)")
+    snapshot_bucket: str = setting(
+        "", "Object Store bucket of the indexers' snapshots (--index local; default: <stream>_SNAPSHOTS)"
+    )
     requests_prefix: str = setting(
         subjects.REQUESTS_PREFIX,
         "subject prefix of request lifecycle events (routed, prefill_done, finished, sync)",
@@ -50,6 +61,10 @@ class RouterSettings:
     sync_timeout_s: float = setting(0.5, "seconds to wait for a peer's accounting snapshot at start-up")
     log_level: str = setting("INFO", "log level")
 
+    def snapshot_bucket_name(self) -> str:
+        """Return the snapshot bucket, derived from the stream when unset."""
+        return self.snapshot_bucket or subjects.snapshot_bucket(self.stream)
+
     def policy(self) -> Policy:
         """Return the cost policy these settings describe."""
         return Policy(
@@ -64,6 +79,8 @@ class RouterSettings:
     def validate(self) -> list[str]:
         """Return every problem with these settings."""
         problems = []
+        if self.index not in ("remote", "local"):
+            problems.append(f"--index must be 'remote' or 'local', got {self.index!r}")
         if self.match_timeout_s <= 0:
             problems.append("--match-timeout-s must be > 0")
         if self.max_tokens < 1:

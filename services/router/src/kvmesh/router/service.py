@@ -17,8 +17,18 @@ Load, shared by every replica (plain subscriptions, no queue group, so each repl
 
 Requests without a ``request_id`` are routed but not accounted (nobody could finish them).
 
-Candidates are what the indexer returns for the model (every worker that announced itself, nothing cached
-included); a `WorkerRegistry` (heartbeats) can be passed in to narrow and complete them.
+Candidates are what the index holds for the model (every worker that announced itself, nothing cached
+included, until the registry's `WorkerRemoved` reaches the stream); a `WorkerRegistry` (heartbeats) can be
+passed in to narrow and complete them.
+
+Where the overlaps come from (``--index``):
+
+* ``remote`` (default): a match query to the indexers' queue group per route (msgpack, token ids packed as
+  uint32). Routers hold no index; a route costs two NATS round trips.
+* ``local``: the router holds its own `kvmesh.runtime.replica.StreamReplica` (the indexers' newest snapshot,
+  then the stream), joins the route queue group only once it has caught up, and matches in process: one
+  NATS round trip per route, at the memory of one index per router. The answer's ``index_seq`` is this
+  router's applied sequence. The indexers still write the snapshots and publish worker removals.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from typing import Any, Protocol
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro import add_service
@@ -60,9 +71,12 @@ from kvmesh.core.route import (
     parse_route_request,
     route_seed,
 )
+from kvmesh.core.state import MatchResult, UnknownModelError
 from kvmesh.router.config import RouterSettings
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import connect
+from kvmesh.runtime.nats import connect, wait_for_stream
+from kvmesh.runtime.replica import StreamReplica
+from kvmesh.runtime.snapshots import SnapshotStore
 
 log = logging.getLogger("kvmesh.router")
 
@@ -128,11 +142,61 @@ class RouterService:
         self.errors: dict[str, int] = {}
         self._in_flight: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.replica: StreamReplica | None = None
+        """The in-process index (``--index local``), else None."""
 
     async def run(self) -> None:
         """Join the shared accounting, then serve route requests until `stop()`."""
         s = self.settings
         self._nc = nc = await connect(s.nats_url, name="kvmesh-router")
+        follow: asyncio.Task[None] | None = None
+        try:
+            if s.index == "local":
+                follow = await self._start_replica(nc)
+                if follow is None:
+                    return  # stopped while catching up
+            await self._serve(nc, follow)
+        finally:
+            if follow is not None:
+                follow.cancel()
+                await asyncio.wait({follow}, timeout=_STOP_TIMEOUT_S)
+            with contextlib.suppress(Exception):
+                await nc.drain()
+
+    async def _start_replica(self, nc: Client) -> asyncio.Task[None] | None:
+        """Restore the index from the newest snapshot and the stream; return the following task once caught
+        up (None when stopped first)."""
+        s = self.settings
+        js = nc.jetstream()
+        await wait_for_stream(js, s.stream, stop=self._stop)
+        if self._stop.is_set():
+            return None
+        try:
+            store: SnapshotStore | None = await SnapshotStore.open(js, s.snapshot_bucket_name(), create=False)
+        except nats.js.errors.BucketNotFoundError:
+            # No indexer has written a snapshot yet, so none has purged the stream either: it is whole.
+            store = None
+        self.replica = replica = StreamReplica(
+            js, stream=s.stream, events_prefix=s.events_prefix, store=store, name="router", stop=self._stop
+        )
+        info = await js.stream_info(s.stream)
+        follow = asyncio.create_task(replica.follow(await replica.recover(info)))
+        await replica.wait_caught_up()
+        if follow.done():
+            follow.result()  # the consumer failed: fail the router
+        if self._stop.is_set():
+            follow.cancel()
+            return None
+        log.info(
+            "router: index replica caught up at stream seq %d (%d blocks, %d messages read)",
+            replica.state.applied_seq,
+            replica.state.block_total(),
+            replica.read_messages,
+        )
+        return follow
+
+    async def _serve(self, nc: Client, follow: asyncio.Task[None] | None) -> None:
+        s = self.settings
         subs = [
             await nc.subscribe(subjects.requests_subject(s.requests_prefix, "routed"), cb=self._on_routed),
             await nc.subscribe(
@@ -168,13 +232,19 @@ class RouterService:
         await nc.flush()
         self.ready.set()
         log.info(
-            "router: serving %s (indexers on %s, %d in-flight requests from peers)",
+            "router: serving %s (%s, %d in-flight requests from peers)",
             s.route_subject,
-            s.match_subject,
+            "local index" if self.replica is not None else f"indexers on {s.match_subject}",
             self.synced_requests,
         )
         try:
-            await self._stop.wait()
+            stop_wait = asyncio.create_task(self._stop.wait())
+            await asyncio.wait(
+                {stop_wait} | ({follow} if follow else set()), return_when=asyncio.FIRST_COMPLETED
+            )
+            stop_wait.cancel()
+            if follow is not None and follow.done() and not self._stop.is_set():
+                follow.result()  # the index replica failed: fail the router rather than serve a stale index
         finally:
             with contextlib.suppress(Exception):
                 await service.stop()
@@ -183,8 +253,6 @@ class RouterService:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await nc.drain()
 
     def stop(self) -> None:
         """Ask `run()` to finish."""
@@ -255,6 +323,22 @@ class RouterService:
                 "unknown": st.unknown,
             },
             "engine_reports": len(self.engine_loads),
+            "index": self._index_stats(),
+        }
+
+    def _index_stats(self) -> dict[str, Any]:
+        if self.replica is None:
+            return {"mode": "remote", "match_subject": self.settings.match_subject}
+        st = self.replica.state
+        return {
+            "mode": "local",
+            "applied_seq": st.applied_seq,
+            "blocks": st.block_total(),
+            "digest": f"{st.digest():016x}" if st.block_total() < 100_000 else None,
+            "read_messages": self.replica.read_messages,
+            "decode_errors": self.replica.decode_errors,
+            "apply_errors": self.replica.apply_errors,
+            "recovery": self.replica.recovery,
         }
 
     # ------------------------------------------------------------------ route
@@ -307,7 +391,36 @@ class RouterService:
         self.routed += 1
         await req.respond(self._json.encode(reply))
 
+    def _match_local(self, parsed: RouteRequest) -> dict[str, Any]:
+        """Match against the in-process replica (``--index local``); same answer shape as an indexer's."""
+        assert self.replica is not None
+        try:
+            result: MatchResult = self.replica.state.match(
+                parsed.model, parsed.token_ids, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt
+            )
+        except UnknownModelError as exc:
+            raise RouteError("unknown_model", f"no worker serves model {parsed.model!r}") from exc
+        except RequestError as exc:
+            raise RouteError("bad_request", str(exc)) from exc
+        return {
+            "index_seq": result.index_seq,
+            "block_size": result.block_size,
+            "prompt_blocks": result.prompt_blocks,
+            "candidates": [
+                Candidate(
+                    worker_id=c.worker_id,
+                    dp_rank=c.dp_rank,
+                    overlap_blocks=c.overlap_blocks,
+                    cached_blocks=c.cached_blocks,
+                    tiers=getattr(c, "tiers", None),
+                )
+                for c in result.candidates
+            ],
+        }
+
     async def _match(self, parsed: RouteRequest) -> dict[str, Any]:
+        if self.replica is not None:
+            return self._match_local(parsed)
         assert self._nc is not None
         # Packed uint32 spares both ends per-token work; a msgpack list is smaller for ids below 128 and is sent
         # when the packed form would not fit the server's max payload (the JSON request did).
@@ -336,11 +449,7 @@ class RouterService:
         if "error" in answer:
             code = answer["error"].get("code", "internal")
             raise RouteError(code if code in ERROR_STATUS else "internal", answer["error"].get("message", ""))
-        return answer
-
-    async def _route(self, parsed: RouteRequest, body: bytes) -> dict[str, Any]:
-        answer = await self._match(parsed)
-        indexed = [
+        answer["candidates"] = [
             Candidate(
                 worker_id=c[0],
                 dp_rank=c[1],
@@ -350,6 +459,11 @@ class RouterService:
             )
             for c in answer["candidates"]
         ]
+        return answer
+
+    async def _route(self, parsed: RouteRequest, body: bytes) -> dict[str, Any]:
+        answer = await self._match(parsed)
+        indexed: list[Candidate] = answer["candidates"]
         live = self.registry.live(parsed.model) if self.registry is not None else None
         candidates = merge_candidates(indexed, live)
         now = self._clock()

@@ -288,7 +288,9 @@ def test_candidates_filter_and_registry_merge() -> None:
             "[0, 1]",
         ),
         ({"model": "m", "token_ids": [1, 2, 3, 4, 5]}, "token_ids", "more than the limit of 4"),
-        ({"model": "m", "token_ids": [-1]}, "token_ids", "outside [0, 2^32)"),
+        ({"model": "m", "token_ids": [-1]}, "token_ids", "token_ids[0] is outside [0, 2^32)"),
+        ({"model": "m", "token_ids": [7, 2**32]}, "token_ids", "token_ids[1] is outside [0, 2^32)"),
+        ({"model": "m", "token_ids": [7, 2**32 - 1, 2**64]}, "token_ids", "token_ids[2] is outside [0, 2^32)"),
     ],
 )
 def test_bad_requests_name_the_field(body: dict[str, object], field: str, text: str) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import time
@@ -273,7 +274,12 @@ async def _run(a: argparse.Namespace) -> list[Phase]:
         await _wait_ready(pipe, router)
         if synthetic:
             ready_s = time.perf_counter() - t0
-            status = await gather_status(nc, subjects.STATUS_SUBJECT, 1.0)
+            # A local-index router can be ready before the indexer: measure only once both have caught up.
+            status = []
+            for _ in range(120):
+                status = await gather_status(nc, subjects.STATUS_SUBJECT, 0.5)
+                if status and all(s["ready"] for s in status):
+                    break
             blocks = sum(s["blocks"] for s in status)
             print(
                 f"index filled: {blocks:,} blocks on {len(status[0]['workers']) if status else 0} workers "
@@ -376,9 +382,21 @@ def command(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--duration", type=float, default=10.0, help="seconds per open/closed-loop phase (default 10)"
     )
+    p.add_argument(
+        "--index",
+        choices=("remote", "local"),
+        default=None,
+        help="the router's --index: remote (ask the indexer) or local (in-process replica); "
+        "default: the router's own default",
+    )
     a = p.parse_args(argv)
+    if a.index is not None:
+        os.environ["KVMESH_ROUTER_INDEX"] = a.index  # the spawned router reads its settings from there
     phases = asyncio.run(_run(a))
-    print(f"\nprompts of {a.tokens} tokens; each mode against the echo and kvmesh in the same run")
+    index = a.index or os.environ.get("KVMESH_ROUTER_INDEX") or "default"
+    print(
+        f"\nprompts of {a.tokens} tokens, router --index {index}; each mode against the echo and kvmesh in the same run"
+    )
     print(_table(phases))
     return 0
 

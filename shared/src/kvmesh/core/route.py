@@ -39,7 +39,7 @@ import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 import xxhash
@@ -132,11 +132,15 @@ class PolicyOverride(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # ---------------------------------------------------------------------------------------- request
 
 
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+"""A token id, checked while decoding (in C: a 4,096-token prompt costs no Python-level pass)."""
+
+
 class RouteRequest(msgspec.Struct, kw_only=True):
     """A parsed route request."""
 
     model: str
-    token_ids: list[int]
+    token_ids: list[TokenId]
     lora_name: str | None = None
     cache_salt: str | None = None
     candidates: list[str] | None = None
@@ -148,6 +152,7 @@ class RouteRequest(msgspec.Struct, kw_only=True):
 _decoder = msgspec.json.Decoder(RouteRequest)
 _PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z_.]*)")
 _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
+_TOKEN_RANGE = re.compile(r"Expected `int` (?:>=|<=) \d+ - at `\$\.token_ids\[(\d+)\]`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
 
@@ -171,6 +176,9 @@ def parse_route_request(
         req = _decoder.decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
+        r = _TOKEN_RANGE.match(text)
+        if r is not None:
+            raise RequestError(f"token_ids[{r.group(1)}] is outside [0, 2^32)", field="token_ids") from exc
         m = _PATH.search(text)
         name = m.group(1) if m else None
         u = _UNKNOWN.search(text)
@@ -193,10 +201,6 @@ def parse_route_request(
             f"token_ids has {len(req.token_ids)} tokens, more than the limit of {max_tokens}",
             field="token_ids",
         )
-    lo, hi = min(req.token_ids), max(req.token_ids)
-    if lo < 0 or hi > MAX_TOKEN_ID:
-        bad = lo if lo < 0 else hi
-        raise RequestError(f"token id {bad} is outside [0, 2^32)", field="token_ids")
     if req.policy is not None:
         problems = req.policy.apply(base_policy or Policy()).problems()
         if problems:

@@ -64,6 +64,7 @@ class Fleet:
             match_subject=f"t{self.uid}.match",
             requests_prefix=f"t{self.uid}.requests",
             load_prefix=f"t{self.uid}.load",
+            index=kw.pop("index", "remote"),  # these tests answer match queries themselves
             **kw,
         )
 

@@ -20,10 +20,10 @@ class RouterSettings:
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
     route_subject: str = setting(subjects.ROUTE_SUBJECT, "subject of route requests (queue group)")
     index: str = setting(
-        "remote",
-        "where overlaps come from: 'remote' asks the indexers on --match-subject (one more NATS round trip "
-        "per route); 'local' keeps a replica of the index in this process, restored from the indexers' "
-        "snapshots and the stream (one round trip less, the memory of one index)",
+        "local",
+        "where overlaps come from: 'local' keeps a replica of the index in this process, restored from the "
+        "indexers' snapshots and the stream (one NATS round trip per route, the memory of one index); "
+        "'remote' asks the indexers on --match-subject (a second round trip per route, no index here)",
     )
     match_subject: str = setting(subjects.MATCH_SUBJECT, "subject of the indexers' match queries")
     stream: str = setting(subjects.STREAM, "JetStream stream of the events (--index local)")

@@ -23,12 +23,13 @@ passed in to narrow and complete them.
 
 Where the overlaps come from (``--index``):
 
-* ``remote`` (default): a match query to the indexers' queue group per route (msgpack, token ids packed as
-  uint32). Routers hold no index; a route costs two NATS round trips.
-* ``local``: the router holds its own `kvmesh.runtime.replica.StreamReplica` (the indexers' newest snapshot,
-  then the stream), joins the route queue group only once it has caught up, and matches in process: one
-  NATS round trip per route, at the memory of one index per router. The answer's ``index_seq`` is this
-  router's applied sequence. The indexers still write the snapshots and publish worker removals.
+* ``local`` (default): the router holds its own `kvmesh.runtime.replica.StreamReplica` (the indexers' newest
+  snapshot, then the stream), joins the route queue group only once it has caught up, and matches in
+  process: one NATS round trip per route, at the memory of one index per router. The answer's
+  ``index_seq`` is this router's applied sequence. The indexers still write the snapshots and publish
+  worker removals. This halves route latency (docs/benchmarks.md).
+* ``remote``: a match query to the indexers' queue group per route (msgpack, token ids packed as uint32).
+  Routers hold no index; a route costs two NATS round trips.
 """
 
 from __future__ import annotations

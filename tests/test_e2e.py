@@ -7,6 +7,7 @@ import json
 import pytest
 from tests.pipeline import eventually, overlaps, pipeline
 
+from kvmesh.cli import gather_status, router_status
 from kvmesh.client import BadRequestError, UnknownModelError
 from kvmesh.sim.engine import SimWorker
 
@@ -103,6 +104,18 @@ async def test_route_answers_exact_overlaps_through_evictions_and_clear(
             assert overlaps(r4) == {"worker-a/0": 0, "worker-b/0": 0}
             # Tie at zero overlap: the worker with the fewest cached blocks (B, now empty) wins.
             assert (r4.worker_id, r4.overlap_blocks) == ("worker-b", 0)
+
+            # `kvmesh status` lists the router with its index mode (and a local index's sequence and lag).
+            assert p.indexer is not None and p._nc is not None
+            stats = await gather_status(p._nc, "$SRV.STATS.kvmesh-router", 0.5)
+            mine = [
+                router_status(s, p.indexer.state.applied_seq)
+                for s in stats
+                if s["endpoints"][0]["data"]["index"]["route_subject"] == p.route_subject
+            ]
+            assert len(mine) == 1 and mine[0]["mode"] == index
+            if index == "local":
+                assert (mine[0]["applied_seq"], mine[0]["lag"]) == (p.indexer.state.applied_seq, 0)
     finally:
         a.close()
         b.close()

@@ -200,8 +200,9 @@ def status_command(argv: Sequence[str]) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Show the events stream (messages, bytes, sequences), every indexer replica (applied "
         "sequence, lag, blocks, digest), the stored snapshots (sequence, size, age), the workers (model, dp "
-        "ranks, block size, incarnation, last heartbeat and event) and every ingest (per-rank cursors, gaps, "
-        "replays, resyncs, rejected and dropped events) as JSON.",
+        "ranks, block size, incarnation, last heartbeat and event), every ingest (per-rank cursors, gaps, "
+        "replays, resyncs, rejected and dropped events) and every router (index mode, applied sequence and "
+        "lag of a local index, routed requests, errors) as JSON.",
     )
     parser.add_argument(
         "--nats-url",
@@ -229,9 +230,10 @@ def status_command(argv: Sequence[str]) -> int:
             except Exception as exc:
                 out["stream"] = {"name": a.stream, "error": str(exc)}
             last = out["stream"].get("last_seq", 0)
-            replicas, ingests = await asyncio.gather(
+            replicas, ingests, routers = await asyncio.gather(
                 gather_status(nc, subjects.STATUS_SUBJECT, a.wait_s),
                 gather_status(nc, f"{subjects.STATUS_SUBJECT}.ingest", a.wait_s),
+                gather_status(nc, f"$SRV.STATS.{subjects.ROUTER_QUEUE}", a.wait_s),
             )
             replicas = [r for r in replicas if r.get("stream", a.stream) == a.stream]
             for r in replicas:
@@ -240,6 +242,9 @@ def status_command(argv: Sequence[str]) -> int:
             out["snapshots"] = await status_snapshots(js, a.stream)
             out["workers"] = await status_workers(js, a.stream, out["replicas"])
             out["ingests"] = sorted(ingests, key=lambda r: r.get("worker_id", ""))
+            out["routers"] = sorted(
+                (router_status(r, last) for r in routers), key=lambda r: str(r.get("id", ""))
+            )
             return out
         finally:
             await nc.close()
@@ -251,6 +256,22 @@ def status_command(argv: Sequence[str]) -> int:
         return 1
     print(json.dumps(result, indent=2, default=str))
     return 0
+
+
+def router_status(stats: dict[str, Any], stream_last_seq: int) -> dict[str, Any]:
+    """Summarise one router's ``$SRV.STATS`` reply: id, index mode, applied sequence and lag, counters."""
+    data: dict[str, Any] = {}
+    for endpoint in stats.get("endpoints") or []:
+        if endpoint.get("name") == "route":
+            data = endpoint.get("data") or {}
+    index = dict(data.get("index") or {})
+    out: dict[str, Any] = {"id": stats.get("id"), "version": stats.get("version"), **index}
+    if "applied_seq" in index:
+        out["lag"] = max(0, stream_last_seq - int(index["applied_seq"]))
+    for key in ("routed", "errors", "in_flight"):
+        if key in data:
+            out[key] = data[key]
+    return out
 
 
 async def status_snapshots(js: Any, stream: str) -> list[dict[str, Any]] | dict[str, str]:

@@ -329,13 +329,18 @@ class RouterService:
 
     def _index_stats(self) -> dict[str, Any]:
         if self.replica is None:
-            return {"mode": "remote", "match_subject": self.settings.match_subject}
+            return {
+                "mode": "remote",
+                "match_subject": self.settings.match_subject,
+                "route_subject": self.settings.route_subject,
+            }
         st = self.replica.state
         return {
             "mode": "local",
+            "route_subject": self.settings.route_subject,
+            "stream": self.settings.stream,
             "applied_seq": st.applied_seq,
             "blocks": st.block_total(),
-            "digest": f"{st.digest():016x}" if st.block_total() < 100_000 else None,
             "read_messages": self.replica.read_messages,
             "decode_errors": self.replica.decode_errors,
             "apply_errors": self.replica.apply_errors,

@@ -203,3 +203,47 @@ async def test_match_accepts_packed_and_listed_token_ids_alike(nats_url: str, ui
             assert "4 bytes each" in ragged["error"]["message"]  # type: ignore[index]
     finally:
         w.close()
+
+
+async def test_candidates_follow_the_worker_registry(nats_url: str, uid: str) -> None:
+    """With no indexer (so no `WorkerRemoved` ever reaches the stream), the local-index router's candidates
+    still follow the registry: a registered worker the index does not know joins with zero overlap on each
+    of its DP ranks, and a worker whose key is gone leaves at once."""
+    import msgspec
+
+    from kvmesh.runtime import subjects
+    from kvmesh.runtime.registry import WorkerRecord
+    from kvmesh.sim.publisher import EventPublisher
+
+    pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    try:
+        async with pipeline(nats_url, uid) as p:
+            # A long TTL: the ingest heartbeats every 100 s, so it does not re-register during the test.
+            await p.start_ingest("w", pub.endpoint, pub.replay_endpoint, block_size=BS, worker_ttl_s=300.0)
+            await pub.wait_for_subscribers(1)
+            await p.start_router("local")
+            first = await eventually(lambda: p.route(P1, explain=True), lambda r: overlaps(r) == {"w/0": 0})
+            assert first.worker_id == "w"
+
+            assert p._nc is not None
+            kv = await p._nc.jetstream().key_value(subjects.registry_bucket(p.stream))
+            ghost = WorkerRecord(worker_id="ghost", model=p.model, dp_ranks=2, block_size=BS, incarnation=0)
+            await kv.put(subjects.kv_key("ghost"), msgspec.json.encode(ghost))
+            other = WorkerRecord(
+                worker_id="other", model="another-model", dp_ranks=1, block_size=BS, incarnation=0
+            )
+            await kv.put(subjects.kv_key("other"), msgspec.json.encode(other))
+            await eventually(
+                lambda: p.route(P1, explain=True),
+                lambda r: overlaps(r) == {"w/0": 0, "ghost/0": 0, "ghost/1": 0},
+            )
+
+            await kv.delete(subjects.kv_key("w"))
+            gone = await eventually(
+                lambda: p.route(P1, explain=True), lambda r: overlaps(r) == {"ghost/0": 0, "ghost/1": 0}
+            )
+            assert gone.worker_id == "ghost"
+            assert p.router_service is not None and p.router_service.replica is not None
+            assert "w" in p.router_service.replica.state.workers()  # still indexed: only the registry moved
+    finally:
+        pub.close()

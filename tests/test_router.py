@@ -65,6 +65,7 @@ class Fleet:
             requests_prefix=f"t{self.uid}.requests",
             load_prefix=f"t{self.uid}.load",
             index=kw.pop("index", "remote"),  # these tests answer match queries themselves
+            use_registry=kw.pop("use_registry", False),  # and pass their own registry when they need one
             **kw,
         )
 

@@ -13,6 +13,7 @@ stream sequence.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -118,3 +119,81 @@ async def registry_keys(kv: Any) -> set[str]:
         return set(await kv.keys())
     except nats.js.errors.NoKeysError:
         return set()
+
+
+class RegistryWatcher:
+    """The live workers of a registry bucket, kept current by a KV watch (what a router narrows candidates by).
+
+    `live` answers from memory; `run` opens the bucket (waiting for it to exist: ingests create it) and
+    applies every put, delete and expiry until cancelled, re-watching after an error.
+
+    Args:
+        js: a JetStream context.
+        bucket: the registry bucket (`kvmesh.runtime.subjects.registry_bucket` of the stream by default).
+        retry_s: seconds between attempts to open or re-watch the bucket.
+    """
+
+    def __init__(self, js: JetStreamContext, bucket: str, *, retry_s: float = 2.0) -> None:
+        self.workers: dict[str, WorkerRecord] = {}
+        """Worker id → its last heartbeat record, for every worker whose key exists."""
+        self.synced = False
+        """True once the watch has delivered every key that existed when it started."""
+        self._js = js
+        self._bucket = bucket
+        self._retry_s = retry_s
+
+    def live(self, model: str) -> list[tuple[str, int]] | None:
+        """Return the live (worker id, dp rank)s registered for ``model``, sorted.
+
+        None ("no opinion": use the index's candidates as they are) until the first sync, and when no worker
+        of the model is registered at all: workers that publish without heartbeats (a stream fed directly)
+        stay routable, and a model whose last worker just expired is dropped by the `WorkerRemoved` that
+        follows in the stream.
+        """
+        if not self.synced:
+            return None
+        out = [
+            (w, r)
+            for w, rec in self.workers.items()
+            if rec.model == model
+            for r in range(max(rec.dp_ranks, 1))
+        ]
+        return sorted(out) if out else None
+
+    def apply(self, key: str, operation: str | None, value: bytes | None) -> None:
+        """Apply one KV entry: a put (``operation`` None) records the worker, a delete or purge drops it."""
+        worker = subjects.from_kv_key(key)
+        if operation is not None:
+            self.workers.pop(worker, None)
+            return
+        try:
+            self.workers[worker] = msgspec.json.decode(value or b"", type=WorkerRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("registry: undecodable record for worker %s ignored: %s", worker, exc)
+
+    async def run(self) -> None:
+        """Watch the bucket until cancelled."""
+        while True:
+            try:
+                kv = await self._js.key_value(self._bucket)
+            except nats.js.errors.BucketNotFoundError:
+                await asyncio.sleep(self._retry_s)
+                continue
+            except (nats.errors.Error, TimeoutError) as exc:
+                log.debug("registry: cannot open %s yet: %r", self._bucket, exc)
+                await asyncio.sleep(self._retry_s)
+                continue
+            try:
+                watcher = await kv.watchall()
+                self.workers.clear()
+                async for entry in watcher:
+                    if entry is None:  # every existing key delivered
+                        self.synced = True
+                        continue
+                    self.apply(entry.key, entry.operation, entry.value)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("registry: watch of %s failed (%r); watching again", self._bucket, exc)
+                self.synced = False
+                await asyncio.sleep(self._retry_s)

@@ -31,6 +31,15 @@ class RouterSettings:
     snapshot_bucket: str = setting(
         "", "Object Store bucket of the indexers' snapshots (--index local; default: <stream>_SNAPSHOTS)"
     )
+    registry_bucket: str = setting(
+        "",
+        "KV bucket of the worker registry whose live workers are the candidates (default: <stream>_WORKERS)",
+    )
+    use_registry: bool = setting(
+        True,
+        "narrow candidates to the workers with a live registry entry (heartbeats) and add registered "
+        "workers the index does not know yet",
+    )
     requests_prefix: str = setting(
         subjects.REQUESTS_PREFIX,
         "subject prefix of request lifecycle events (routed, prefill_done, finished, sync)",
@@ -60,6 +69,10 @@ class RouterSettings:
     load_ttl_s: float = setting(DEFAULT_LOAD_TTL_S, "seconds after which an engine load report is ignored")
     sync_timeout_s: float = setting(0.5, "seconds to wait for a peer's accounting snapshot at start-up")
     log_level: str = setting("INFO", "log level")
+
+    def registry_bucket_name(self) -> str:
+        """Return the registry bucket, derived from the stream when unset."""
+        return self.registry_bucket or subjects.registry_bucket(self.stream)
 
     def snapshot_bucket_name(self) -> str:
         """Return the snapshot bucket, derived from the stream when unset."""

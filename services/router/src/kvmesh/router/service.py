@@ -18,8 +18,11 @@ Load, shared by every replica (plain subscriptions, no queue group, so each repl
 Requests without a ``request_id`` are routed but not accounted (nobody could finish them).
 
 Candidates are what the index holds for the model (every worker that announced itself, nothing cached
-included, until the registry's `WorkerRemoved` reaches the stream); a `WorkerRegistry` (heartbeats) can be
-passed in to narrow and complete them.
+included, until the registry's `WorkerRemoved` reaches the stream), narrowed and completed by the worker
+registry (``--use-registry``, on by default): a `kvmesh.runtime.registry.RegistryWatcher` follows the
+registry bucket, so a worker whose heartbeats stopped leaves the candidates at once, and a registered
+worker the index does not know yet joins them with zero overlap. A model with no registered worker at all
+(workers fed without heartbeats) keeps the index's candidates.
 
 Where the overlaps come from (``--index``):
 
@@ -76,6 +79,7 @@ from kvmesh.core.state import MatchResult, UnknownModelError
 from kvmesh.router.config import RouterSettings
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect, wait_for_stream
+from kvmesh.runtime.registry import RegistryWatcher
 from kvmesh.runtime.replica import StreamReplica
 from kvmesh.runtime.snapshots import SnapshotStore
 
@@ -151,6 +155,11 @@ class RouterService:
         s = self.settings
         self._nc = nc = await connect(s.nats_url, name="kvmesh-router")
         follow: asyncio.Task[None] | None = None
+        watch: asyncio.Task[None] | None = None
+        if self.registry is None and s.use_registry:
+            watcher = RegistryWatcher(nc.jetstream(), s.registry_bucket_name())
+            self.registry = watcher
+            watch = asyncio.create_task(watcher.run())
         try:
             if s.index == "local":
                 follow = await self._start_replica(nc)
@@ -158,9 +167,11 @@ class RouterService:
                     return  # stopped while catching up
             await self._serve(nc, follow)
         finally:
-            if follow is not None:
-                follow.cancel()
-                await asyncio.wait({follow}, timeout=_STOP_TIMEOUT_S)
+            background = {t for t in (follow, watch) if t is not None}
+            for t in background:
+                t.cancel()
+            if background:
+                await asyncio.wait(background, timeout=_STOP_TIMEOUT_S)
             with contextlib.suppress(Exception):
                 await nc.drain()
 

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from kvmesh.core.hashing import sequence_hashes
-from kvmesh.core.index import Holder, IndexStats, PrefixIndex, RemoveResult, StoreResult
+from kvmesh.core.hashing import prefix_keys
+from kvmesh.core.index import (
+    Holder,
+    IndexStats,
+    Overlap,
+    PrefixIndex,
+    RemoveResult,
+    StoreResult,
+    engine_key60,
+    tier_name,
+)
 
 A0 = Holder("worker-a", 0)
 A1 = Holder("worker-a", 1)
@@ -13,12 +24,12 @@ B0 = Holder("worker-b", 0)
 
 # Local hashes of a 4-block prompt and of a prompt that diverges from it after block 1.
 LOCAL = [101, 102, 103, 104]
-SEQ = sequence_hashes(LOCAL)
+SEQ = prefix_keys(LOCAL)
 OTHER_LOCAL = [101, 102, 903, 904]
-OTHER_SEQ = sequence_hashes(OTHER_LOCAL)
+OTHER_SEQ = prefix_keys(OTHER_LOCAL)
 # Local hashes of a prompt sharing nothing with LOCAL.
 DIFF_LOCAL = [201, 202, 203, 204]
-DIFF_SEQ = sequence_hashes(DIFF_LOCAL)
+DIFF_SEQ = prefix_keys(DIFF_LOCAL)
 
 # Engine hashes: opaque per-holder keys.
 E = [1001, 1002, 1003, 1004]
@@ -55,11 +66,11 @@ def test_store_chain_then_match_prefixes() -> None:
 
 
 def test_store_chains_local_hashes_onto_parent_sequence_hash() -> None:
-    """A block stored under a parent gets the parent's sequence hash chained with its local hash."""
+    """A block stored under a parent gets the parent's prefix key chained with its local hash."""
     index = PrefixIndex()
     index.store(A0, [E[0]], None, [LOCAL[0]])
     index.store(A0, [E[1]], E[0], [LOCAL[1]])
-    assert sorted(index.dump()) == [(A0, E[0], SEQ[0], 1), (A0, E[1], SEQ[1], 1)]
+    assert sorted(index.dump()) == [(A0, "GPU", E[0], SEQ[0], 1), (A0, "GPU", E[1], SEQ[1], 1)]
 
 
 def test_store_rejects_mismatched_lengths() -> None:
@@ -110,7 +121,7 @@ def test_parent_known_only_on_another_holder_is_held() -> None:
     assert index.block_count(B0) == 0
     assert index.match(SEQ) == {A0: 2}
     # Not attached under the root either: its local hash as block 0 matches nothing.
-    assert index.match(sequence_hashes([LOCAL[2]])) == {}
+    assert index.match(prefix_keys([LOCAL[2]])) == {}
     assert index.stats() == IndexStats(
         holders=2, blocks=2, distinct_prefixes=2, held_orphans=1, orphans_expired=0, unknown_removals=0
     )
@@ -127,7 +138,7 @@ def test_held_event_attaches_with_descendants_when_parent_arrives() -> None:
     # The parent arrives on B0 itself: 2 own blocks + 1 held child + 1 held grandchild.
     assert index.store(B0, E[:2], None, LOCAL[:2]) == _stored(4)
     assert index.match(SEQ) == {A0: 2, B0: 4}
-    assert sorted(x for x in index.dump() if x[0] == B0) == [(B0, E[i], SEQ[i], 1) for i in range(4)]
+    assert sorted(x for x in index.dump() if x[0] == B0) == [(B0, "GPU", E[i], SEQ[i], 1) for i in range(4)]
     assert index.stats() == IndexStats(
         holders=2, blocks=6, distinct_prefixes=4, held_orphans=0, orphans_expired=0, unknown_removals=0
     )
@@ -199,7 +210,7 @@ def test_duplicate_store_needs_two_removes() -> None:
     index = PrefixIndex()
     assert index.store(A0, E[:2], None, LOCAL[:2]) == _stored(2)
     assert index.store(A0, E[:2], None, LOCAL[:2]) == _stored(0, duplicates=2)
-    assert sorted(index.dump()) == [(A0, E[0], SEQ[0], 2), (A0, E[1], SEQ[1], 2)]
+    assert sorted(index.dump()) == [(A0, "GPU", E[0], SEQ[0], 2), (A0, "GPU", E[1], SEQ[1], 2)]
     assert index.remove(A0, [E[1]]) == _removed(0, decremented=1)
     assert index.match(SEQ) == {A0: 2}
     assert index.remove(A0, [E[1]]) == _removed(1)
@@ -337,16 +348,198 @@ def test_digest_ignores_held_orphans() -> None:
 
 
 def test_dump_replays_into_equal_index() -> None:
-    """Re-storing each dumped block as a root whose local hash is its sequence hash rebuilds the index."""
+    """Re-storing each dumped block as a root whose local hash is its prefix key rebuilds the index."""
     original = _build([0, 1, 2, 3, 4, 5])
     dumped = sorted(original.dump())
     assert len(dumped) == 10
     replica = PrefixIndex()
-    for holder, engine_hash, seq, count in dumped:
+    for holder, tier, engine_hash, seq, count in dumped:
         for _ in range(count):
-            # With no parent, a block's sequence hash is its local hash: sequence_hashes([x]) == [x].
-            replica.store(holder, [engine_hash], None, [seq])
+            # With no parent, a block's prefix key is its local hash: prefix_keys([x]) == [x] for x < 2**60.
+            replica.store(holder, [engine_hash], None, [seq], tier)
     assert replica.digest() == original.digest()
     assert sorted(replica.dump()) == dumped
     assert replica.match(SEQ) == original.match(SEQ)
     assert replica.stats() == original.stats()
+
+
+# ------------------------------------------------------------------------------------------- 60-bit keys
+
+
+def test_engine_hashes_fold_to_60_bits() -> None:
+    """Engine hashes below the prime 2**60 - 93 are kept; larger ones are taken modulo it, so a counter with a
+    tag in its top bits does not collide with the plain counter."""
+    assert engine_key60(1001) == 1001
+    assert engine_key60(2**60 - 94) == 2**60 - 94
+    assert engine_key60(2**60 - 93) == 0
+    assert engine_key60(2**60) == 93
+    assert engine_key60(2**64 - 1) == 1487
+    assert engine_key60(0xF000_0000_0000_0005) == 1400
+    assert [engine_key60(2**63 + i) for i in range(3)] == [744, 745, 746]
+
+
+def test_every_stored_int_is_below_2_60() -> None:
+    """64-bit engine hashes and local hashes go in; only keys below 2**60 are stored, and the 64-bit hashes
+    still resolve parents, removals and `holds`."""
+    big = [0xF0E1D2C3B4A59687 + i for i in range(4)]  # 64-bit (>= 2**63), all fold to distinct keys
+    local = [2**64 - 7 - i for i in range(4)]
+    keys = prefix_keys(local)
+    index = PrefixIndex()
+    assert index.store(A0, big[:2], None, local[:2]) == _stored(2)
+    assert index.store(A0, big[2:], big[1], local[2:]) == _stored(2)
+    assert sorted(index.dump()) == sorted(
+        (A0, "GPU", engine_key60(h), k, 1) for h, k in zip(big, keys, strict=True)
+    )
+    assert all(h < 2**60 and k < 2**60 for _holder, _tier, h, k, _count in index.dump())
+    # ... which is what makes them cheap: a CPython int below 2**60 takes 32 bytes, a 64-bit one 36 (48 in memory).
+    assert {sys.getsizeof(x) for _h, _t, eh, k, _c in index.dump() for x in (eh, k)} == {32}
+    assert sys.getsizeof(big[0]) == 36
+    assert index.match(keys) == {A0: 4}
+    assert index.holds(A0, big[3]) is True
+    assert index.remove(A0, [big[3]]) == _removed(1)
+    assert index.match(keys) == {A0: 3}
+
+
+# ------------------------------------------------------------------------------------------ storage tiers
+
+LOCAL8 = [101, 102, 103, 104, 105, 106, 107, 108]
+KEYS8 = prefix_keys(LOCAL8)
+E8 = [1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008]
+
+
+def _gpu4_cpu8() -> PrefixIndex:
+    index = PrefixIndex()
+    assert index.store(A0, E8[:4], None, LOCAL8[:4]) == _stored(4)
+    assert index.store(A0, E8, None, LOCAL8, "CPU") == _stored(8)
+    return index
+
+
+def test_tier_names_normalize() -> None:
+    """No medium, "" and any case of GPU are the default tier; other names are upper-cased."""
+    assert [tier_name(m) for m in (None, "", "GPU", "gpu", "cpu", "CPU", "Disk")] == [
+        None, None, None, None, "CPU", "CPU", "DISK",
+    ]  # fmt: skip
+
+
+def test_gpu_prefix_with_longer_cpu_copy() -> None:
+    """4 blocks on GPU and a CPU copy of all 8: overlap 8, four counted on GPU (fastest) and four on CPU."""
+    index = _gpu4_cpu8()
+    assert index.match(KEYS8) == {A0: 8}
+    assert index.match_tiers(KEYS8) == {A0: Overlap(8, {"GPU": 4, "CPU": 4})}
+    assert index.match_tiers(KEYS8[:4]) == {A0: Overlap(4, None)}
+    assert index.block_count(A0) == 12
+    assert index.holds(A0, E8[5]) is False
+    assert index.holds(A0, E8[5], "CPU") is True
+    assert index.stats() == IndexStats(
+        holders=1, blocks=12, distinct_prefixes=8, held_orphans=0, orphans_expired=0, unknown_removals=0
+    )
+
+
+def test_removal_from_cpu_only() -> None:
+    """A removal names its tier: removing from CPU leaves the GPU copy, and a removal without a medium is GPU's."""
+    index = _gpu4_cpu8()
+    assert index.remove(A0, [E8[5]], "CPU") == _removed(1)
+    assert index.match_tiers(KEYS8) == {A0: Overlap(5, {"GPU": 4, "CPU": 1})}
+    assert index.remove(A0, [E8[6]]) == _removed(0, unknown=1)  # not on GPU
+    assert index.remove(A0, [E8[6]], "DISK") == _removed(0, unknown=1)  # no such tier
+    assert index.remove(A0, [E8[0]], "cpu") == _removed(1)  # block 0 still on GPU
+    assert index.match_tiers(KEYS8) == {A0: Overlap(5, {"GPU": 4, "CPU": 1})}
+    assert index.remove(A0, [E8[1]], "GPU") == _removed(1)  # block 1 now on CPU only
+    assert index.match_tiers(KEYS8) == {A0: Overlap(5, {"GPU": 3, "CPU": 2})}
+    assert index.remove(A0, [E8[1]], "CPU") == _removed(1)  # block 1 gone from both tiers
+    assert index.match_tiers(KEYS8) == {A0: Overlap(1, None)}
+    assert index.block_count(A0) == 8
+    assert index.stats().unknown_removals == 2
+
+
+def test_cpu_only_block_in_the_middle_of_a_gpu_run() -> None:
+    """A block held only on CPU continues the run; it counts on CPU, the others on GPU."""
+    index = _gpu4_cpu8()
+    assert index.remove(A0, [E8[1]]) == _removed(1)
+    assert index.match_tiers(KEYS8) == {A0: Overlap(8, {"GPU": 3, "CPU": 5})}
+
+
+def test_emptied_tier_goes_back_to_the_default_answer() -> None:
+    """Removing the last CPU block leaves an all-GPU index whose answers carry no tiers."""
+    index = _gpu4_cpu8()
+    assert index.remove(A0, E8, "CPU") == _removed(8)
+    assert index.match_tiers(KEYS8) == {A0: Overlap(4, None)}
+    assert index.export().holders[0].tiers == ()
+
+
+def test_clear_and_worker_removal_drop_every_tier() -> None:
+    """AllBlocksCleared and worker removal drop the holder's blocks on every tier."""
+    index = _gpu4_cpu8()
+    index.store(A1, E8[:2], None, LOCAL8[:2], "DISK")
+    assert index.clear(A0) == 12
+    assert index.match_tiers(KEYS8) == {A1: Overlap(2, {"DISK": 2})}
+    assert index.holders() == [A0, A1]
+    assert index.remove_worker("worker-a") == 2
+    assert index.match_tiers(KEYS8) == {}
+    assert index.stats() == IndexStats(
+        holders=0, blocks=0, distinct_prefixes=0, held_orphans=0, orphans_expired=0, unknown_removals=0
+    )
+
+
+def test_parent_resolved_across_tiers() -> None:
+    """A CPU event whose parent is only on the holder's GPU attaches on CPU, chained from the GPU block's key."""
+    index = PrefixIndex()
+    index.store(A0, E8[:2], None, LOCAL8[:2])
+    assert index.store(A0, E8[2:4], E8[1], LOCAL8[2:4], "CPU") == _stored(2)
+    assert index.match_tiers(KEYS8) == {A0: Overlap(4, {"GPU": 2, "CPU": 2})}
+    # ... and a GPU event under a CPU-only parent attaches on GPU.
+    assert index.store(A0, [E8[4]], E8[3], [LOCAL8[4]]) == _stored(1)
+    assert index.match_tiers(KEYS8) == {A0: Overlap(5, {"GPU": 3, "CPU": 2})}
+    # Another holder's tiers are never used.
+    assert index.store(B0, [E8[2]], E8[1], [LOCAL8[2]], "CPU") == _stored(0, held=True)
+
+
+def test_held_cpu_event_attaches_when_its_parent_arrives_on_gpu() -> None:
+    """An event held on one tier waits for its parent on any tier of the holder."""
+    index = PrefixIndex()
+    assert index.store(A0, E8[2:4], E8[1], LOCAL8[2:4], "CPU") == _stored(0, held=True)
+    assert index.match_tiers(KEYS8) == {}
+    assert index.store(A0, E8[:2], None, LOCAL8[:2]) == _stored(4)
+    assert index.match_tiers(KEYS8) == {A0: Overlap(4, {"GPU": 2, "CPU": 2})}
+    assert index.holds(A0, E8[3], "CPU") is True
+
+
+def test_fastest_tier_order_and_other_holders() -> None:
+    """Per holder, each block counts on its fastest tier: GPU, CPU, then the others by name."""
+    index = PrefixIndex()
+    index.store(A0, E8[:3], None, LOCAL8[:3], "STORAGE")
+    index.store(A0, E8[:2], None, LOCAL8[:2], "DISK")
+    index.store(A0, E8[:1], None, LOCAL8[:1], "CPU")
+    index.store(B0, F[:2], None, LOCAL8[:2])
+    assert index.match_tiers(KEYS8) == {
+        A0: Overlap(3, {"CPU": 1, "DISK": 1, "STORAGE": 1}),
+        B0: Overlap(2, None),
+    }
+    assert list(index.match_tiers(KEYS8)[A0].tiers or {}) == ["CPU", "DISK", "STORAGE"]
+    assert index.match(KEYS8) == {A0: 3, B0: 2}
+
+
+def test_tier_is_part_of_digest_dump_and_export() -> None:
+    """The same block on GPU and on CPU digests differently; dump and export name the tier."""
+    gpu, cpu = PrefixIndex(), PrefixIndex()
+    gpu.store(A0, E8[:2], None, LOCAL8[:2], "GPU")
+    cpu.store(A0, E8[:2], None, LOCAL8[:2], "CPU")
+    assert gpu.digest() != cpu.digest()
+    assert sorted(cpu.dump()) == [(A0, "CPU", E8[0], KEYS8[0], 1), (A0, "CPU", E8[1], KEYS8[1], 1)]
+    replica = PrefixIndex.from_export(cpu.export())
+    assert replica.digest() == cpu.digest()
+    assert replica.match_tiers(KEYS8) == {A0: Overlap(2, {"CPU": 2})}
+    assert replica.remove(A0, [E8[1]], "CPU") == _removed(1)
+
+
+def test_duplicate_copies_count_per_tier() -> None:
+    """Store counts are per tier: a block stored twice on CPU needs two CPU removals; GPU is separate."""
+    index = PrefixIndex()
+    index.store(A0, E8[:2], None, LOCAL8[:2], "CPU")
+    assert index.store(A0, E8[:2], None, LOCAL8[:2], "CPU") == _stored(0, duplicates=2)
+    assert index.store(A0, E8[:2], None, LOCAL8[:2]) == _stored(2)
+    assert index.remove(A0, E8[:2], "CPU") == _removed(0, decremented=2)
+    assert index.remove(A0, E8[:2]) == _removed(2)
+    assert index.match_tiers(KEYS8) == {A0: Overlap(2, {"CPU": 2})}
+    assert index.remove(A0, E8[:2], "CPU") == _removed(2)
+    assert index.match_tiers(KEYS8) == {}

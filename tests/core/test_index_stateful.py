@@ -1,4 +1,5 @@
-"""Stateful property test: `PrefixIndex` driven by random events agrees with a naive model."""
+"""Stateful property test: `PrefixIndex` driven by random events on several storage tiers agrees with a naive
+model."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvmesh.core.hashing import local_block_hashes, sequence_hashes
-from kvmesh.core.index import Holder, IndexStats, PrefixIndex
+from kvmesh.core.hashing import local_block_hashes, prefix_keys
+from kvmesh.core.index import (
+    DEFAULT_TIER,
+    Holder,
+    IndexStats,
+    Overlap,
+    PrefixIndex,
+    engine_key60,
+    tier_name,
+    tier_rank,
+)
 
 BLOCK_SIZE = 2
 MAX_DEPTH = 4
@@ -16,6 +26,8 @@ MAX_DEPTH = 4
 MAX_ORPHANS = 2
 WORKERS = ("w0", "w1", "w2")
 HOLDERS = tuple(Holder(w, r) for w in WORKERS for r in (0, 1))
+MEDIA = (None, None, None, "GPU", "CPU", "cpu", "DISK")
+"""Media as events name them: mostly none (the default tier), spelled several ways."""
 UNKNOWN_ENGINE_HASH = 0xDEAD_BEEF  # a key no store of the machine ever attaches
 
 # Fixed queries over the two-token universe, checked at every step besides every stored path.
@@ -28,27 +40,30 @@ FIXED_QUERIES: tuple[tuple[int, ...], ...] = (
     (1, 1, 0, 0, 1, 1, 0, 0, 1),
 )
 
+Tiers = dict[str | None, dict[int, list[int]]]
+"""tier (None: default) -> engine key -> [prefix key, store count]."""
+
 
 def _engine_hash(holder: Holder, seq: int, copy: int) -> int:
-    """Per-holder engine key of a block: same content on another holder gets another key."""
+    """Per-holder 64-bit engine hash of a block: same content on another holder gets another one; the same
+    content on another tier of the holder gets the same one (as with vLLM's CPU offloading)."""
     return xxhash.xxh3_64_intdigest(f"{holder.worker_id}/{holder.dp_rank}/{copy}/{seq}".encode())
 
 
-def _prompt_seq(tokens: tuple[int, ...]) -> list[int]:
-    return sequence_hashes(local_block_hashes(tokens, BLOCK_SIZE))
+def _prompt_keys(tokens: tuple[int, ...]) -> list[int]:
+    return prefix_keys(local_block_hashes(tokens, BLOCK_SIZE))
 
 
 class PrefixIndexMachine(RuleBasedStateMachine):
-    """Random stores, removals, clears and worker removals against a dictionary model."""
+    """Random stores, removals, clears and worker removals on several tiers against a dictionary model."""
 
     def __init__(self) -> None:
         super().__init__()
         self.index = PrefixIndex(max_orphans=MAX_ORPHANS)
-        # holder -> engine hash -> [sequence hash, store count]
-        self.model: dict[Holder, dict[int, list[int]]] = {}
-        # sequence hash -> tokens of the whole prefix up to that block (content, independent of holder)
+        self.model: dict[Holder, Tiers] = {}
+        # prefix key -> tokens of the whole prefix up to that block (content, independent of holder)
         self.paths: dict[int, tuple[int, ...]] = {}
-        # engine hash -> the copy number it was derived with
+        # engine key -> the copy number it was derived with
         self.copies: dict[int, int] = {}
         self.live_holders: set[Holder] = set()
         self.orphans: dict[Holder, int] = {}
@@ -56,69 +71,76 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         self.unknown_removals = 0
         self.orphan_serial = 0
 
+    def _blocks(self, holder: Holder) -> dict[int, int]:
+        """Engine key -> prefix key over every tier of a holder (a key means the same on every tier)."""
+        return {h: e[0] for tier in self.model.get(holder, {}).values() for h, e in tier.items()}
+
     # ------------------------------------------------------------------ rules
 
     @rule(data=st.data())
     def store_chain(self, data: st.DataObject) -> None:
-        """Store a chain from block 0 or under a parent this holder is known to hold."""
+        """Store a chain from block 0 or under a parent this holder holds on some tier."""
         holder = data.draw(st.sampled_from(HOLDERS), label="holder")
+        medium = data.draw(st.sampled_from(MEDIA), label="medium")
         copy = data.draw(st.integers(0, 1), label="copy")
-        blocks = self.model.get(holder, {})
-        parents = sorted(
-            h for h, (seq, _c) in blocks.items() if len(self.paths[seq]) < MAX_DEPTH * BLOCK_SIZE
-        )
+        blocks = self._blocks(holder)
+        parents = sorted(h for h, key in blocks.items() if len(self.paths[key]) < MAX_DEPTH * BLOCK_SIZE)
         parent: int | None = None
         prefix: tuple[int, ...] = ()
-        parent_seq: int | None = None
+        parent_key: int | None = None
         if parents and data.draw(st.booleans(), label="with_parent"):
             parent = data.draw(st.sampled_from(parents), label="parent")
-            parent_seq = blocks[parent][0]
-            prefix = self.paths[parent_seq]
+            parent_key = blocks[parent]
+            prefix = self.paths[parent_key]
         room = MAX_DEPTH - len(prefix) // BLOCK_SIZE
         n_new = data.draw(st.integers(1, room), label="n_new")
         tokens = tuple(
             data.draw(st.lists(st.integers(0, 1), min_size=n_new * BLOCK_SIZE, max_size=n_new * BLOCK_SIZE))
         )
-        self._store(holder, copy, parent, parent_seq, prefix=prefix, tokens=tokens)
+        self._store(holder, medium, copy, parent, parent_key, prefix=prefix, tokens=tokens)
 
-    @precondition(lambda self: any(self.model.values()))
+    @precondition(lambda self: any(any(t.values()) for t in self.model.values()))
     @rule(data=st.data())
     def store_again(self, data: st.DataObject) -> None:
-        """Store again, from block 0, the whole prefix of a block a holder holds (another physical copy)."""
-        holders = sorted(h for h, b in self.model.items() if b)
+        """Store again, from block 0 and on any tier, the whole prefix of a block a holder holds."""
+        holders = sorted(h for h in self.model if self._blocks(h))
         holder = data.draw(st.sampled_from(holders), label="holder")
-        engine_hash = data.draw(st.sampled_from(sorted(self.model[holder])), label="block")
-        seq, _count = self.model[holder][engine_hash]
-        self._store(holder, self.copies[engine_hash], None, None, prefix=(), tokens=self.paths[seq])
+        medium = data.draw(st.sampled_from(MEDIA), label="medium")
+        blocks = self._blocks(holder)
+        engine_hash = data.draw(st.sampled_from(sorted(blocks)), label="block")
+        key = blocks[engine_hash]
+        self._store(holder, medium, self.copies[engine_hash], None, None, prefix=(), tokens=self.paths[key])
 
     def _store(
         self,
         holder: Holder,
+        medium: str | None,
         copy: int,
         parent: int | None,
-        parent_seq: int | None,
+        parent_key: int | None,
         *,
         prefix: tuple[int, ...],
         tokens: tuple[int, ...],
     ) -> None:
         local = local_block_hashes(tokens, BLOCK_SIZE)
-        seqs = sequence_hashes(local, parent_seq)
-        engine = [_engine_hash(holder, s, copy) for s in seqs]
+        keys = prefix_keys(local, parent_key)
+        engine = [_engine_hash(holder, k, copy) for k in keys]
 
-        result = self.index.store(holder, engine, parent, local)
+        result = self.index.store(holder, engine, parent, local, medium)
 
         self.live_holders.add(holder)
-        model_blocks = self.model.setdefault(holder, {})
+        tier_blocks = self.model.setdefault(holder, {}).setdefault(tier_name(medium), {})
         attached = duplicates = 0
-        for i, (eh, seq) in enumerate(zip(engine, seqs, strict=True)):
-            self.paths[seq] = prefix + tokens[: (i + 1) * BLOCK_SIZE]
-            self.copies[eh] = copy
-            entry = model_blocks.get(eh)
+        for i, (eh, key) in enumerate(zip(engine, keys, strict=True)):
+            ek = engine_key60(eh)
+            self.paths[key] = prefix + tokens[: (i + 1) * BLOCK_SIZE]
+            self.copies[ek] = copy
+            entry = tier_blocks.get(ek)
             if entry is None:
-                model_blocks[eh] = [seq, 1]
+                tier_blocks[ek] = [key, 1]
                 attached += 1
             else:
-                assert entry[0] == seq
+                assert entry[0] == key
                 entry[1] += 1
                 duplicates += 1
         assert result.held is False
@@ -126,13 +148,13 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         assert result.duplicates == duplicates
         assert result.dropped_orphans == 0
 
-    @rule(holder=st.sampled_from(HOLDERS), n_blocks=st.integers(1, 2))
-    def store_under_unknown_parent(self, holder: Holder, n_blocks: int) -> None:
+    @rule(holder=st.sampled_from(HOLDERS), n_blocks=st.integers(1, 2), medium=st.sampled_from(MEDIA))
+    def store_under_unknown_parent(self, holder: Holder, n_blocks: int, medium: str | None) -> None:
         """Store under a parent that never arrives: the event is held and matches nothing."""
         self.orphan_serial += 1
         parent = UNKNOWN_ENGINE_HASH + self.orphan_serial
         engine = [UNKNOWN_ENGINE_HASH - 1000 * self.orphan_serial - i for i in range(n_blocks)]
-        result = self.index.store(holder, engine, parent, [7] * n_blocks)
+        result = self.index.store(holder, engine, parent, [7] * n_blocks, medium)
         self.live_holders.add(holder)
         held = self.orphans.get(holder, 0) + 1
         dropped = max(0, held - MAX_ORPHANS)
@@ -145,18 +167,19 @@ class PrefixIndexMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def remove_blocks(self, data: st.DataObject) -> None:
-        """Remove one copy each of a few engine hashes, known or not, from one holder."""
-        holding = sorted(h for h, b in self.model.items() if b)
+        """Remove one copy each of a few engine hashes, known or not, from one tier of one holder."""
+        holding = sorted(h for h in self.model if self._blocks(h))
         pool = holding if holding and data.draw(st.booleans(), label="holding") else list(HOLDERS)
         holder = data.draw(st.sampled_from(pool), label="holder")
-        known = sorted(self.model.get(holder, {}))
+        medium = data.draw(st.sampled_from(MEDIA), label="medium")
+        known = sorted(self._blocks(holder))
         choices = st.sampled_from([*known, UNKNOWN_ENGINE_HASH]) if known else st.just(UNKNOWN_ENGINE_HASH)
         hashes = data.draw(st.lists(choices, min_size=1, max_size=3), label="hashes")
 
-        result = self.index.remove(holder, hashes)
+        result = self.index.remove(holder, hashes, medium)
 
         removed = decremented = unknown = 0
-        blocks = self.model.get(holder, {})
+        blocks = self.model.get(holder, {}).get(tier_name(medium), {})
         for h in hashes:
             entry = blocks.get(h)
             if entry is None:
@@ -172,8 +195,8 @@ class PrefixIndexMachine(RuleBasedStateMachine):
 
     @rule(holder=st.sampled_from(HOLDERS))
     def clear_holder(self, holder: Holder) -> None:
-        """Clear one (worker, dp_rank): its blocks and held events go, the holder stays known."""
-        expected = len(self.model.pop(holder, {}))
+        """Clear one (worker, dp_rank): its blocks on every tier and its held events go, the holder stays."""
+        expected = sum(len(t) for t in self.model.pop(holder, {}).values())
         self.orphans.pop(holder, None)
         assert self.index.clear(holder) == expected
 
@@ -182,59 +205,84 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         """Remove every dp rank of one worker: blocks, held events and the holders themselves go."""
         expected = 0
         for holder in [h for h in HOLDERS if h.worker_id == worker]:
-            expected += len(self.model.pop(holder, {}))
+            expected += sum(len(t) for t in self.model.pop(holder, {}).values())
             self.live_holders.discard(holder)
             self.orphans.pop(holder, None)
         assert self.index.remove_worker(worker) == expected
 
     # ------------------------------------------------------------------ invariants
 
-    def _naive_match(self, seq_hashes: list[int]) -> dict[Holder, int]:
-        out: dict[Holder, int] = {}
-        for holder, blocks in self.model.items():
-            present = {seq for seq, count in blocks.values() if count > 0}
+    def _naive_match(self, keys: list[int]) -> dict[Holder, Overlap]:
+        out: dict[Holder, Overlap] = {}
+        for holder, tiers in self.model.items():
+            present = {
+                tier: {key for key, count in blocks.values() if count > 0} for tier, blocks in tiers.items()
+            }
+            per_tier: dict[str, int] = {}
             overlap = 0
-            for s in seq_hashes:
-                if s not in present:
+            for k in keys:
+                on = sorted((t for t, held in present.items() if k in held), key=tier_rank)
+                if not on:
                     break
+                fastest = on[0] or DEFAULT_TIER
+                per_tier[fastest] = per_tier.get(fastest, 0) + 1
                 overlap += 1
             if overlap:
-                out[holder] = overlap
+                ordered = {t: per_tier[t] for t in sorted(per_tier, key=tier_rank)}
+                out[holder] = Overlap(overlap, None if list(ordered) == [DEFAULT_TIER] else ordered)
         return out
 
     @invariant()
     def match_agrees_with_model(self) -> None:
-        """Every stored prefix, and a few fixed prompts, match exactly as the model says."""
+        """Every stored prefix, and a few fixed prompts, match exactly as the model says, per tier too."""
         queries = set(self.paths.values()) | set(FIXED_QUERIES)
         for tokens in sorted(queries):
-            seq = _prompt_seq(tokens)
-            assert self.index.match(seq) == self._naive_match(seq), tokens
+            keys = _prompt_keys(tokens)
+            expected = self._naive_match(keys)
+            got = self.index.match_tiers(keys)
+            assert got == expected, tokens
+            assert {h: list(o.tiers or {}) for h, o in got.items()} == {  # fastest tier first
+                h: list(o.tiers or {}) for h, o in expected.items()
+            }
+            assert self.index.match(keys) == {h: o.blocks for h, o in expected.items()}, tokens
 
     @invariant()
     def stats_agree_with_model(self) -> None:
         """Holder, block, prefix, orphan and unknown-removal counts equal the model's."""
         assert self.index.stats() == IndexStats(
             holders=len(self.live_holders),
-            blocks=sum(len(b) for b in self.model.values()),
-            distinct_prefixes=len({seq for b in self.model.values() for seq, _c in b.values()}),
+            blocks=sum(len(b) for t in self.model.values() for b in t.values()),
+            distinct_prefixes=len(
+                {e[0] for t in self.model.values() for b in t.values() for e in b.values()}
+            ),
             held_orphans=sum(self.orphans.values()),
             orphans_expired=self.orphans_dropped,
             unknown_removals=self.unknown_removals,
         )
         assert self.index.holders() == sorted(self.live_holders)
         for holder in HOLDERS:
-            assert self.index.block_count(holder) == len(self.model.get(holder, {}))
+            expected = sum(len(b) for b in self.model.get(holder, {}).values())
+            assert self.index.block_count(holder) == expected
 
     @invariant()
     def digest_equals_rebuilt_model(self) -> None:
-        """An index rebuilt from the model's entries has the same digest and dump."""
+        """An index rebuilt from the model's entries, and one restored from an export, equal this one; every key
+        is < 2**60."""
         rebuilt = PrefixIndex()
-        for holder, blocks in self.model.items():
-            for eh, (seq, count) in blocks.items():
-                for _ in range(count):
-                    rebuilt.store(holder, [eh], None, [seq])
+        for holder, tiers in self.model.items():
+            for tier, blocks in tiers.items():
+                for eh, (key, count) in blocks.items():
+                    for _ in range(count):
+                        rebuilt.store(holder, [eh], None, [key], tier)
         assert rebuilt.digest() == self.index.digest()
-        assert sorted(rebuilt.dump()) == sorted(self.index.dump())
+        dumped = sorted(self.index.dump())
+        assert sorted(rebuilt.dump()) == dumped
+        assert all(eh < 2**60 and key < 2**60 for _h, _t, eh, key, _c in dumped)
+        restored = PrefixIndex.from_export(self.index.export())
+        assert restored.digest() == self.index.digest()
+        assert restored.stats() == self.index.stats()
+        for tokens in FIXED_QUERIES:
+            assert restored.match_tiers(_prompt_keys(tokens)) == self.index.match_tiers(_prompt_keys(tokens))
 
 
 PrefixIndexMachine.TestCase.settings = settings(
@@ -242,5 +290,5 @@ PrefixIndexMachine.TestCase.settings = settings(
 )
 test_prefix_index_matches_naive_model = PrefixIndexMachine.TestCase
 test_prefix_index_matches_naive_model.__doc__ = (
-    "PrefixIndex agrees with a naive per-holder model on every step."
+    "PrefixIndex agrees with a naive per-holder, per-tier model on every step."
 )

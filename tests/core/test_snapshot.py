@@ -36,17 +36,25 @@ def _history() -> list[EventsMessage | WorkerRemoved]:
         _msg("b", 0, [Removed([7])]),
         _msg("c", 0, [Stored([8], None, LOCAL[:1])]),
         WorkerRemoved(worker_id="c", model="m", epoch=1),
+        _msg("b", 0, [Stored([5, 6, 7, 10], None, LOCAL[:4], "CPU")]),  # a CPU tier
+        _msg("b", 0, [Stored([12], 11, LOCAL[5:6], "DISK")]),  # held on the DISK tier
     ]
 
 
 def _continuation() -> list[EventsMessage]:
-    """Messages that touch every restored detail: the orphan's parent, the duplicate, the removed worker."""
+    """Messages that touch every restored detail: the orphan's parent, the duplicate, the removed worker, the
+    tiers."""
     return [
         _msg("a", 1, [Stored([77], None, LOCAL[4:5])]),  # releases the held orphan... under another chain
         _msg("a", 0, [Removed([2])]),  # one copy of the duplicate: block 2 stays
         _msg("c", 0, [Stored([8], None, LOCAL[:1])]),  # removed incarnation: dropped
-        _msg("b", 0, [Cleared()]),
+        _msg("b", 0, [Stored([11], 10, LOCAL[4:5], "CPU")]),  # releases the DISK orphan (parent on CPU)
+        _msg("b", 0, [Removed([6], "CPU")]),
     ]
+
+
+def _prompt() -> list[int]:
+    return list(range(24))
 
 
 def _state(
@@ -62,9 +70,10 @@ def test_round_trip_keeps_digest_size_and_sequence() -> None:
     """Decoding an encoded state gives a state with the same sequence, blocks, digest and dump."""
     original = _state(_history())
     restored = IndexState.from_export(decode_snapshot(encode_snapshot(original.export())))
-    assert restored.applied_seq == 7
-    assert restored.block_total() == original.block_total() == 4
+    assert restored.applied_seq == 9
+    assert restored.block_total() == original.block_total() == 8
     assert restored.digest() == original.digest()
+    assert restored.match("m", _prompt()) == original.match("m", _prompt())
     assert restored.workers() == original.workers()
     assert restored.counters == original.counters
 
@@ -73,12 +82,14 @@ def test_restored_state_continues_exactly_like_the_original() -> None:
     """A restored state applying the same later messages ends equal to the never-stopped one."""
     original = _state(_history())
     restored = IndexState.from_export(decode_snapshot(encode_snapshot(original.export())))
-    _state(_continuation(), 8, original)
-    _state(_continuation(), 8, restored)
+    _state(_continuation(), 10, original)
+    _state(_continuation(), 10, restored)
     assert restored.digest() == original.digest()
-    assert restored.block_total() == original.block_total() == 4
+    assert restored.block_total() == original.block_total() == 11
     assert restored.counters == original.counters
-    assert restored.match("m", list(range(8))).candidates == original.match("m", list(range(8))).candidates
+    assert restored.match("m", _prompt()).candidates == original.match("m", _prompt()).candidates
+    b0 = next(c for c in restored.match("m", _prompt()).candidates if c.worker_id == "b")
+    assert (b0.overlap_blocks, b0.cached_blocks, b0.tiers) == (6, 7, {"GPU": 2, "CPU": 3, "DISK": 1})
 
 
 def test_export_is_detached_from_the_live_state() -> None:
@@ -86,7 +97,7 @@ def test_export_is_detached_from_the_live_state() -> None:
     state = _state(_history())
     export = state.export()
     before = encode_snapshot(export)
-    _state(_continuation(), 8, state)
+    _state(_continuation(), 10, state)
     assert encode_snapshot(export) == before
 
 
@@ -96,8 +107,21 @@ def test_header_carries_version_and_sequence() -> None:
     header = read_header(data)
     assert (header.format_version, header.applied_seq, header.body_bytes) == (
         FORMAT_VERSION,
-        7,
+        9,
         len(data) - HEADER_SIZE,
+    )
+    assert FORMAT_VERSION == 2
+
+
+def test_format_1_snapshot_is_refused_by_version() -> None:
+    """A format-1 snapshot (64-bit sequence hashes) is refused with reason "version" and says why."""
+    data = encode_snapshot(_state(_history()).export())
+    old = data[:8] + (1).to_bytes(4, "little") + data[12:]
+    with pytest.raises(SnapshotError) as info:
+        decode_snapshot(old)
+    assert info.value.reason == "version"
+    assert str(info.value) == (
+        "snapshot format 1 (format 1 keyed the index by 64-bit sequence hashes); this build reads only format 2"
     )
 
 
@@ -130,18 +154,18 @@ def test_bad_snapshots_are_refused_with_a_reason(mutate: object, reason: str) ->
 def test_gap_marks_holders_incomplete_until_cleared() -> None:
     """After a gap every live holder is incomplete until a Cleared rebuilds it, and the mark survives a snapshot."""
     state = _state(_history())
-    state.mark_gap(7)
+    state.mark_gap(9)
     assert state.incomplete() == [("a", 0), ("a", 1), ("b", 0)]
-    state.apply(8, _msg("b", 0, [Cleared()]))
+    state.apply(10, _msg("b", 0, [Cleared()]))
     restored = IndexState.from_export(decode_snapshot(encode_snapshot(state.export())))
     assert restored.incomplete() == [("a", 0), ("a", 1)]
-    assert restored.gap_seq == 7
+    assert restored.gap_seq == 9
 
 
 def test_reset_forgets_everything_and_raises_the_epoch() -> None:
     """An IndexReset empties the index, forgets the workers and raises reset_epoch."""
     state = _state(_history())
-    state.apply(8, IndexReset(epoch=1))
-    assert (state.block_total(), state.workers(), state.reset_epoch, state.applied_seq) == (0, {}, 1, 8)
-    state.apply(9, _msg("c", 0, [Stored([8], None, LOCAL[:1])]))  # the removed incarnation is accepted again
+    state.apply(10, IndexReset(epoch=1))
+    assert (state.block_total(), state.workers(), state.reset_epoch, state.applied_seq) == (0, {}, 1, 10)
+    state.apply(11, _msg("c", 0, [Stored([8], None, LOCAL[:1])]))  # the removed incarnation is accepted again
     assert state.block_total() == 1

@@ -239,3 +239,24 @@ def test_deeply_nested_stream_message_is_a_decode_error() -> None:
 
     with pytest.raises(MessageDecodeError, match="nested too deeply"):
         decode_message(b"\x81\xa1a" * 50_000 + b"\x01")
+
+
+def test_match_reports_overlap_per_tier() -> None:
+    """Stored/Removed media reach the index: a CPU copy extends the overlap and `tiers` counts each block once,
+    on its fastest tier; removal names the tier; a Cleared drops every tier."""
+    state = IndexState()
+    state.apply(1, _msg("w1", 0, [Stored([11, 12], None, LOCAL[:2], "GPU")]))
+    state.apply(2, _msg("w1", 0, [Stored([11, 12, 13, 14], None, LOCAL, "CPU")], seq=2))
+    state.apply(3, _msg("w2", 0, [Stored([31, 32, 33], None, LOCAL[:3])]))
+    assert _candidates(state) == (
+        HolderMatch(worker_id="w1", dp_rank=0, overlap_blocks=4, cached_blocks=6, tiers={"GPU": 2, "CPU": 2}),
+        _hm("w2", 0, 3, 3),
+    )
+    state.apply(4, _msg("w1", 0, [Removed([13], "CPU"), Removed([12])], seq=3))
+    assert _candidates(state) == (
+        HolderMatch(worker_id="w1", dp_rank=0, overlap_blocks=2, cached_blocks=4, tiers={"GPU": 1, "CPU": 1}),
+        _hm("w2", 0, 3, 3),
+    )
+    assert state.counters.removed_blocks == 2
+    state.apply(5, _msg("w1", 0, [Cleared()], seq=4))
+    assert _candidates(state) == (_hm("w1", 0, 0, 0), _hm("w2", 0, 3, 3))

@@ -12,17 +12,21 @@ Figures: apply rate in block operations/s (a stored or removed block = one opera
 p50/p99 in µs for 4,096-token prompts (256 blocks of 16), and, on every query, whether all three agree.
 Eviction order: ``tail`` evicts the least recently used blocks, a prompt's last blocks first (vLLM's free
 queue; every worker's cache stays prefix-closed), ``random`` evicts a random block among the 64 least recently
-used (a cache with holes). ``kvmesh bench index --memory`` measures bytes per stored block at 1M blocks.
+used (a cache with holes). ``kvmesh bench index --memory`` measures bytes per stored block at 1M blocks
+(`memory_per_block`: resident-set growth of a fresh process per index).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
+import json
 import os
 import random
+import subprocess
+import sys
 import time
-import tracemalloc
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +36,7 @@ import msgspec
 import xxhash
 
 from kvmesh.bench.trace import percentile
-from kvmesh.core.hashing import SEED, sequence_hashes
+from kvmesh.core.hashing import SEED, prefix_keys, sequence_hashes
 from kvmesh.core.index import Holder, PrefixIndex
 
 __all__ = ["NaiveIndex", "Workload", "command", "make_workload"]
@@ -256,14 +260,43 @@ def _time_matches(side: Side, queries: Sequence[Any], fn: Callable[[Any], dict[i
         side.results.append(r)
 
 
+KVMESH: Final[str] = "kvmesh PrefixIndex"
+BASELINE: Final[str] = "kvmesh PrefixIndex (--baseline)"
+DYNAMO: Final[str] = "Dynamo RadixTree (ai-dynamo-runtime)"
+NAIVE: Final[str] = "naive dict index"
+
+
+def load_index_module(path: str) -> Any:
+    """Import another version of ``kvmesh/core/index.py`` (e.g. from ``git show``) for ``--baseline``."""
+    spec = importlib.util.spec_from_file_location("kvmesh_bench_baseline_index", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_index(
-    wl: Workload, *, with_dynamo: bool = True, repeat: int = 3, say: Callable[[str], None] = print
+    wl: Workload,
+    *,
+    with_dynamo: bool = True,
+    repeat: int = 3,
+    say: Callable[[str], None] = print,
+    baseline: Any = None,
 ) -> list[Side]:
     """Feed the workload to every index, time apply and match, and collect every query's answer.
 
+    ``baseline``: another version of the index module (`load_index_module`), timed on apply only, in the same
+    interleaved rounds (its keys may differ from this version's, so its matches are not compared).
+
     Apply is timed ``repeat`` times per index on a fresh index, the indexes interleaved round by round so
     that noise from other processes hits all of them alike; the best round counts. Matches are timed on the
-    last round's indexes.
+    last round's indexes. Each round of kvmesh and of the naive index gets the events freshly decoded from
+    msgpack (not timed), as the indexer decodes them from the stream: every hash is a new int object, so no
+    index finds a removed block's hash by object identity with the one it stored (which a reused workload
+    would allow and production never does). The decoded events are frozen out of the garbage collector's
+    generations while timed, so their collection cost stays the harness's.
     """
     holders = [Holder(f"w{w}", 0) for w in range(wl.workers)]
     back = {h: w for w, h in enumerate(holders)}
@@ -271,11 +304,13 @@ def run_index(
     if radix_tree is None and with_dynamo:
         say("  Dynamo's RadixTree is not installed (`uv sync --all-packages --extra bench`): skipped")
     payloads = _dynamo_events(wl) if radix_tree is not None else []
+    encoded = msgspec.msgpack.encode(wl.events)
+    events: list[Any] = []
 
     def apply_kvmesh() -> tuple[PrefixIndex, int]:
         index = PrefixIndex()
         store, remove = index.store, index.remove
-        for ev in wl.events:
+        for ev in events:
             if len(ev) == 4:
                 store(holders[ev[0]], ev[1], ev[2], ev[3])
             else:
@@ -296,52 +331,69 @@ def run_index(
 
     def apply_naive() -> tuple[NaiveIndex, int]:
         ni = NaiveIndex()
-        for ev in wl.events:
+        for ev in events:
             if len(ev) == 4:
                 ni.store(*ev)
             else:
                 ni.remove(*ev)
         return ni, 0
 
-    runners: list[tuple[Side, Callable[[], tuple[Any, int]]]] = [(Side("kvmesh PrefixIndex"), apply_kvmesh)]
+    def apply_baseline() -> tuple[Any, int]:
+        index = baseline.PrefixIndex()
+        store, remove = index.store, index.remove
+        for ev in events:
+            if len(ev) == 4:
+                store(base_holders[ev[0]], ev[1], ev[2], ev[3])
+            else:
+                remove(base_holders[ev[0]], ev[1])
+        return index, 0
+
+    runners: list[tuple[Side, Callable[[], tuple[Any, int]]]] = [(Side(KVMESH), apply_kvmesh)]
+    if baseline is not None:
+        base_holders = [baseline.Holder(f"w{w}", 0) for w in range(wl.workers)]
+        runners.append((Side(BASELINE), apply_baseline))
     if radix_tree is not None:
-        runners.append((Side("Dynamo RadixTree (ai-dynamo-runtime)"), apply_dynamo))
-    runners.append((Side("naive dict index"), apply_naive))
+        runners.append((Side(DYNAMO), apply_dynamo))
+    runners.append((Side(NAIVE), apply_naive))
     built: dict[str, Any] = {}
     for r in range(max(1, repeat)):
         order = runners[r % len(runners) :] + runners[: r % len(runners)]
         for side, fn in order:
             built.pop(side.name, None)
+            events = msgspec.msgpack.decode(encoded) if fn is not apply_dynamo else []
             gc.collect()
+            gc.freeze()
             t0 = time.perf_counter()
             obj, errors = fn()
             elapsed = time.perf_counter() - t0
+            gc.unfreeze()
+            events = []
             side.apply_s = elapsed if not side.apply_s else min(side.apply_s, elapsed)
             side.errors = errors
             built[side.name] = obj
 
-    seq_queries = [sequence_hashes(q) for q in wl.queries]
+    seq_queries = [sequence_hashes(q) for q in wl.queries]  # the naive index's keys (Dynamo's chain)
+    key_queries = [prefix_keys(q) for q in wl.queries]  # kvmesh's 60-bit prefix keys
     sides = [side for side, _fn in runners]
-    index = built["kvmesh PrefixIndex"]
-    _time_matches(sides[0], seq_queries, lambda q: {back[h]: n for h, n in index.match(q).items()})
+    by_name = {side.name: side for side in sides}
+    index = built[KVMESH]
+    _time_matches(by_name[KVMESH], key_queries, lambda q: {back[h]: n for h, n in index.match(q).items()})
     if radix_tree is not None:
-        tree = built["Dynamo RadixTree (ai-dynamo-runtime)"]
+        tree = built[DYNAMO]
         _time_matches(
-            sides[1],
+            by_name[DYNAMO],
             wl.queries,
             lambda q: {wk[0]: n for wk, n in tree.find_matches(q, early_exit=False).scores.items() if n},
         )
-    _time_matches(sides[-1], seq_queries, built["naive dict index"].match)
+    _time_matches(by_name[NAIVE], seq_queries, built[NAIVE].match)
     hashed = Side("kvmesh PrefixIndex, incl. chaining")
-    _time_matches(
-        hashed, wl.queries, lambda q: {back[h]: n for h, n in index.match(sequence_hashes(q)).items()}
-    )
+    _time_matches(hashed, wl.queries, lambda q: {back[h]: n for h, n in index.match(prefix_keys(q)).items()})
     return [*sides, hashed]
 
 
 def disagreements(sides: Sequence[Side], wl: Workload) -> list[str]:
     """Compare every query's answer against the naive index; describe each difference."""
-    ref = next(s for s in sides if s.name.startswith("naive"))
+    ref = next(s for s in sides if s.name == NAIVE)
     out = []
     for s in sides:
         if s is ref or not s.results:
@@ -358,64 +410,75 @@ def disagreements(sides: Sequence[Side], wl: Workload) -> list[str]:
     return out
 
 
-def memory_per_block(blocks: int = 1_000_000, workers: int = 8, seed: int = 0) -> dict[str, float]:
-    """Bytes per stored block with ``blocks`` blocks indexed (chains of 256 blocks, 8 workers).
+MEMORY_INDEXES: Final[dict[str, str]] = {
+    "kvmesh": "kvmesh PrefixIndex",
+    "naive": "naive dict index",
+    "dynamo": "Dynamo RadixTree",
+}
 
-    kvmesh and the naive index: tracemalloc (every Python allocation); Dynamo: growth of the process's
-    resident set (its tree lives in Rust memory).
+
+def memory_per_block(
+    blocks: int = 1_000_000, workers: int = 8, seed: int = 0, *, with_dynamo: bool = True
+) -> dict[str, float]:
+    """Bytes per stored block with ``blocks`` blocks indexed (chains of 256 blocks from block 0, 8 workers).
+
+    Method, the same for every index: a **fresh Python process per index** generates the chains one at a
+    time (64-bit engine and local hashes, as lists like a decoded stream message carries them), stores each
+    and drops it, and reports the growth of its resident set (``/proc/self/statm``) from just before the
+    first store to after the last, divided by the blocks stored. So the figure is what the index really
+    costs: pymalloc's 16-byte size classes (a 64-bit int asks for 36 bytes and takes 48; tracemalloc
+    reports the 36), dict tables at their real fill, and the ints the index keeps from the events it was
+    given (the engine hashes become its dict keys), which a measurement over pre-built inputs would not
+    count. Dynamo's tree lives in Rust memory, which only this method sees.
     """
+    names = ["kvmesh", "naive"]
+    if with_dynamo and _load_dynamo() is not None:
+        names.append("dynamo")
+    out: dict[str, float] = {}
+    for name in names:
+        code = f"from kvmesh.bench.index import _memory_child; _memory_child({name!r}, {blocks}, {workers}, {seed})"
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        out[MEMORY_INDEXES[name]] = result["rss_growth"] / result["blocks"]
+    return out
+
+
+def _memory_child(name: str, blocks: int, workers: int, seed: int) -> None:
+    """One index of `memory_per_block`, in a process of its own; prints ``{"rss_growth", "blocks"}``."""
     rng = random.Random(seed)
-    chains: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+    bits = rng.getrandbits
+    holders = [Holder(f"w{w}", 0) for w in range(workers)]
+    add: Callable[[int, list[int], list[int]], object]
+    if name == "kvmesh":
+        index = PrefixIndex()
+        add = lambda w, hashes, local: index.store(holders[w], hashes, None, local)  # noqa: E731
+    elif name == "naive":
+        naive = NaiveIndex()
+        add = lambda w, hashes, local: naive.store(w, hashes, None, local)  # noqa: E731
+    else:
+        tree = _load_dynamo()()
+        enc = msgspec.json.encode
+        serial = iter(range(1 << 62))
+
+        def add(w: int, hashes: list[int], local: list[int]) -> None:
+            stored = [{"block_hash": h, "tokens_hash": t} for h, t in zip(hashes, local, strict=True)]
+            data = {"stored": {"parent_hash": None, "blocks": stored}}
+            tree.apply_event(w, enc({"event_id": next(serial), "dp_rank": 0, "data": data}))
+
+    gc.collect()
+    rss0 = _rss_bytes()
     n = 0
     while n < blocks:
         w = rng.randrange(workers)
-        local = tuple(rng.getrandbits(64) for _ in range(min(PROMPT_BLOCKS, blocks - n)))
-        hashes = tuple(rng.getrandbits(64) | 1 for _ in local)
-        chains.append((w, hashes, local))
+        local = [bits(64) for _ in range(min(PROMPT_BLOCKS, blocks - n))]
+        hashes = [bits(64) | 1 for _ in local]
+        add(w, hashes, local)
         n += len(local)
-    out: dict[str, float] = {}
-    holders = [Holder(f"w{w}", 0) for w in range(workers)]
-
+    del local, hashes
     gc.collect()
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
-    index = PrefixIndex()
-    for w, hashes, local in chains:
-        index.store(holders[w], hashes, None, local)
-    gc.collect()
-    out["kvmesh PrefixIndex"] = (tracemalloc.get_traced_memory()[0] - base) / n
-    del index
-    gc.collect()
-    base = tracemalloc.get_traced_memory()[0]
-    naive = NaiveIndex()
-    for w, hashes, local in chains:
-        naive.store(w, hashes, None, local)
-    gc.collect()
-    out["naive dict index"] = (tracemalloc.get_traced_memory()[0] - base) / n
-    tracemalloc.stop()
-    del naive
-    gc.collect()
-
-    radix_tree = _load_dynamo()
-    if radix_tree is not None:
-        enc = msgspec.json.encode
-        tree = radix_tree()
-        rss0 = _rss_bytes()
-        for i, (w, hashes, local) in enumerate(chains):
-            blocks_json = [{"block_hash": h, "tokens_hash": t} for h, t in zip(hashes, local, strict=True)]
-            tree.apply_event(
-                w,
-                enc(
-                    {
-                        "event_id": i,
-                        "dp_rank": 0,
-                        "data": {"stored": {"parent_hash": None, "blocks": blocks_json}},
-                    }
-                ),
-            )
-        time.sleep(0.2)
-        out["Dynamo RadixTree (RSS growth)"] = (_rss_bytes() - rss0) / n
-    return out
+    if name == "dynamo":
+        time.sleep(0.2)  # its background thread applies the last events
+    print(json.dumps({"rss_growth": _rss_bytes() - rss0, "blocks": n}))
 
 
 def _rss_bytes() -> int:
@@ -448,7 +511,13 @@ def command(argv: Sequence[str] | None = None) -> int:
         help="engine hashes equal across workers (vLLM >= 0.29 sha256) or different per worker (default both)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--baseline", metavar="PATH",
+        help="another version of kvmesh/core/index.py (e.g. `git show REV:shared/src/kvmesh/core/index.py`) "
+        "to time on apply in the same rounds, for before/after figures",
+    )  # fmt: skip
     a = p.parse_args(argv)
+    baseline = load_index_module(a.baseline) if a.baseline else None
     status = 0
     print(
         f"SEED={SEED}; workload: {a.ops:,} block ops over {a.workers} workers, capacity {a.capacity} blocks each"
@@ -465,7 +534,7 @@ def command(argv: Sequence[str] | None = None) -> int:
             f"\n## eviction {eviction}, engine hashes {hashes}: {len(wl.events):,} events, {wl.stored_blocks:,} stored + "
             f"{wl.removed_blocks:,} removed blocks (generated in {time.perf_counter() - t0:.1f} s)"
         )
-        sides = run_index(wl, with_dynamo=not a.no_dynamo, repeat=a.repeat)
+        sides = run_index(wl, with_dynamo=not a.no_dynamo, repeat=a.repeat, baseline=baseline)
         kv = sides[0]
         print(f"(apply: best of {a.repeat} interleaved rounds)")
         print("| index | apply (block ops/s) | vs kvmesh | match p50 (µs) | match p99 (µs) | apply errors |")
@@ -473,10 +542,12 @@ def command(argv: Sequence[str] | None = None) -> int:
         for s in sides:
             rate = f"{wl.block_ops / s.apply_s:,.0f}" if s.apply_s else "–"
             ratio = f"{kv.apply_s / s.apply_s:.2f}" if s.apply_s else "–"
-            print(
-                f"| {s.name} | {rate} | {ratio} | {percentile(s.match_us, 0.5):.1f} | "
-                f"{percentile(s.match_us, 0.99):.1f} | {s.errors} |"
+            p50, p99 = (
+                (f"{percentile(s.match_us, 0.5):.1f}", f"{percentile(s.match_us, 0.99):.1f}")
+                if s.match_us
+                else ("–", "–")
             )
+            print(f"| {s.name} | {rate} | {ratio} | {p50} | {p99} | {s.errors} |")
         diffs = disagreements(sides[:-1], wl)
         print("agreement: " + ("all indexes agree on every query" if not diffs else ""))
         for d in diffs:
@@ -484,7 +555,9 @@ def command(argv: Sequence[str] | None = None) -> int:
             if d.startswith("kvmesh"):
                 status = 1
     if a.memory:
-        print("\n## memory per stored block at 1,000,000 blocks")
-        for name, b in memory_per_block(seed=a.seed).items():
+        print(
+            "\n## memory per stored block at 1,000,000 blocks (resident-set growth, a fresh process per index)"
+        )
+        for name, b in memory_per_block(seed=a.seed, with_dynamo=not a.no_dynamo).items():
             print(f"- {name}: {b:.1f} bytes/block")
     return status

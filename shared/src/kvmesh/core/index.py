@@ -1,4 +1,4 @@
-"""The prefix index: which (worker, dp_rank) holds which cached prefix of one model.
+"""The prefix index: which (worker, dp_rank) holds which cached prefix of one model, on which storage tier.
 
 Pure code: no I/O, no clock, no logging. The indexer service feeds it the normalized events of the stream in
 stream order; two indexes fed the same messages hold the same state and the same `digest()`.
@@ -6,20 +6,65 @@ stream order; two indexes fed the same messages hold the same state and the same
 Model of the data
 -----------------
 
-* A **holder** is one prefix cache: a (worker id, data-parallel rank) pair. Each holder has its own map of
-  engine block hashes (opaque 64-bit keys, meaningful only inside that holder) to the block's sequence hash
-  and a store count.
+* A **holder** is one prefix cache: a (worker id, data-parallel rank) pair. Each holder has, per storage
+  tier, its own map of engine block hashes (opaque keys, meaningful only inside that holder) to the block's
+  prefix key and a store count.
 * A BlockStored names its parent by the parent's engine hash in the same holder. The index resolves the
-  parent's sequence hash through the holder's map and chains the new blocks' local hashes onto it, which
-  gives every block its position-aware sequence hash (see `kvmesh.core.hashing`). A BlockStored with no
-  parent starts at block 0.
+  parent's prefix key through the holder's map and chains the new blocks' local hashes onto it
+  (`kvmesh.core.hashing.prefix_keys`), which gives every block its position-aware key. A BlockStored with
+  no parent starts at block 0.
 * A BlockStored whose parent is not known (yet) for that holder is **held** (bounded per holder) until the
   parent arrives — then it and its held descendants attach without a resend — or until it expires after
   ``orphan_ttl_ops`` further store operations on the index, or is pushed out by the bound. It is never
   attached under the root or under another holder's chain.
 * vLLM can hold several physical copies of one block hash; it emits a BlockStored per copy and a
-  BlockRemoved per eviction. A block stays indexed until removed as many times as it was stored.
+  BlockRemoved per eviction. A block stays indexed until removed as many times as it was stored (per tier).
 * A removal of an unknown block is counted and ignored; the rest of the removal still applies.
+
+Storage tiers (``medium`` of BlockStored / BlockRemoved, vLLM ≥ 0.10.2, SGLang ≥ 0.5.9)
+-------------------------------------------------------------------------------------
+
+* The medium is part of the holder's identity inside the index: every (worker, dp_rank, tier) has its own
+  engine-hash map. Names are upper-cased; no medium (None or ``""``) and ``"GPU"`` are the **default tier**
+  (`DEFAULT_TIER`). The default tier costs nothing extra: the other tiers' maps exist only once a block was
+  stored on them.
+* A BlockStored resolves its parent in its own tier first, then in the holder's other tiers (fastest first),
+  so a CPU copy chained under a GPU block attaches. A held event waits for its parent on any tier.
+* A BlockRemoved removes from the tier it names (no medium: the default tier). AllBlocksCleared (`clear`) and
+  worker removal drop every tier.
+* Matching (`match_tiers`): per holder the overlap is the longest leading run of prompt blocks held on *any*
+  of its tiers; ``tiers`` counts how many of those blocks are on each tier, each block counted once, on its
+  fastest tier in the fixed order **GPU, then CPU, then every other medium in alphabetical order**
+  (`tier_rank`). ``tiers`` is None when every overlap block is on the default tier.
+
+Keys and memory
+---------------
+
+Every int the index keeps is below ``2**60``, where a CPython int object takes 32 bytes instead of the 48
+that a 64-bit value takes:
+
+* **prefix keys** are the 60-bit chain of `kvmesh.core.hashing.prefix_keys` (collision bound there: about
+  ``n² / 2**61`` for *n* distinct prefixes, 4.3·10⁻⁷ at 1M, 4.3·10⁻⁵ at 10M); the matching side hashes
+  prompts with `kvmesh.core.hashing.prompt_prefix_keys`, the same rule.
+* **engine hashes** are folded to 60 bits on the way in (`engine_key60`: modulo ``2**60 - 93``, the largest
+  prime below ``2**60``). Values below that prime are kept as they are, so small or sequential engine ids
+  never collide with each other. For uniformly random 64-bit engine hashes — what every engine kvmesh reads
+  sends (vLLM: sha256 or Python ``hash()``, the last 8 bytes of a ``bin`` hash; SGLang: digest bytes) — two
+  distinct blocks of *one* holder and tier fold together with probability about ``m² / 2**61`` for *m*
+  blocks on that holder (1.6·10⁻⁸ at 125k blocks, 4.3·10⁻⁷ at 1M); the second would count as a duplicate
+  copy of the first (that block's overlap answer off by one until it is removed). Two hashes collide only
+  when they differ by a multiple of the prime, which no natural pattern does; keeping the low 60 bits, or
+  xor-ing the top 4 bits down, would instead merge a tagged counter such as ``2**63 + i`` with the plain
+  ``i`` (a fixture of the ingest tests does exactly this). The modulo costs ~20 ns more per block operation
+  than a mask (about 4 % of the apply rate). `dump`, `export` and `holds` use the folded values.
+
+Per stored block the index keeps two dict entries (engine key → prefix key in the holder's tier map, prefix
+key → holders in a shared map) and two 32-byte ints: about 148 bytes of live objects at 1M blocks, 155 bytes
+of resident memory (`kvmesh bench index --memory`). The shared map names a holder's tier by a small int id:
+a prefix held once by one holder maps to that id itself (a shared int, no allocation), and only a second
+holder, tier or copy promotes it to a ``{id: count}`` dict. The block maps and those small dicts hold ints
+only, so the garbage collector does not track them (creating one adds no collection pressure). Going much
+lower needs the hashes packed in arrays instead of dicts of Python ints (a native extension).
 
 Complexity (n = blocks in an event, h = holders, q = blocks in a query):
 
@@ -37,16 +82,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from itertools import repeat
+from typing import Final, NamedTuple, cast
 
 import xxhash
 
-from kvmesh.core.hashing import SEED, sequence_hashes
+from kvmesh.core.hashing import SEED, prefix_keys
 
 DEFAULT_MAX_ORPHANS: Final[int] = 4096
 """Held BlockStored events per holder before the oldest is dropped."""
 DEFAULT_ORPHAN_TTL_OPS: Final[int] = 100_000
 """Store operations on the index after which a held BlockStored expires."""
+DEFAULT_TIER: Final[str] = "GPU"
+"""Name of the default tier: events without a medium, and ``"GPU"``."""
+
+ENGINE_KEY_PRIME: Final[int] = 2**60 - 93
+"""The largest prime below ``2**60``: the index keeps engine hashes modulo it (`engine_key60`)."""
 
 _MASK64: Final[int] = 2**64 - 1
 
@@ -58,27 +109,82 @@ class Holder(NamedTuple):
     dp_rank: int
 
 
+class Overlap(NamedTuple):
+    """One holder's overlap with a prompt (`PrefixIndex.match_tiers`)."""
+
+    blocks: int
+    """Leading prompt blocks held on any tier."""
+    tiers: dict[str, int] | None
+    """Those blocks per tier, each on its fastest tier (fastest first); None when all are on the default tier."""
+
+
+def engine_key60(engine_hash: int) -> int:
+    """Fold an engine hash to the 60-bit key the index stores: ``h mod (2**60 - 93)`` (`ENGINE_KEY_PRIME`).
+
+    Identity for values below the prime (see the module docstring for the collision bound).
+    """
+    return engine_hash % ENGINE_KEY_PRIME
+
+
+def tier_name(medium: str | None) -> str | None:
+    """Normalize a medium: None for the default tier (no medium, ``""`` or any case of ``"GPU"``), else the
+    upper-cased name."""
+    if not medium:
+        return None
+    name = medium.upper()
+    return None if name == DEFAULT_TIER else name
+
+
+def tier_rank(medium: str | None) -> tuple[int, str]:
+    """Sort key of a (normalized) tier, fastest first: the default tier (GPU), CPU, then the others by name."""
+    if medium is None or medium == DEFAULT_TIER:
+        return (0, "")
+    if medium == "CPU":
+        return (1, "")
+    return (2, medium)
+
+
 @dataclass(slots=True)
 class _Orphan:
     engine_hashes: tuple[int, ...]
     local_hashes: tuple[int, ...]
     op: int
+    medium: str | None
 
 
-@dataclass(slots=True)
-class _HolderState:
-    key: Holder
-    # engine hash -> sequence hash (ints only, so a snapshot copy is one C-level dict copy)
+@dataclass(slots=True, eq=False)
+class _Cache:
+    """One tier of one holder."""
+
+    holder: Holder
+    medium: str | None
+    """Normalized tier name; None: the default tier."""
+    cid: int
+    """Small int naming this cache in `PrefixIndex._where` (ids are reused once a cache is gone)."""
+    # engine key -> prefix key (ints only, so a snapshot copy is one C-level dict copy)
     blocks: dict[int, int] = field(default_factory=dict)
-    # engine hash -> store count, only for blocks stored more than once (vLLM duplicate copies)
+    # engine key -> store count, only for blocks stored more than once (vLLM duplicate copies)
     counts: dict[int, int] = field(default_factory=dict)
-    # parent engine hash -> held BlockStored events waiting for it, oldest first
+
+
+@dataclass(slots=True, eq=False)
+class _HolderState(_Cache):
+    """A holder: its default tier (the inherited maps), its other tiers and its held events."""
+
+    # other tiers by normalized name, fastest first; None until a block is stored on one
+    tiers: dict[str, _Cache] | None = None
+    # (parent engine key, serial) -> held BlockStored events waiting for it, oldest first
     orphans: OrderedDict[tuple[int, int], tuple[int, _Orphan]] = field(default_factory=OrderedDict)
     orphan_serial: int = 0
 
+    def caches(self) -> Iterator[tuple[str | None, _Cache]]:
+        """Every tier of the holder, fastest first (None: the default tier)."""
+        yield None, self
+        if self.tiers:
+            yield from self.tiers.items()
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreResult:
+
+class StoreResult(NamedTuple):
     """What one `PrefixIndex.store` did.
 
     Attributes:
@@ -94,19 +200,24 @@ class StoreResult:
     dropped_orphans: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RemoveResult:
+class RemoveResult(NamedTuple):
     """What one `PrefixIndex.remove` did.
 
     Attributes:
         removed: blocks no longer indexed (store count reached zero).
         decremented: blocks whose store count went down but stay indexed (duplicates).
-        unknown: hashes that were not indexed for the holder (ignored).
+        unknown: hashes that were not indexed for the holder and tier (ignored).
     """
 
     removed: int
     decremented: int
     unknown: int
+
+
+_REMOVED_NONE: Final[RemoveResult] = RemoveResult(0, 0, 0)
+_REMOVED_ONE: Final[RemoveResult] = RemoveResult(1, 0, 0)
+_UNKNOWN_ONE: Final[RemoveResult] = RemoveResult(0, 0, 1)
+_SEQUENCES: Final[frozenset[type]] = frozenset((list, tuple))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,12 +226,22 @@ class IndexStats:
 
     holders: int
     blocks: int
-    """Indexed (holder, block) entries, duplicates counted once."""
+    """Indexed (holder, tier, block) entries, duplicates counted once."""
     distinct_prefixes: int
-    """Distinct sequence hashes held by at least one holder."""
+    """Distinct prefix keys held by at least one holder on some tier."""
     held_orphans: int
     orphans_expired: int
     unknown_removals: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierExport:
+    """One non-default tier of a holder (see `HolderExport`)."""
+
+    medium: str
+    """Normalized (upper-case) medium name."""
+    blocks: dict[int, int]
+    counts: dict[int, int]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,18 +250,21 @@ class HolderExport:
 
     Attributes:
         holder: the (worker, dp_rank).
-        blocks: engine hash → sequence hash of every indexed block (a private copy).
-        counts: engine hash → store count, only for blocks stored more than once.
-        orphans: held BlockStored events in hold order, each ``(serial, parent, engine_hashes, local_hashes,
-            op)`` where ``op`` is the index's store counter when it was held.
+        blocks: engine key → prefix key of every block on the default tier (a private copy).
+        counts: engine key → store count, only for default-tier blocks stored more than once.
+        orphans: held BlockStored events in hold order, each ``(serial, parent, engine_keys, local_hashes,
+            op, medium)`` where ``op`` is the index's store counter when it was held and ``medium`` the
+            normalized tier (None: default).
         orphan_serial: the last hold serial handed out.
+        tiers: the holder's other tiers, fastest first.
     """
 
     holder: Holder
     blocks: dict[int, int]
     counts: dict[int, int]
-    orphans: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...], int], ...]
+    orphans: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...], int, str | None], ...]
     orphan_serial: int
+    tiers: tuple[TierExport, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,10 +295,16 @@ class PrefixIndex:
         self._max_orphans = max_orphans
         self._orphan_ttl_ops = orphan_ttl_ops
         self._holders: dict[Holder, _HolderState] = {}
-        # sequence hash -> the holders with a block of that sequence hash. Most prefixes have one holder
-        # with one block: the value is then the `Holder` itself (shared, no allocation), else a
-        # {holder: number of that holder's engine blocks with this sequence hash} dict. This halves memory.
-        self._where: dict[int, Holder | dict[Holder, int]] = {}
+        # prefix key -> the caches (a holder's tier, by `_Cache.cid`) with a block of that key. Most prefixes
+        # have one cache with one block: the value is then the cache's id itself (a shared small int), else a
+        # {cid: number of that cache's engine blocks with this prefix key} dict. Ints only, so the garbage
+        # collector never traverses this map (nor the block maps).
+        self._where: dict[int, int | dict[int, int]] = {}
+        self._caches: list[_Cache | None] = []
+        """cid -> cache; None for a free id."""
+        self._free_cids: list[int] = []
+        self._tiered = 0
+        """Non-default tier caches in the index; 0 lets `match` skip the per-tier bookkeeping."""
         self._ops = 0
         self._orphans_expired = 0
         self._unknown_removals = 0
@@ -187,14 +317,16 @@ class PrefixIndex:
         engine_hashes: Sequence[int],
         parent: int | None,
         local_hashes: Sequence[int],
+        medium: str | None = None,
     ) -> StoreResult:
         """Index consecutive full blocks of one holder (a BlockStored).
 
         Args:
             holder: the (worker, dp_rank) that stored the blocks.
-            engine_hashes: the engine's block hashes as 64-bit keys, in order.
+            engine_hashes: the engine's block hashes as unsigned 64-bit keys, in order.
             parent: engine hash of the block before the first one, or None when the first is block 0.
             local_hashes: kvmesh local hashes of the same blocks (same length as ``engine_hashes``).
+            medium: the storage tier (None or "GPU": the default tier).
 
         Raises:
             ValueError: the two hash lists differ in length.
@@ -204,63 +336,122 @@ class PrefixIndex:
         self._ops += 1
         state = self._holders.get(holder)
         if state is None:
-            state = self._holders[holder] = _HolderState(holder)
-        dropped = self._expire(state)
+            state = self._new_holder(holder)
+        dropped = self._expire(state) if state.orphans else 0
+        cache: _Cache | None = state
+        name = None
+        if medium is not None:
+            name = tier_name(medium)
+            if name is not None:  # created below, once something attaches
+                cache = state.tiers.get(name) if state.tiers else None
+        prime = ENGINE_KEY_PRIME
+        keys = [h % prime for h in engine_hashes]
         if parent is None:
-            parent_seq: int | None = None
+            parent_key: int | None = None
         else:
-            parent_seq = state.blocks.get(parent)
-            if parent_seq is None:
-                dropped += self._hold(state, parent, tuple(engine_hashes), tuple(local_hashes))
-                return StoreResult(attached=0, duplicates=0, held=True, dropped_orphans=dropped)
-        attached, dups = self._attach(state, engine_hashes, parent_seq, local_hashes)
-        if state.orphans and engine_hashes:
-            more, more_dups = self._attach_held(state, engine_hashes)
+            parent %= prime
+            parent_key = cache.blocks.get(parent) if cache is not None else None
+            if parent_key is None and (cache is not state or state.tiers):
+                parent_key = _find_parent(state, parent)
+            if parent_key is None:
+                dropped += self._hold(state, parent, tuple(keys), tuple(local_hashes), name)
+                return StoreResult(0, 0, True, dropped)
+        if cache is None:
+            if not keys:
+                return StoreResult(0, 0, False, dropped)
+            assert name is not None
+            cache = self._tier(state, name)
+        attached, dups = self._attach(cache, keys, prefix_keys(local_hashes, parent_key))
+        if state.orphans and keys:
+            more, more_dups = self._attach_held(state, keys)
             attached += more
             dups += more_dups
-        return StoreResult(attached=attached, duplicates=dups, held=False, dropped_orphans=dropped)
+        return StoreResult(attached, dups, False, dropped)
 
-    def remove(self, holder: Holder, engine_hashes: Iterable[int]) -> RemoveResult:
-        """Remove one copy of each block (a BlockRemoved); unknown hashes are counted and skipped."""
-        state = self._holders.get(holder)
-        removed = decremented = unknown = 0
-        if state is None:
-            unknown = sum(1 for _ in engine_hashes)
-            self._unknown_removals += unknown
-            return RemoveResult(removed=0, decremented=0, unknown=unknown)
-        pop = state.blocks.pop
-        counts = state.counts
+    def remove(self, holder: Holder, engine_hashes: Iterable[int], medium: str | None = None) -> RemoveResult:
+        """Remove one copy of each block (a BlockRemoved) from one tier; unknown hashes are counted and skipped.
+
+        Args:
+            holder: the (worker, dp_rank).
+            engine_hashes: the engine's block hashes.
+            medium: the tier to remove from (None or "GPU": the default tier).
+        """
+        cache: _Cache | None = self._holders.get(holder)
+        if cache is not None and medium is not None:
+            name = tier_name(medium)
+            if name is not None:
+                tiers = self._holders[holder].tiers
+                cache = tiers.get(name) if tiers else None
+        prime = ENGINE_KEY_PRIME
+        if (
+            cache is not None
+            and not cache.counts
+            and type(engine_hashes) in _SEQUENCES
+            and len(engine_hashes) == 1  # type: ignore[arg-type]  # a list or tuple here
+        ):
+            # One block (vLLM sends one BlockRemoved per evicted block): no list work.
+            blocks = cache.blocks
+            prefix = blocks.pop(engine_hashes[0] % prime, None)  # type: ignore[index]
+            if prefix is None:
+                self._unknown_removals += 1
+                return _UNKNOWN_ONE
+            where = self._where
+            old = where.pop(prefix)
+            if old != cache.cid:  # held by several caches (or twice by this one)
+                where[prefix] = old
+                self._unwhere(prefix, cache.cid)
+            if cache.medium is not None and not blocks:
+                self._drop_tier(cache)
+            return _REMOVED_ONE
+        keys = [h % prime for h in engine_hashes]
+        if cache is None:
+            self._unknown_removals += len(keys)
+            return RemoveResult(0, 0, len(keys)) if keys else _REMOVED_NONE
+        blocks = cache.blocks
+        counts = cache.counts
         where = self._where
-        key = state.key  # the very object `_where` holds for this holder
-        for h in engine_hashes:
-            if counts and h in counts:
-                count = counts[h]
-                if count > 2:
-                    counts[h] = count - 1
+        cid = cache.cid
+        removed = decremented = unknown = 0
+        if not counts or counts.keys().isdisjoint(keys):
+            found = list(map(blocks.pop, keys, repeat(None)))
+            unknown = found.count(None)
+            prefixes = [p for p in found if p is not None] if unknown else cast("list[int]", found)
+            self._unwhere_many(prefixes, cid)
+            removed = len(prefixes)
+        else:
+            pop = blocks.pop
+            for h in keys:
+                if h in counts:
+                    count = counts[h]
+                    if count > 2:
+                        counts[h] = count - 1
+                    else:
+                        del counts[h]
+                    decremented += 1
+                    continue
+                prefix = pop(h, None)
+                if prefix is None:
+                    unknown += 1
+                    continue
+                # Inline fast path of `_unwhere`: the prefix held once by this cache alone.
+                if where.get(prefix) == cid:
+                    del where[prefix]
                 else:
-                    del counts[h]
-                decremented += 1
-                continue
-            seq = pop(h, None)
-            if seq is None:
-                unknown += 1
-                continue
-            # Inline fast path of `_unwhere`: the prefix held once by this holder alone.
-            if where.get(seq) is key:
-                del where[seq]
-            else:
-                self._unwhere(seq, key)
-            removed += 1
+                    self._unwhere(prefix, cid)
+                removed += 1
         self._unknown_removals += unknown
-        return RemoveResult(removed=removed, decremented=decremented, unknown=unknown)
+        if cache.medium is not None and not blocks and not counts:
+            self._drop_tier(cache)
+        return RemoveResult(removed, decremented, unknown)
 
     def touch(self, holder: Holder) -> None:
         """Make a holder known with nothing cached (a worker that announced itself)."""
         if holder not in self._holders:
-            self._holders[holder] = _HolderState(holder)
+            self._new_holder(holder)
 
     def clear(self, holder: Holder) -> int:
-        """Drop every block and held event of one holder (AllBlocksCleared); the holder stays known.
+        """Drop every block (on every tier) and held event of one holder (AllBlocksCleared); the holder stays
+        known.
 
         Returns:
             the number of blocks dropped.
@@ -268,83 +459,76 @@ class PrefixIndex:
         state = self._holders.get(holder)
         if state is None:
             return 0
-        for seq in state.blocks.values():
-            self._unwhere(seq, holder)
-        n = len(state.blocks)
-        state.blocks.clear()
-        state.counts.clear()
+        n = 0
+        for _name, cache in list(state.caches()):
+            self._unwhere_many(list(cache.blocks.values()), cache.cid)
+            n += len(cache.blocks)
+            cache.blocks.clear()
+            cache.counts.clear()
+            if cache is not state:
+                self._drop_tier(cache)
         state.orphans.clear()
         return n
 
     def remove_worker(self, worker_id: str) -> int:
-        """Forget every holder (all dp ranks) of a worker. Returns blocks dropped."""
+        """Forget every holder (all dp ranks, all tiers) of a worker. Returns blocks dropped."""
         gone = [h for h in self._holders if h.worker_id == worker_id]
         n = sum(self.clear(h) for h in gone)
         for h in gone:
-            del self._holders[h]
+            self._release(self._holders.pop(h))
         return n
 
     # ------------------------------------------------------------------ queries
 
     def match(self, seq_hashes: Sequence[int]) -> dict[Holder, int]:
-        """Count, per holder, how many leading blocks of a prompt it holds.
+        """Count, per holder, how many leading blocks of a prompt it holds (on any tier).
 
         Args:
-            seq_hashes: the prompt's sequence hashes (`kvmesh.core.hashing.prompt_sequence_hashes`).
+            seq_hashes: the prompt's prefix keys (`kvmesh.core.hashing.prompt_prefix_keys`).
 
         Returns:
             ``{holder: overlap_blocks}`` for holders with at least one leading block; others are absent.
             A holder missing block *i* scores *i* even if it holds later blocks.
         """
-        if not seq_hashes:
-            return {}
-        where = self._where
-        first = where.get(seq_hashes[0])
-        if first is None:
-            return {}
-        result: dict[Holder, int] = {}
-        alive: set[Holder] = set(first) if isinstance(first, dict) else {first}
-        depth = 1
-        for h in seq_hashes[1:]:
-            holders = where.get(h)
-            if holders is None:
-                break
-            nxt: set[Holder]
-            if isinstance(holders, dict):
-                nxt = alive.intersection(holders)
-            else:
-                nxt = {holders} if holders in alive else set()
-            if len(nxt) != len(alive):
-                for gone in alive - nxt:
-                    result[gone] = depth
-                if not nxt:
-                    alive = nxt
-                    break
-            alive = nxt
-            depth += 1
-        for holder in alive:
-            result[holder] = depth
-        return result
+        if self._tiered:
+            return {h: o.blocks for h, o in self._match_tiered(seq_hashes).items()}
+        return self._match_default(seq_hashes)
+
+    def match_tiers(self, seq_hashes: Sequence[int]) -> dict[Holder, Overlap]:
+        """Like `match`, with each holder's overlap blocks per tier (see the module docstring).
+
+        Returns:
+            ``{holder: Overlap(blocks, tiers)}`` for holders with at least one leading block.
+        """
+        if self._tiered:
+            return self._match_tiered(seq_hashes)
+        return {h: Overlap(n, None) for h, n in self._match_default(seq_hashes).items()}
 
     def holders(self) -> list[Holder]:
         """Return every holder with indexed blocks or held events, sorted."""
         return sorted(self._holders)
 
     def block_count(self, holder: Holder) -> int:
-        """Return the number of distinct blocks indexed for a holder."""
+        """Return the number of blocks indexed for a holder, over every tier (one per tier a block is on)."""
         state = self._holders.get(holder)
-        return len(state.blocks) if state is not None else 0
+        if state is None:
+            return 0
+        return len(state.blocks) + (sum(len(c.blocks) for c in state.tiers.values()) if state.tiers else 0)
 
-    def holds(self, holder: Holder, engine_hash: int) -> bool:
-        """Tell whether a holder has the block with this engine hash indexed."""
+    def holds(self, holder: Holder, engine_hash: int, medium: str | None = None) -> bool:
+        """Tell whether a holder has the block with this engine hash indexed on a tier (default: GPU)."""
         state = self._holders.get(holder)
-        return state is not None and engine_hash in state.blocks
+        if state is None:
+            return False
+        name = tier_name(medium)
+        cache = state if name is None else (state.tiers or {}).get(name)
+        return cache is not None and engine_key60(engine_hash) in cache.blocks
 
     def stats(self) -> IndexStats:
         """Return a snapshot of sizes and counters."""
         return IndexStats(
             holders=len(self._holders),
-            blocks=sum(len(s.blocks) for s in self._holders.values()),
+            blocks=sum(len(c.blocks) for s in self._holders.values() for _n, c in s.caches()),
             distinct_prefixes=len(self._where),
             held_orphans=sum(len(s.orphans) for s in self._holders.values()),
             orphans_expired=self._orphans_expired,
@@ -354,33 +538,39 @@ class PrefixIndex:
     def digest(self) -> int:
         """Return an order-independent 64-bit digest of the indexed content.
 
-        Two indexes that hold the same (holder, engine hash, sequence hash, store count) entries have the
+        Two indexes that hold the same (holder, tier, engine key, prefix key, store count) entries have the
         same digest, whatever order the events came in. Held orphans are not included.
         """
         total = 0
         for holder, state in self._holders.items():
-            tag = f"{holder.worker_id}\x00{holder.dp_rank}".encode()
-            counts = state.counts
-            for h, seq in state.blocks.items():
-                count = counts.get(h, 1)
-                total = (
-                    total
-                    + xxhash.xxh3_64_intdigest(
-                        tag
-                        + h.to_bytes(8, "little")
-                        + seq.to_bytes(8, "little")
-                        + count.to_bytes(4, "little"),
-                        seed=SEED,
-                    )
-                ) & _MASK64
+            for name, cache in state.caches():
+                tag = f"{holder.worker_id}\x00{holder.dp_rank}".encode()
+                if name is not None:
+                    tag += b"\x00" + name.encode()
+                counts = cache.counts
+                for h, key in cache.blocks.items():
+                    count = counts.get(h, 1)
+                    total = (
+                        total
+                        + xxhash.xxh3_64_intdigest(
+                            tag
+                            + h.to_bytes(8, "little")
+                            + key.to_bytes(8, "little")
+                            + count.to_bytes(4, "little"),
+                            seed=SEED,
+                        )
+                    ) & _MASK64
         return total
 
-    def dump(self) -> Iterator[tuple[Holder, int, int, int]]:
-        """Yield ``(holder, engine_hash, sequence_hash, store_count)`` for every indexed block."""
+    def dump(self) -> Iterator[tuple[Holder, str, int, int, int]]:
+        """Yield ``(holder, tier, engine_key, prefix_key, store_count)`` for every indexed block; ``tier`` is
+        the normalized medium (`DEFAULT_TIER` for the default one)."""
         for holder, state in self._holders.items():
-            counts = state.counts
-            for h, seq in state.blocks.items():
-                yield holder, h, seq, counts.get(h, 1)
+            for name, cache in state.caches():
+                counts = cache.counts
+                tier = DEFAULT_TIER if name is None else name
+                for h, key in cache.blocks.items():
+                    yield holder, tier, h, key, counts.get(h, 1)
 
     # ------------------------------------------------------------------ snapshots
 
@@ -403,10 +593,14 @@ class PrefixIndex:
                     blocks=state.blocks.copy(),
                     counts=state.counts.copy(),
                     orphans=tuple(
-                        (serial, parent, o.engine_hashes, o.local_hashes, o.op)
+                        (serial, parent, o.engine_hashes, o.local_hashes, o.op, o.medium)
                         for (_p, serial), (parent, o) in state.orphans.items()
                     ),
                     orphan_serial=state.orphan_serial,
+                    tiers=tuple(
+                        TierExport(medium=name, blocks=c.blocks.copy(), counts=c.counts.copy())
+                        for name, c in (state.tiers or {}).items()
+                    ),
                 )
                 for holder, state in self._holders.items()
             ),
@@ -416,83 +610,247 @@ class PrefixIndex:
     def from_export(cls, export: IndexExport) -> PrefixIndex:
         """Rebuild an index from `export()`; it takes ownership of the export's dicts.
 
-        O(total blocks): the sequence-hash → holders map is rebuilt from the block maps.
+        O(total blocks): the prefix key → holders map is rebuilt from the block maps.
         """
         index = cls(max_orphans=export.max_orphans, orphan_ttl_ops=export.orphan_ttl_ops)
         index._ops = export.ops
         index._orphans_expired = export.orphans_expired
         index._unknown_removals = export.unknown_removals
         for h in export.holders:
-            holder = Holder(h.holder[0], h.holder[1])
-            state = index._holders[holder] = _HolderState(holder, h.blocks, h.counts)
+            state = index._new_holder(Holder(h.holder[0], h.holder[1]))
+            state.blocks, state.counts = h.blocks, h.counts
             state.orphan_serial = h.orphan_serial
-            for serial, parent, engine, local, op in h.orphans:
-                state.orphans[(parent, serial)] = (parent, _Orphan(tuple(engine), tuple(local), op))
-            for seq in h.blocks.values():
-                index._where_add(seq, holder)
+            for serial, parent, engine, local, op, medium in h.orphans:
+                state.orphans[(parent, serial)] = (parent, _Orphan(tuple(engine), tuple(local), op, medium))
+            for t in h.tiers:
+                if t.blocks or t.counts:
+                    cache = index._tier(state, t.medium)
+                    cache.blocks, cache.counts = t.blocks, t.counts
+            for _name, cache in state.caches():
+                for key in cache.blocks.values():
+                    index._where_add(key, cache.cid)
         return index
 
     # ------------------------------------------------------------------ internals
 
-    def _attach(
-        self,
-        state: _HolderState,
-        engine_hashes: Sequence[int],
-        parent_seq: int | None,
-        local_hashes: Sequence[int],
-    ) -> tuple[int, int]:
-        attached = dups = 0
-        blocks = state.blocks
+    def _new_cid(self, cache: _Cache) -> None:
+        if self._free_cids:
+            cache.cid = self._free_cids.pop()
+            self._caches[cache.cid] = cache
+        else:
+            cache.cid = len(self._caches)
+            self._caches.append(cache)
+
+    def _release(self, cache: _Cache) -> None:
+        """Give a cache's id back (the cache holds nothing, so `_where` no longer names it)."""
+        self._caches[cache.cid] = None
+        self._free_cids.append(cache.cid)
+
+    def _new_holder(self, holder: Holder) -> _HolderState:
+        state = self._holders[holder] = _HolderState(holder, None, -1)
+        self._new_cid(state)
+        return state
+
+    def _tier(self, state: _HolderState, name: str) -> _Cache:
+        """The holder's cache of a (normalized, non-default) tier, created on first use."""
+        tiers = state.tiers
+        cache = tiers.get(name) if tiers else None
+        if cache is None:
+            cache = _Cache(state.holder, name, -1)
+            self._new_cid(cache)
+            merged = {**(tiers or {}), name: cache}
+            state.tiers = {n: merged[n] for n in sorted(merged, key=tier_rank)}
+            self._tiered += 1
+        return cache
+
+    def _drop_tier(self, cache: _Cache) -> None:
+        """Forget an emptied non-default tier cache (so an all-GPU index matches on the fast path again)."""
+        state = self._holders[cache.holder]
+        assert state.tiers is not None and cache.medium is not None
+        del state.tiers[cache.medium]
+        if not state.tiers:
+            state.tiers = None
+        self._tiered -= 1
+        self._release(cache)
+
+    def _match_default(self, keys: Sequence[int]) -> dict[Holder, int]:
+        """`match` when every block is on the default tier: each cache id in `_where` is a whole holder."""
+        if not keys:
+            return {}
         where = self._where
-        holder = state.key
-        counts = state.counts
-        for h, seq in zip(engine_hashes, sequence_hashes(local_hashes, parent_seq), strict=True):
+        first = where.get(keys[0])
+        if first is None:
+            return {}
+        caches = self._caches
+        result: dict[Holder, int] = {}
+        alive: set[int] = set(first) if isinstance(first, dict) else {first}
+        depth = 1
+        for h in keys[1:]:
+            here = where.get(h)
+            if here is None:
+                break
+            nxt = alive.intersection(here) if isinstance(here, dict) else ({here} if here in alive else set())
+            if len(nxt) != len(alive):
+                for gone in alive - nxt:
+                    result[caches[gone].holder] = depth  # type: ignore[union-attr]
+                if not nxt:
+                    alive = nxt
+                    break
+            alive = nxt
+            depth += 1
+        for cid in alive:
+            result[caches[cid].holder] = depth  # type: ignore[union-attr]
+        return result
+
+    def _match_tiered(self, keys: Sequence[int]) -> dict[Holder, Overlap]:
+        """`match_tiers` when some holder has blocks off the default tier."""
+        where = self._where
+        caches = self._caches
+        result: dict[Holder, Overlap] = {}
+        # holder -> overlap blocks per tier so far (None: default tier)
+        alive: dict[Holder, dict[str | None, int]] = {}
+        depth = 0
+        for k in keys:
+            entry = where.get(k)
+            if entry is None:
+                break
+            best: dict[Holder, str | None] = {}
+            for cid in entry if isinstance(entry, dict) else (entry,):
+                cache = caches[cid]
+                assert cache is not None
+                holder, medium = cache.holder, cache.medium
+                if depth and holder not in alive:
+                    continue
+                if holder not in best or tier_rank(medium) < tier_rank(best[holder]):
+                    best[holder] = medium
+            if depth:
+                if len(best) != len(alive):
+                    for gone in [h for h in alive if h not in best]:
+                        result[gone] = _overlap(depth, alive.pop(gone))
+                if not best:
+                    break
+            else:
+                alive = {h: {} for h in best}
+            for holder, medium in best.items():
+                per_tier = alive[holder]
+                per_tier[medium] = per_tier.get(medium, 0) + 1
+            depth += 1
+        for holder, per_tier in alive.items():
+            result[holder] = _overlap(depth, per_tier)
+        return result
+
+    def _attach(self, cache: _Cache, keys: list[int], prefixes: list[int]) -> tuple[int, int]:
+        """Index engine keys with their prefix keys in one cache; returns (attached, duplicates)."""
+        blocks = cache.blocks
+        where = self._where
+        cid = cache.cid
+        n = len(keys)
+        if n > 1 and blocks.keys().isdisjoint(keys):
+            # All new to this cache (the common case): C-level dict updates instead of a loop per block.
+            before = len(blocks)
+            blocks.update(zip(keys, prefixes, strict=True))
+            if len(blocks) - before == n:
+                if where.keys().isdisjoint(prefixes):
+                    before = len(where)
+                    where.update(zip(prefixes, repeat(cid)))
+                    if len(where) - before == n:
+                        return n, 0
+                    for p in prefixes:  # a prefix key twice in this event: undo, then one by one
+                        where.pop(p, None)
+                get = where.get
+                for p in prefixes:
+                    here = get(p)
+                    if here is None:
+                        where[p] = cid
+                    elif isinstance(here, dict):
+                        here[cid] = here.get(cid, 0) + 1
+                    else:
+                        where[p] = {here: 2} if here == cid else {here: 1, cid: 1}
+                return n, 0
+            for h in keys:  # an engine hash twice in this event: undo, then one by one
+                blocks.pop(h, None)
+        attached = dups = 0
+        counts = cache.counts
+        for h, p in zip(keys, prefixes, strict=True):
             if h in blocks:
                 counts[h] = counts.get(h, 1) + 1
                 dups += 1
                 continue
-            blocks[h] = seq
-            holders = where.get(seq)
-            if holders is None:
-                where[seq] = holder
+            blocks[h] = p
+            here = where.get(p)
+            if here is None:
+                where[p] = cid
+            elif isinstance(here, dict):
+                here[cid] = here.get(cid, 0) + 1
             else:
-                self._where_add(seq, holder, holders)
+                where[p] = {here: 2} if here == cid else {here: 1, cid: 1}
             attached += 1
         return attached, dups
 
-    def _where_add(self, seq: int, holder: Holder, holders: Holder | dict[Holder, int] | None = None) -> None:
-        if holders is None:
-            holders = self._where.get(seq)
-        if holders is None:
-            self._where[seq] = holder
-        elif type(holders) is dict:
-            holders[holder] = holders.get(holder, 0) + 1
+    def _where_add(self, key: int, cid: int) -> None:
+        where = self._where
+        here = where.get(key)
+        if here is None:
+            where[key] = cid
+        elif isinstance(here, dict):
+            here[cid] = here.get(cid, 0) + 1
         else:
-            assert isinstance(holders, Holder)
-            self._where[seq] = {holders: 2} if holders == holder else {holders: 1, holder: 1}
+            where[key] = {here: 2} if here == cid else {here: 1, cid: 1}
 
-    def _unwhere(self, seq: int, holder: Holder) -> None:
-        holders = self._where[seq]
-        if type(holders) is not dict:
-            del self._where[seq]
+    def _unwhere_many(self, prefixes: list[int], cid: int) -> None:
+        """Drop one block of cache ``cid`` for each prefix key (keys may repeat)."""
+        where = self._where
+        olds = list(map(where.pop, prefixes, repeat(None)))
+        if olds.count(cid) == len(olds):
+            return  # every key was held once, by this cache alone: popping was all there was to do
+        for p, old in zip(prefixes, olds, strict=True):
+            if old == cid:  # held once, by this cache alone: popped, done
+                continue
+            if old is None:  # a repeated key, popped by its first occurrence (restored by then)
+                self._unwhere(p, cid)
+            elif isinstance(old, dict):  # held by several caches: one block fewer for this one
+                n = old[cid] - 1
+                if n:
+                    old[cid] = n
+                else:
+                    del old[cid]
+                if len(old) > 1:
+                    where[p] = old
+                elif old:
+                    ((only, count),) = old.items()
+                    where[p] = only if count == 1 else old
+
+    def _unwhere(self, key: int, cid: int) -> None:
+        where = self._where
+        here = where[key]
+        if not isinstance(here, dict):
+            del where[key]
             return
-        n = holders[holder] - 1
+        n = here[cid] - 1
         if n:
-            holders[holder] = n
+            here[cid] = n
         else:
-            del holders[holder]
-        if not holders:
-            del self._where[seq]
-        elif len(holders) == 1:
-            ((only, count),) = holders.items()
+            del here[cid]
+        if not here:
+            del where[key]
+        elif len(here) == 1:
+            ((only, count),) = here.items()
             if count == 1:
-                self._where[seq] = only
+                where[key] = only
 
     def _hold(
-        self, state: _HolderState, parent: int, engine_hashes: tuple[int, ...], local: tuple[int, ...]
+        self,
+        state: _HolderState,
+        parent: int,
+        engine_keys: tuple[int, ...],
+        local: tuple[int, ...],
+        medium: str | None,
     ) -> int:
         state.orphan_serial += 1
-        state.orphans[(parent, state.orphan_serial)] = (parent, _Orphan(engine_hashes, local, self._ops))
+        state.orphans[(parent, state.orphan_serial)] = (
+            parent,
+            _Orphan(engine_keys, local, self._ops, medium),
+        )
         dropped = 0
         while len(state.orphans) > self._max_orphans:
             state.orphans.popitem(last=False)
@@ -512,20 +870,42 @@ class PrefixIndex:
         self._orphans_expired += dropped
         return dropped
 
-    def _attach_held(self, state: _HolderState, new_hashes: Sequence[int]) -> tuple[int, int]:
+    def _attach_held(self, state: _HolderState, new_keys: Sequence[int]) -> tuple[int, int]:
         attached = dups = 0
-        frontier = list(new_hashes)
+        frontier = list(new_keys)
         while frontier and state.orphans:
             ready = set(frontier)
             frontier = []
             for key in [k for k, (p, _o) in state.orphans.items() if p in ready]:
                 parent, orphan = state.orphans.pop(key)
-                parent_seq = state.blocks.get(parent)
-                if parent_seq is None:  # removed again in the meantime; keep waiting
+                parent_key = _find_parent(state, parent, orphan.medium)
+                if parent_key is None:  # removed again in the meantime; keep waiting
                     state.orphans[key] = (parent, orphan)
                     continue
-                a, d = self._attach(state, orphan.engine_hashes, parent_seq, orphan.local_hashes)
+                cache = state if orphan.medium is None else self._tier(state, orphan.medium)
+                prefixes = prefix_keys(orphan.local_hashes, parent_key)
+                a, d = self._attach(cache, list(orphan.engine_hashes), prefixes)
                 attached += a
                 dups += d
                 frontier.extend(orphan.engine_hashes)
         return attached, dups
+
+
+def _find_parent(state: _HolderState, parent: int, first: str | None = None) -> int | None:
+    """A parent's prefix key on tier ``first``, else on any tier of the holder, fastest tier first."""
+    if first is not None and state.tiers and first in state.tiers:
+        key = state.tiers[first].blocks.get(parent)
+        if key is not None:
+            return key
+    for _name, cache in state.caches():
+        key = cache.blocks.get(parent)
+        if key is not None:
+            return key
+    return None
+
+
+def _overlap(blocks: int, per_tier: dict[str | None, int]) -> Overlap:
+    if per_tier.keys() == {None}:
+        return Overlap(blocks, None)
+    ordered = sorted(per_tier.items(), key=lambda kv: tier_rank(kv[0]))
+    return Overlap(blocks, {DEFAULT_TIER if m is None else m: n for m, n in ordered})

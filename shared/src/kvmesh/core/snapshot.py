@@ -14,10 +14,16 @@ Layout (little-endian)::
     32      8     XXH3-64 (seed 1337) of the body
     40      …     body: msgpack of `_Body`
 
-The body packs each holder's block map as two arrays of unsigned 64-bit ints (engine hashes, sequence
-hashes) in the map's own order, plus the few blocks stored more than once as ``[engine, count]`` pairs, the
-held orphans in hold order, the index counters and every worker's epochs and cursors: everything
-`IndexState.from_export` needs to continue exactly as the original would. About 17 bytes per block.
+The body packs each holder's block map, per storage tier, as two arrays of unsigned 64-bit ints (engine
+keys, prefix keys) in the map's own order, plus the few blocks stored more than once as ``[engine, count]``
+pairs, the held orphans in hold order (with their tier), the index counters and every worker's epochs and
+cursors: everything `IndexState.from_export` needs to continue exactly as the original would. About 17 bytes
+per block.
+
+Format versions: **2** (this build) stores the index's 60-bit prefix keys and folded engine keys
+(`kvmesh.core.index`) and per-holder tiers. **1** stored 64-bit Dynamo sequence hashes and raw engine hashes;
+its values mean something else now, so it is refused (`SnapshotError` with reason ``"version"``) and
+recovery skips it like any unusable snapshot, rebuilding from an older snapshot or the stream.
 
 SnapshotError (KvmeshError, ValueError)   the bytes are not a whole, verified snapshot of a known format
 """
@@ -37,11 +43,11 @@ import xxhash
 
 from kvmesh.core.errors import KvmeshError
 from kvmesh.core.hashing import SEED
-from kvmesh.core.index import Holder, HolderExport, IndexExport
+from kvmesh.core.index import Holder, HolderExport, IndexExport, TierExport
 from kvmesh.core.state import StateExport, WorkerExport
 
 MAGIC: Final[bytes] = b"KVMSNAP\x00"
-FORMAT_VERSION: Final[int] = 1
+FORMAT_VERSION: Final[int] = 2
 _HEADER: Final[struct.Struct] = struct.Struct("<8sIIQQQ")
 HEADER_SIZE: Final[int] = _HEADER.size
 _CHUNK: Final[int] = 65_536
@@ -72,14 +78,22 @@ class SnapshotHeader:
     """XXH3-64 (seed 1337) of the body."""
 
 
+class _Tier(msgspec.Struct, array_like=True):
+    medium: str
+    engine: bytes
+    seq: bytes
+    counts: list[tuple[int, int]]
+
+
 class _Holder(msgspec.Struct, array_like=True):
     worker_id: str
     dp_rank: int
     engine: bytes
     seq: bytes
     counts: list[tuple[int, int]]
-    orphans: list[tuple[int, int, list[int], list[int], int]]
+    orphans: list[tuple[int, int, list[int], list[int], int, str | None]]
     orphan_serial: int
+    tiers: list[_Tier]
 
 
 class _Index(msgspec.Struct, array_like=True):
@@ -177,8 +191,17 @@ def encode_snapshot(export: StateExport) -> bytes:
                         _pack(h.blocks.keys(), len(h.blocks)),
                         _pack(h.blocks.values(), len(h.blocks)),
                         sorted(h.counts.items()),
-                        [(s, p, list(e), list(lo), op) for s, p, e, lo, op in h.orphans],
+                        [(s, p, list(e), list(lo), op, m) for s, p, e, lo, op, m in h.orphans],
                         h.orphan_serial,
+                        [
+                            _Tier(
+                                t.medium,
+                                _pack(t.blocks.keys(), len(t.blocks)),
+                                _pack(t.blocks.values(), len(t.blocks)),
+                                sorted(t.counts.items()),
+                            )
+                            for t in h.tiers
+                        ],
                     )
                     for h in ix.holders
                 ],
@@ -207,7 +230,10 @@ def read_header(data: bytes) -> SnapshotHeader:
     if magic != MAGIC:
         raise SnapshotError("magic", "not a kvmesh snapshot (bad magic)")
     if version != FORMAT_VERSION:
-        raise SnapshotError("version", f"snapshot format {version}; this build reads {FORMAT_VERSION}")
+        why = " (format 1 keyed the index by 64-bit sequence hashes)" if version == 1 else ""
+        raise SnapshotError(
+            "version", f"snapshot format {version}{why}; this build reads only format {FORMAT_VERSION}"
+        )
     if len(data) - HEADER_SIZE != length:
         raise SnapshotError(
             "truncated", f"snapshot body is {len(data) - HEADER_SIZE} bytes, header says {length}"
@@ -268,8 +294,18 @@ def decode_snapshot(data: bytes) -> StateExport:
                             holder=Holder(h.worker_id, h.dp_rank),
                             blocks=dict(zip(_unpack(h.engine), _unpack(h.seq), strict=True)),
                             counts=dict(h.counts),
-                            orphans=tuple((s, p, tuple(e), tuple(lo), op) for s, p, e, lo, op in h.orphans),
+                            orphans=tuple(
+                                (s, p, tuple(e), tuple(lo), op, m) for s, p, e, lo, op, m in h.orphans
+                            ),
                             orphan_serial=h.orphan_serial,
+                            tiers=tuple(
+                                TierExport(
+                                    medium=t.medium,
+                                    blocks=dict(zip(_unpack(t.engine), _unpack(t.seq), strict=True)),
+                                    counts=dict(t.counts),
+                                )
+                                for t in h.tiers
+                            ),
                         )
                         for h in ix.holders
                     ),

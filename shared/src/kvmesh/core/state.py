@@ -11,6 +11,8 @@ Rules applied here, besides the index's own:
 * `WorkerRemoved` drops every dp rank of the worker; later messages of the removed incarnation (epoch ≤ the
   removed one) are dropped, a newer incarnation is accepted again.
 * `IndexReset` forgets everything (index and worker bookkeeping) and raises ``reset_epoch``.
+* A Stored or Removed event's ``medium`` selects the holder's storage tier in the index (no medium: GPU);
+  `match` reports each candidate's overlap per tier in `HolderMatch.tiers`.
 * After a gap in the stream (`mark_gap`: the messages between a snapshot and the stream's first one are
   gone), every holder is *incomplete* until a Cleared (or a new engine epoch) rebuilds it from nothing.
 
@@ -26,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import xxhash
 
 from kvmesh.core.events import Cleared, EventsMessage, IndexReset, Message, Removed, Stored, WorkerRemoved
-from kvmesh.core.hashing import SEED, prompt_sequence_hashes
+from kvmesh.core.hashing import SEED, prompt_prefix_keys
 from kvmesh.core.index import Holder, IndexExport, PrefixIndex
 
 
@@ -39,7 +41,10 @@ class HolderMatch:
     overlap_blocks: int
     """Leading full blocks of the prompt this holder has cached."""
     cached_blocks: int
-    """All blocks indexed for this holder (its cache size, a load proxy for ties)."""
+    """All blocks indexed for this holder, one per tier a block is on (its cache size, a load proxy for ties)."""
+    tiers: dict[str, int] | None = None
+    """The overlap blocks per storage tier (``{"GPU": 4, "CPU": 4}``), each block on its fastest tier (GPU, CPU,
+    then the others by name; `kvmesh.core.index`); None when they are all on the default tier (GPU)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,13 +235,13 @@ class IndexState:
         c = self.counters
         for event in msg.events:
             if isinstance(event, Stored):
-                r = index.store(holder, event.engine_hashes, event.parent, event.local_hashes)
+                r = index.store(holder, event.engine_hashes, event.parent, event.local_hashes, event.medium)
                 c.stored_blocks += r.attached
                 c.duplicate_stores += r.duplicates
                 c.held_events += int(r.held)
                 c.dropped_orphans += r.dropped_orphans
             elif isinstance(event, Removed):
-                rr = index.remove(holder, event.engine_hashes)
+                rr = index.remove(holder, event.engine_hashes, event.medium)
                 c.removed_blocks += rr.removed
                 c.unknown_removals += rr.unknown
             elif isinstance(event, Cleared):
@@ -279,7 +284,8 @@ class IndexState:
 
         Returns:
             the overlaps under the model's block size (the size with the most holders when workers of one
-            model disagree).
+            model disagree); a holder's overlap is its leading run over all its storage tiers, split per tier
+            in `HolderMatch.tiers`.
 
         Raises:
             UnknownModelError: no worker of that model is known.
@@ -299,11 +305,11 @@ class IndexState:
         unsized = live.pop(0, None)
         if live:
             block_size, index = max(live.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))
-            seq = prompt_sequence_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
-            overlaps = index.match(seq)
+            seq = prompt_prefix_keys(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
+            overlaps = index.match_tiers(seq)
             holders = index.holders()
         else:
-            prompt_sequence_hashes(token_ids, 1)  # still validate the token ids
+            prompt_prefix_keys(token_ids, 1)  # still validate the token ids
             block_size, index, seq, overlaps, holders = 0, PrefixIndex(), [], {}, []
         if unsized is not None:
             holders = sorted({*holders, *unsized.holders()})
@@ -311,8 +317,9 @@ class IndexState:
             HolderMatch(
                 worker_id=h.worker_id,
                 dp_rank=h.dp_rank,
-                overlap_blocks=overlaps.get(h, 0),
+                overlap_blocks=o.blocks if (o := overlaps.get(h)) is not None else 0,
                 cached_blocks=index.block_count(h),
+                tiers=o.tiers if o is not None else None,
             )
             for h in holders
             if not self._is_removed(h.worker_id)

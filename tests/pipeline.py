@@ -35,6 +35,9 @@ class Pipeline:
     indexer: IndexerService | None = None
     router_service: RouterService | None = None
     router: Router | None = None
+    stream_memory: bool = True
+    """Memory storage for the stream and the registry bucket the ingests create (False: they must survive a
+    server restart)."""
     _nc: Any = None
 
     @property
@@ -64,7 +67,7 @@ class Pipeline:
             nats_url=self.nats_url,
             stream=self.stream,
             events_prefix=self.prefix,
-            stream_memory=True,
+            stream_memory=self.stream_memory,
             stream_max_bytes=64 * 2**20,
             # One stream message per engine batch keeps message counts exact in tests; coalescing is
             # tested on its own.
@@ -92,7 +95,7 @@ class Pipeline:
         await asyncio.wait_for(svc.ready.wait(), 10)
         return svc
 
-    async def start_router(self, index: str = "remote") -> Router:
+    async def start_router(self, index: str = "local") -> Router:
         svc = RouterService(
             RouterSettings(
                 nats_url=self.nats_url,

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvmesh.bench import trace as bench_trace
+from kvmesh.sim.timing import TimingModel
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_bench_trace_200_requests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`kvmesh bench trace --requests 200` writes a 5-policy table; oracle ≥ kvmesh ≥ round-robin on hits."""
+    """`kvmesh bench trace --requests 200` writes a 5-policy table; kvmesh beats round-robin on hits and TTFT.
+
+    The oracle minimises each request's TTFT, not the fleet's hit ratio, so kvmesh may cache more than it
+    (here it does: about 5.2 % against 4.5 %); kvmesh must reach at least 90 % of it. The in-process rows are
+    deterministic and checked exactly.
+    """
     out = tmp_path / "trace"
     assert bench_trace.command(["--requests", "200", "--speed", "20", "--out", str(out)]) == 0
     text = out.with_suffix(".md").read_text()
@@ -24,17 +32,77 @@ def test_bench_trace_200_requests(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert all(len(cells) == len(lines[0].split("|")) - 3 for cells in rows.values())
     assert all(cells[0] == "200" for cells in rows.values())
     hit = {p: float(re.sub(r"[^0-9.]", "", cells[1])) for p, cells in rows.items()}
-    assert hit["oracle"] >= hit["kvmesh"] >= hit["round-robin"], hit
-    assert rows["kvmesh"][6] != "–"  # router latency measured
+    assert hit["kvmesh"] > hit["round-robin"], hit
+    assert hit["kvmesh"] >= 0.9 * hit["oracle"], hit
+    ttft_p50 = {p: float(cells[3]) for p, cells in rows.items()}
+    assert ttft_p50["kvmesh"] < ttft_p50["round-robin"], ttft_p50
+    assert [rows[p][1:4] for p in ("round-robin", "least-loaded", "oracle")] == [
+        ["3.53 %", "0.780", "1.247"],
+        ["3.53 %", "0.780", "1.337"],
+        ["4.53 %", "1.000", "0.965"],
+    ]
+    assert re.fullmatch(r"\d+\.\d\d / \d+\.\d\d", rows["kvmesh"][6])  # route latency measured (ms)
+    assert rows["oracle"][6] == "0 (in-process)"
     png = out.with_suffix(".png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_every_request_reaches_its_engine_after_its_routing_delay() -> None:
+    """Sent with a 3 ms delay at 1.0 s, a 10-token prompt reaches worker 1 at 1.003 s: TTFT 3 ms + 100 ms.
+
+    The lifecycle notes come when they happen in simulated time: prefill done at the first token (1.103 s),
+    finished at the last (1.303 s, with the decode block that fills at that step).
+    """
+    timing = TimingModel(
+        prefill_s_per_token=0.01, prefill_overhead_s=0.0, decode_s_per_token=0.1, max_batch=2
+    )
+    spec = bench_trace.FleetSpec(workers=2, num_blocks=64, block_size=4, timing=timing)
+    result = bench_trace.PolicyResult(policy="t", per_worker=[0, 0])
+    fleet = bench_trace._Fleet(spec, result)
+    fleet.send(bench_trace._Prepared("r", 1.0, list(range(10)), [7, 8, 9]), 1, 0.003)
+    assert fleet.next_time_s() == pytest.approx(1.003)
+    assert fleet.advance(1.002) == []
+
+    def seen(items: list[tuple[float, int, int, int, Any]]) -> list[tuple[float, int, int, object]]:
+        """(time, worker, kind, request id or the batch's event count)."""
+        return [
+            (round(t, 9), k, kind, x if isinstance(x, str) else len(x.events)) for t, _, k, kind, x in items
+        ]
+
+    # kinds: 0 event batch (its event count), 1 prefill done, 2 finished (the request id)
+    assert seen(fleet.advance(1.2)) == [(1.003, 1, 0, 1), (1.103, 1, 1, "r")]
+    assert seen(fleet.advance(math.inf)) == [(1.303, 1, 0, 1), (1.303, 1, 2, "r")]
+    assert fleet.next_time_s() is None
+    fleet.close(0.0)
+    assert result.ttft_s == [pytest.approx(0.103)]
+    assert (result.requests, result.per_worker, result.makespan_s) == (1, [0, 1], pytest.approx(1.303))
+
+
+def test_kvmesh_exact_and_the_baselines_on_the_excerpt() -> None:
+    """First 200 requests of the packaged trace, 8 default workers: exact cached tokens and TTFT p50.
+
+    kvmesh's decision on the true pools (default `Policy`: decode weight 0.1) caches exactly what the TTFT
+    oracle does here, 4.53 % of 2,782,179 prompt tokens, at a TTFT p50 4 % above the oracle's.
+    """
+    trace = bench_trace.load_trace(bench_trace.default_trace_path(), limit=200)
+    spec = bench_trace.FleetSpec()
+    got = {}
+    for policy in ("round-robin", "oracle", "kvmesh-exact"):
+        r = bench_trace.simulate_policy(policy, trace, spec)
+        assert (r.requests, r.prompt_tokens) == (200, 2_782_179)
+        got[policy] = (r.cached_tokens, round(bench_trace.percentile(r.ttft_s, 0.5), 4))
+    assert got == {
+        "round-robin": (98_304, 1.2465),
+        "oracle": (125_952, 0.9654),
+        "kvmesh-exact": (125_952, 1.0038),
+    }
 
 
 def test_policies_are_deterministic() -> None:
     """The in-process policies give identical results on identical inputs."""
     trace = bench_trace.load_trace(bench_trace.default_trace_path(), limit=30)
     spec = bench_trace.FleetSpec(workers=3, num_blocks=4096)
-    for policy in ("round-robin", "random", "least-loaded", "oracle"):
+    for policy in ("round-robin", "random", "least-loaded", "oracle", "kvmesh-exact"):
         a = bench_trace.simulate_policy(policy, trace, spec)
         b = bench_trace.simulate_policy(policy, trace, spec)
         assert (a.cached_tokens, a.ttft_s, a.per_worker) == (b.cached_tokens, b.ttft_s, b.per_worker)
@@ -69,6 +137,38 @@ def test_index_workload_is_deterministic() -> None:
     a = bench_index.make_workload(target_ops=5000, capacity=500, queries=5, eviction="random")
     b = bench_index.make_workload(target_ops=5000, capacity=500, queries=5, eviction="random")
     assert a.events == b.events and a.queries == b.queries
+
+
+def test_memory_per_block_measures_each_index_in_its_own_process() -> None:
+    """`memory_per_block` reports resident-set growth per block for kvmesh and the naive index: at least the
+    two 32-byte ints kvmesh keeps per block, and no more than a few hundred bytes."""
+    from kvmesh.bench import index as bench_index
+
+    got = bench_index.memory_per_block(50_000, with_dynamo=False)
+    assert list(got) == ["kvmesh PrefixIndex", "naive dict index"]
+    assert 64 <= got["kvmesh PrefixIndex"] < 400, got
+    assert 64 <= got["naive dict index"] < 400, got
+
+
+def test_bench_index_times_a_baseline_index_file(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvmesh bench index --baseline FILE` times another index module's apply in the same rounds."""
+    from kvmesh.bench import index as bench_index
+    from kvmesh.core import index as core_index
+
+    argv = ["--ops", "20000", "--capacity", "2000", "--queries", "20", "--eviction", "tail", "--repeat", "1"]
+    argv += ["--engine-hashes", "shared", "--no-dynamo", "--baseline", str(core_index.__file__)]
+    assert bench_index.command(argv) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert list(rows) == [
+        "index",
+        "kvmesh PrefixIndex",
+        "kvmesh PrefixIndex (--baseline)",
+        "naive dict index",
+        "kvmesh PrefixIndex, incl. chaining",
+    ]
+    assert rows["kvmesh PrefixIndex (--baseline)"].endswith("| – | – | 0 |")
+    assert "all indexes agree on every query" in out
 
 
 def test_chart_without_matplotlib_writes_a_valid_png(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

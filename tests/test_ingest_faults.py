@@ -541,3 +541,54 @@ def test_split_cuts_long_removals_and_stored_runs_within_the_bound() -> None:
     ]
     assert max(weights) <= -(-160_000 // 10)
     assert len(parts) == 11  # "about" parts: the stored run fills the first part exactly, then 10 of removals
+
+
+# ---------------------------------------------------------------------------------------------- tiers
+
+
+@pytest.mark.parametrize("index", ["local", "remote"])
+async def test_blocks_on_slower_tiers_count_with_their_weight(nats_url: str, uid: str, index: str) -> None:
+    """vLLM ≥ 0.10.2 names each BlockStored's medium: 4 blocks on GPU plus an 8-block CPU copy of the same
+    prompt give an overlap of 8 blocks, 4 per tier, weighted 16 × 1.0 + 16 × 0.5 = 24 cached tokens; removing
+    the CPU copy leaves the GPU 4; the GPU worker with 4 blocks beats a CPU-only worker with 5."""
+    pub, other = EventPublisher(ANY, ANY), EventPublisher(ANY, ANY)
+    prompt = list(range(500, 532))  # 8 blocks
+    try:
+        async with clean_pipeline(nats_url, uid) as p:
+            for worker, pb in (("g", pub), ("c", other)):
+                await p.start_ingest(worker, pb.endpoint, pb.replay_endpoint, block_size=BS)
+                await pb.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router(index)
+            pub.publish([stored([1, 2, 3, 4], prompt[:16], medium="GPU")])
+            pub.publish([stored([11, 12, 13, 14, 15, 16, 17, 18], prompt, medium="CPU")])
+            other.publish([stored([21, 22, 23, 24, 25], prompt[:20], medium="CPU")])
+            r = await eventually(
+                lambda: p.route(prompt, explain=True), lambda r: overlaps(r) == {"g/0": 8, "c/0": 5}
+            )
+            assert r.scores is not None
+            by = {s["worker_id"]: s for s in r.scores}
+            assert (by["g"]["cached_tokens_by_tier"], by["g"]["weighted_cached_tokens"]) == (
+                {"GPU": 16, "CPU": 16},
+                24.0,
+            )
+            assert (by["c"]["cached_tokens_by_tier"], by["c"]["weighted_cached_tokens"]) == (
+                {"CPU": 20},
+                10.0,
+            )
+            assert (r.worker_id, r.overlap_blocks, r.cached_tokens) == ("g", 8, 32)
+
+            pub.publish([BlockRemoved(block_hashes=(11, 12, 13, 14, 15, 16, 17, 18), medium="CPU")])
+            r = await eventually(
+                lambda: p.route(prompt, explain=True), lambda r: overlaps(r) == {"g/0": 4, "c/0": 5}
+            )
+            assert r.scores is not None
+            by = {s["worker_id"]: s for s in r.scores}
+            assert (by["g"]["cached_tokens_by_tier"], by["g"]["weighted_cached_tokens"]) == (
+                {"GPU": 16},
+                16.0,
+            )
+            assert r.worker_id == "g"  # 16 weighted tokens on GPU beat 10 from 20 on CPU
+    finally:
+        pub.close()
+        other.close()

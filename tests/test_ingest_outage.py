@@ -108,6 +108,7 @@ async def file_pipeline(server: Restartable, uid: str) -> AsyncIterator[Pipeline
     finally:
         await nc.close()
     async with pipeline(server.url, uid) as p:
+        p.stream_memory = False  # the worker registry must survive the restart too, as in production
         try:
             yield p
         finally:

@@ -145,7 +145,9 @@ async def test_two_replicas_answer_the_same_request_identically(nats_url: str, u
 async def test_hot_prefix_spreads_and_accounting_is_shared(nats_url: str, uid: str) -> None:
     """A hot prefix cached on A alone: requests alternate once A is busier; finish clears both replicas."""
     async with fleet(nats_url, uid) as f:
-        r0, r1 = await f.start_router(), await f.start_router()
+        # Dynamo's weights (decode 1.0), the worked example of tests/core/test_route_policy.py
+        dynamo = {"decode_weight": 1.0}
+        r0, r1 = await f.start_router(**dynamo), await f.start_router(**dynamo)
         c0, c1 = f.client(0), f.client(1)
         picks = []
         for i in range(8):

@@ -39,8 +39,11 @@ def costs(d: object) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------- cost
 
 
-def test_worked_example_load_outweighs_a_short_overlap() -> None:
-    """64 tokens, A caches 3 blocks but has 32 prefill tokens and 2 blocks active: A 5.0, B 4.0, B wins."""
+def test_worked_example_affinity_outweighs_a_little_decode_load() -> None:
+    """64 tokens, A caches 3 blocks but has 32 prefill tokens and 2 blocks active: A 3.2, B 4.0, A wins.
+
+    Default weights: A = (64 − 48 + 32) / 16 + 0.1 × 2 = 3.2; B = 64 / 16 = 4.0.
+    """
     d = decide(
         [cand("a", 3, 10), cand("b", 0, 0)],
         prompt_tokens=64,
@@ -48,23 +51,72 @@ def test_worked_example_load_outweighs_a_short_overlap() -> None:
         active={("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
     )
     assert d is not None
-    assert costs(d) == {"b/0": 4.0, "a/0": 5.0}
-    a = d.scores[1]
+    assert costs(d) == {"a/0": 3.2, "b/0": 4.0}
+    a = d.scores[0]
     assert (a.prefill_blocks, a.decode_blocks, a.cached_tokens) == (3.0, 2.0, 48.0)
-    assert d.winner.worker_id == "b"
+    assert d.winner.worker_id == "a"
 
 
-def test_overlap_weight_brings_affinity_back() -> None:
-    """With overlap_weight 4 the same example costs A 14.0 and B 16.0, so A wins."""
+def test_worked_example_queued_prefill_outweighs_a_short_overlap() -> None:
+    """The same prompt when A has 64 tokens queued to prefill: A = (16 + 64) / 16 + 0.2 = 5.2 > B 4.0, B wins."""
     d = decide(
         [cand("a", 3, 10), cand("b", 0, 0)],
         prompt_tokens=64,
         block_size=BS,
-        policy=Policy(overlap_weight=4.0),
+        active={("a", 0): ActiveLoad(prefill_tokens=64, blocks=2, requests=2)},
+    )
+    assert costs(d) == {"b/0": 4.0, "a/0": 5.2}
+    assert d is not None and d.winner.worker_id == "b"
+
+
+def test_dynamo_weights_let_decode_load_outweigh_a_short_overlap() -> None:
+    """Dynamo's form (decode_weight 1.0): the first example costs A 3 + 2 = 5.0 and B 4.0, so B wins."""
+    d = decide(
+        [cand("a", 3, 10), cand("b", 0, 0)],
+        prompt_tokens=64,
+        block_size=BS,
+        policy=Policy(decode_weight=1.0),
+        active={("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
+    )
+    assert costs(d) == {"b/0": 4.0, "a/0": 5.0}
+    assert d is not None and d.winner.worker_id == "b"
+
+
+def test_overlap_weight_brings_affinity_back() -> None:
+    """With Dynamo's decode weight 1.0 and overlap_weight 4 the same example costs A 14.0 and B 16.0: A wins."""
+    d = decide(
+        [cand("a", 3, 10), cand("b", 0, 0)],
+        prompt_tokens=64,
+        block_size=BS,
+        policy=Policy(overlap_weight=4.0, decode_weight=1.0),
         active={("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
     )
     assert costs(d) == {"a/0": 14.0, "b/0": 16.0}
     assert d is not None and d.winner.worker_id == "a"
+
+
+def test_default_weights_choose_as_dynamo_with_overlap_weight_10() -> None:
+    """decode_weight 0.1 is Dynamo's w = 10 scaled by 1/10: every cost is a tenth, every winner the same."""
+    assert (Policy().overlap_weight, Policy().decode_weight) == (1.0, 0.1)
+    dynamo = Policy(overlap_weight=10.0, decode_weight=1.0)
+    winners = []
+    for a_prefill, a_blocks in [(0, 0), (32, 2), (64, 2), (0, 29), (0, 30), (0, 31)]:
+        active = {("a", 0): ActiveLoad(prefill_tokens=a_prefill, blocks=a_blocks, requests=1)}
+        cands = [cand("a", 3, 10), cand("b", 0, 0)]
+        ours = decide(cands, prompt_tokens=64, block_size=BS, active=active)
+        theirs = decide(cands, prompt_tokens=64, block_size=BS, active=active, policy=dynamo)
+        assert ours is not None and theirs is not None
+        assert ours.winner.worker_id == theirs.winner.worker_id
+        assert [s.cost for s in ours.scores] == pytest.approx([s.cost / 10 for s in theirs.scores])
+        winners.append(ours.winner.worker_id)
+    assert winners == [
+        "a",
+        "a",
+        "b",
+        "a",
+        "b",
+        "b",
+    ]  # A = 1 + 0.1 × 29 = 3.9 < 4.0; 30 ties → B's emptier cache
 
 
 def test_decode_weight_scales_the_active_blocks() -> None:
@@ -221,15 +273,15 @@ def test_tier_weights_override_merges() -> None:
 # ---------------------------------------------------------------------------------------- hot prefix
 
 
-def test_hot_prefix_spreads_once_a_worker_is_busier() -> None:
-    """Eight requests sharing a 4-block prefix: overlap-only sends all to A; with load, 5 go to A and 3 to B."""
+def _hot_prefix_picks(policy: Policy) -> tuple[list[str], LoadLedger]:
+    """Route eight 5-block requests sharing a 4-block prefix cached on A alone (no prefill completes)."""
     ledger = LoadLedger()
     prompt = 80  # 5 blocks: 4 shared + 1 own
     picks = []
     for i in range(8):
         cands = [cand("a", 4, 40), cand("b", 0, 0)]
         active = {k: ledger.load(*k) for k in (("a", 0), ("b", 0))}
-        d = decide(cands, prompt_tokens=prompt, block_size=BS, active=active, seed=i)
+        d = decide(cands, prompt_tokens=prompt, block_size=BS, active=active, seed=i, policy=policy)
         assert d is not None
         w = d.winner
         picks.append(w.worker_id)
@@ -243,13 +295,30 @@ def test_hot_prefix_spreads_once_a_worker_is_busier() -> None:
             ),
             now_s=float(i),
         )
+    return picks, ledger
+
+
+def test_hot_prefix_spreads_once_a_worker_is_busier() -> None:
+    """Eight requests sharing a 4-block prefix: overlap-only sends all to A; with load, 7 go to A and 1 to B.
+
+    Costs A = (16 + A's prefill) / 16 + 0.1 × A's blocks vs B = (80 + B's prefill) / 16 + 0.1 × B's blocks:
+    request 3 sees A 5.5 > B 5.0 and goes to B; after that B costs 10.5 and A reaches 10.0 at request 7.
+    """
     overlap_only = [
-        decide([cand("a", 4, 40), cand("b", 0, 0)], prompt_tokens=prompt, block_size=BS).winner.worker_id  # type: ignore[union-attr]
+        decide([cand("a", 4, 40), cand("b", 0, 0)], prompt_tokens=80, block_size=BS).winner.worker_id  # type: ignore[union-attr]
         for _ in range(8)
     ]
     assert overlap_only == ["a"] * 8
-    # Costs A = (16 + A's prefill)/16 + A's blocks vs B = (80 + B's prefill)/16 + B's blocks; request 6
-    # ties at 25.0 and goes to B's emptier cache.
+    picks, ledger = _hot_prefix_picks(Policy())
+    assert picks == ["a", "a", "a", "b", "a", "a", "a", "a"]
+    assert ledger.load("a", 0) == ActiveLoad(prefill_tokens=112, blocks=35, requests=7)
+    assert ledger.load("b", 0) == ActiveLoad(prefill_tokens=80, blocks=5, requests=1)
+
+
+def test_hot_prefix_with_dynamo_weights_alternates_sooner() -> None:
+    """With decode_weight 1.0 (Dynamo's form) 5 go to A and 3 to B; request 6 ties at 25.0 and goes to B's
+    emptier cache."""
+    picks, ledger = _hot_prefix_picks(Policy(decode_weight=1.0))
     assert picks == ["a", "b", "a", "a", "b", "a", "b", "a"]
     assert ledger.load("a", 0) == ActiveLoad(prefill_tokens=80, blocks=25, requests=5)
     assert ledger.load("b", 0) == ActiveLoad(prefill_tokens=240, blocks=15, requests=3)
@@ -290,7 +359,11 @@ def test_candidates_filter_and_registry_merge() -> None:
         ({"model": "m", "token_ids": [1, 2, 3, 4, 5]}, "token_ids", "more than the limit of 4"),
         ({"model": "m", "token_ids": [-1]}, "token_ids", "token_ids[0] is outside [0, 2^32)"),
         ({"model": "m", "token_ids": [7, 2**32]}, "token_ids", "token_ids[1] is outside [0, 2^32)"),
-        ({"model": "m", "token_ids": [7, 2**32 - 1, 2**64]}, "token_ids", "token_ids[2] is outside [0, 2^32)"),
+        (
+            {"model": "m", "token_ids": [7, 2**32 - 1, 2**64]},
+            "token_ids",
+            "token_ids[2] is outside [0, 2^32)",
+        ),
     ],
 )
 def test_bad_requests_name_the_field(body: dict[str, object], field: str, text: str) -> None:

@@ -28,6 +28,21 @@ def test_ttft_is_prefill_of_uncached_tokens() -> None:
     assert b.ttft_s == pytest.approx(0.02)
 
 
+def test_routing_delay_counts_in_ttft() -> None:
+    """Received 0.25 s after its arrival, a 10-token prompt has its first token at 0.35 s: TTFT 0.35 s."""
+    w = worker()
+    a = w.submit("a", list(range(10)), [1, 2, 3], arrival_s=0.0, received_s=0.25)
+    assert (a.arrival_s, a.received_s, a.admitted_s) == (0.0, 0.25, 0.25)
+    assert a.first_token_s == pytest.approx(0.35)
+    assert a.ttft_s == pytest.approx(0.35)
+    w.advance(10.0)
+    assert a.finished_s == pytest.approx(0.35 + 2 * 0.1)
+    with pytest.raises(ValueError, match="before its arrival"):
+        w.submit("b", [1], [1], arrival_s=11.0, received_s=10.5)
+    with pytest.raises(ValueError, match="before the worker's time"):
+        w.submit("c", [1], [1], arrival_s=9.0, received_s=9.5)
+
+
 def test_prefill_is_serial_and_batch_limit_queues() -> None:
     """Prefills run one at a time; a third request waits for a batch slot."""
     w = worker()

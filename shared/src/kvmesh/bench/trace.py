@@ -2,21 +2,42 @@
 
 Every policy serves the same requests on the same fleet: N `kvmesh.sim.timing.TimedWorker` engines (vLLM-like
 block pools with a timing model), in simulated time. Per policy it reports the prefix-cache hit ratio, the
-simulated time to first token (p50/p99), the simulated request rate, and, for kvmesh, the router latency.
+simulated time to first token (p50/p99), the simulated request rate, and, for kvmesh, the route latency.
+
+Timing rule (the same dispatch path for every policy, `_Fleet`): a request's TTFT counts from its trace
+arrival time. At that simulated time the policy decides, seeing the fleet as it is then; the request reaches
+its engine at *arrival + routing delay* and queues there. The routing delay is the decision's real latency
+in seconds, **not** multiplied by ``--speed``: for ``kvmesh`` the measured round trip of
+`kvmesh.client.Router.route` through NATS (a few ms), for the in-process policies 0 (they read the
+simulated fleet directly, as a router in the engine's process would). Requests routed and not yet delivered
+are already in kvmesh's load accounting (the router records a request when it answers), as in a real fleet.
+Lifecycle notes are sent when they happen in simulated time: ``mark_prefill_done`` when a request's first
+token is out, ``finish`` at its last token.
 
 * ``kvmesh`` runs through the real pipeline: each engine publishes its KV events on a real ZMQ PUB + replay
   socket at the wall time matching their simulated time (simulated time = wall time × ``--speed``), one
   ``kvmesh ingest`` process per engine puts them on JetStream, a ``kvmesh indexer`` and a ``kvmesh router``
   (child processes, on a private ``nats-server``) answer each request through `kvmesh.client.Router`.
-  The router only ever knows what the events told it, with the pipeline's real lag.
+  The router only ever knows what the events and lifecycle notes told it. The pipeline's own lag (event
+  published → indexed) is real time and so *is* scaled by ``--speed`` in simulated time: a pessimistic
+  view of index staleness (``batches_late_over_10ms`` counts batches the harness published late; the
+  ``overlap_*`` counters compare the router's overlap for its chosen worker with that pool's truth).
 * ``round-robin``, ``random`` and ``least-loaded`` (fewest waiting + running requests) are computed
-  in-process, as fast as the CPU allows (they do not read the caches).
+  in-process (they do not read the caches).
 * ``oracle`` knows every pool and queue instantly: the worker with the lowest estimated TTFT
   (`kvmesh.sim.timing.TimedWorker.estimate_ttft_s` of the prompt's tokens not hit in that worker's pool, by
   `kvmesh.sim.blockpool.BlockPool.match_prefix`).
+* ``kvmesh-exact`` (only with ``--policies``): kvmesh's decision (`kvmesh.core.route.decide` with a
+  `kvmesh.core.load.LoadLedger` fed the same lifecycle notes) on exact, instant state: each pool's true
+  overlap, no pipeline, no route latency. kvmesh against kvmesh-exact is what the pipeline costs; kvmesh-exact
+  against the oracle is what the cost function costs.
 * ``longest-prefix`` (only with ``--policies``): the worker with the longest real prefix hit, ties to the
   fewest active requests. On Mooncake traces every prompt starts with the same block, so it sends nearly
   everything to one worker: it shows why a cache-aware router must weigh load.
+
+``--overlap-weight`` / ``--decode-weight`` set the router's cost weights for ``kvmesh`` and ``kvmesh-exact``
+(default: the router's defaults, `kvmesh.core.route.Policy`); ``--router-arg`` passes any other flag to the
+router.
 """
 
 from __future__ import annotations
@@ -24,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import heapq
 import math
 import random
 import shutil
@@ -31,23 +53,25 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
 from kvmesh.bench.chart import write_bar_charts
+from kvmesh.core.load import LoadLedger, Routed
+from kvmesh.core.route import Candidate, Policy, decide, route_seed
 from kvmesh.runtime.procs import ChildProcesses
 from kvmesh.sim.blockpool import BlockPool
 from kvmesh.sim.engine import output_tokens
 from kvmesh.sim.publisher import EventPublisher
-from kvmesh.sim.timing import RequestTiming, StepBatch, TimedWorker, TimingModel
+from kvmesh.sim.timing import RequestTiming, TimedWorker, TimingModel
 from kvmesh.sim.trace import TraceRequest, default_trace_path, expand_tokens, load_trace
 
 __all__ = ["POLICIES", "PolicyResult", "command", "run_bench", "simulate_policy"]
 
 POLICIES: Final[tuple[str, ...]] = ("kvmesh", "round-robin", "random", "least-loaded", "oracle")
 """The policies run by default."""
-EXTRA_POLICIES: Final[tuple[str, ...]] = ("longest-prefix",)
+EXTRA_POLICIES: Final[tuple[str, ...]] = ("kvmesh-exact", "longest-prefix")
 """Policies run only when asked for with ``--policies``."""
 MODEL: Final[str] = "bench-model"
 _REPLAY_STEPS: Final[int] = 2000
@@ -72,6 +96,9 @@ class PolicyResult:
     route_latency_s: list[float] = field(default_factory=list)
     per_worker: list[int] = field(default_factory=list)
     """Requests served per worker."""
+    busiest_running: list[int] = field(default_factory=list)
+    """At each arrival, the running requests of the fleet's busiest worker (the decode batch a skewed policy
+    builds: in a real engine a larger batch means slower tokens for every request in it)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -143,59 +170,199 @@ def _prepare(req: TraceRequest, i: int, t0_ms: int) -> _Prepared:
     )
 
 
-def _choose(policy: str, workers: list[TimedWorker], i: int, tokens: list[int], rng: random.Random) -> int:
-    n = len(workers)
-    if policy == "round-robin":
-        return i % n
-    if policy == "random":
-        return rng.randrange(n)
-    if policy == "least-loaded":
-        return min(range(n), key=lambda k: (workers[k].active, k))
-    if policy == "longest-prefix":
-        return min(range(n), key=lambda k: (-workers[k].pool.match_prefix(tokens), workers[k].active, k))
-    if policy == "oracle":
-        now = max(w.now_s for w in workers)
-        return min(
-            range(n),
-            key=lambda k: (
-                workers[k].estimate_ttft_s(len(tokens) - workers[k].pool.match_prefix(tokens), now),
-                k,
-            ),
+_EVENTS: Final[int] = 0
+_PREFILL_DONE: Final[int] = 1
+_FINISHED: Final[int] = 2
+_Item = tuple[float, int, int, int, Any]
+"""What happened in the fleet: (simulated time, serial, worker, kind, `StepBatch` or request id)."""
+
+
+class _Fleet:
+    """The simulated fleet and the dispatch path every policy shares.
+
+    A request is `send`-ed to a worker with its routing delay; it reaches the worker's engine at its arrival
+    time + that delay (`TimedWorker.submit` with ``received_s``), so its TTFT includes the delay. `advance`
+    runs every worker up to a time and returns, in time order, the event batches the engines emitted and
+    the lifecycle notes a client would send (prefill done when the first token is out, finished at the last).
+    """
+
+    def __init__(self, spec: FleetSpec, result: PolicyResult) -> None:
+        self.workers = spec.build()
+        self.result = result
+        self.last_finish_s = 0.0
+        self._pending: list[tuple[float, int, int, _Prepared]] = []
+        self._notes: list[tuple[float, int, int, int, str]] = []
+        self._serial = 0
+
+    def _next_serial(self) -> int:
+        self._serial += 1
+        return self._serial
+
+    def sample(self) -> None:
+        """Record the busiest worker's running requests now (call at each arrival, after `advance`)."""
+        self.result.busiest_running.append(max(w.running for w in self.workers))
+
+    def send(self, p: _Prepared, worker: int, delay_s: float) -> None:
+        """Route ``p`` to ``worker``: it reaches the engine ``delay_s`` simulated seconds after its arrival."""
+        self.result.per_worker[worker] += 1
+        heapq.heappush(self._pending, (p.arrival_s + max(delay_s, 0.0), self._next_serial(), worker, p))
+
+    def next_time_s(self) -> float | None:
+        """Return the simulated time of the next thing to happen, or None when the fleet is idle."""
+        times = [t for w in self.workers if (t := w.next_time_s()) is not None]
+        if self._pending:
+            times.append(self._pending[0][0])
+        if self._notes:
+            times.append(self._notes[0][0])
+        return min(times, default=None)
+
+    def advance(self, until_s: float) -> list[_Item]:
+        """Deliver the requests due by ``until_s``, run every worker to it; return what happened, in time order."""
+        out: list[_Item] = []
+        while self._pending and self._pending[0][0] <= until_s:
+            at_s, _serial, k, p = heapq.heappop(self._pending)
+            self._run(k, at_s, out)
+            self.workers[k].submit(p.request_id, p.tokens, p.outputs, arrival_s=p.arrival_s, received_s=at_s)
+            self._collect(k, at_s)
+        for k in range(len(self.workers)):
+            self._run(k, until_s, out)
+        while self._notes and self._notes[0][0] <= until_s:
+            out.append(heapq.heappop(self._notes))
+        out.sort(key=lambda x: (x[0], x[1]))
+        return out
+
+    def _run(self, k: int, until_s: float, out: list[_Item]) -> None:
+        out.extend((b.time_s, self._next_serial(), k, _EVENTS, b) for b in self.workers[k].advance(until_s))
+        self._collect(k, until_s)
+
+    def _collect(self, k: int, now_s: float) -> None:
+        w = self.workers[k]
+        for t in w.take_first_tokens():
+            if t.first_token_s is not None:
+                heapq.heappush(
+                    self._notes, (t.first_token_s, self._next_serial(), k, _PREFILL_DONE, t.request_id)
+                )
+        for t in w.take_finished():
+            self.result.add(t)
+            if t.finished_s is not None:
+                self.last_finish_s = max(self.last_finish_s, t.finished_s)
+            at_s = t.finished_s if t.finished_s is not None else now_s
+            heapq.heappush(self._notes, (at_s, self._next_serial(), k, _FINISHED, t.request_id))
+
+    def close(self, first_arrival_s: float) -> None:
+        """Record the makespan and the engines' counters (after the last `advance`)."""
+        self.result.makespan_s = self.last_finish_s - first_arrival_s if self.result.requests else 0.0
+        self.result.extra["decode_overflows"] = sum(w.decode_overflows for w in self.workers)
+
+
+class _Chooser:
+    """An in-process policy: picks a worker from the fleet's exact, current state."""
+
+    def __init__(self, policy: str, fleet: _Fleet, spec: FleetSpec, route_policy: Policy) -> None:
+        if policy not in POLICIES + EXTRA_POLICIES or policy == "kvmesh":
+            raise ValueError(f"unknown policy {policy!r}")
+        self.policy = policy
+        self.workers = fleet.workers
+        self.rng = random.Random(spec.seed)
+        self.block_size = spec.block_size
+        self.route_policy = route_policy
+        self.ledger = LoadLedger(ttl_s=math.inf)
+
+    def observe(self, items: Sequence[_Item]) -> None:
+        """Apply the lifecycle notes to the ledger (``kvmesh-exact``)."""
+        if self.policy != "kvmesh-exact":
+            return
+        for _t, _serial, _k, kind, payload in items:
+            if kind == _PREFILL_DONE:
+                self.ledger.prefill_done(payload)
+            elif kind == _FINISHED:
+                self.ledger.finished(payload)
+
+    def choose(self, i: int, p: _Prepared) -> int:
+        """Return the worker for request ``i``."""
+        workers, tokens, n = self.workers, p.tokens, len(self.workers)
+        policy = self.policy
+        if policy == "round-robin":
+            return i % n
+        if policy == "random":
+            return self.rng.randrange(n)
+        if policy == "least-loaded":
+            return min(range(n), key=lambda k: (workers[k].active, k))
+        if policy == "longest-prefix":
+            return min(range(n), key=lambda k: (-workers[k].pool.match_prefix(tokens), workers[k].active, k))
+        if policy == "oracle":
+            now = max(w.now_s for w in workers)
+            return min(
+                range(n),
+                key=lambda k: (
+                    workers[k].estimate_ttft_s(len(tokens) - workers[k].pool.match_prefix(tokens), now),
+                    k,
+                ),
+            )
+        return self._kvmesh_exact(p)
+
+    def _kvmesh_exact(self, p: _Prepared) -> int:
+        bs = self.block_size
+        cands = [
+            Candidate(
+                worker_id=f"sim-{k}",
+                dp_rank=0,
+                overlap_blocks=w.pool.match_prefix(p.tokens) // bs,
+                cached_blocks=w.pool.cached_hashes,
+            )
+            for k, w in enumerate(self.workers)
+        ]
+        active = {}
+        for c in cands:
+            a = self.ledger.load(c.worker_id, 0, excluding=p.request_id)
+            if a.requests:
+                active[(c.worker_id, 0)] = a
+        d = decide(
+            cands,
+            prompt_tokens=len(p.tokens),
+            block_size=bs,
+            policy=self.route_policy,
+            active=active,
+            seed=route_seed(p.request_id, b""),
         )
-    raise ValueError(f"unknown policy {policy!r}")
+        assert d is not None
+        w = d.winner
+        self.ledger.routed(
+            Routed(
+                request_id=p.request_id,
+                worker_id=w.worker_id,
+                dp_rank=0,
+                prefill_tokens=max(len(p.tokens) - w.overlap_blocks * bs, 0),
+                blocks=-(-len(p.tokens) // bs),
+            ),
+            p.arrival_s,
+        )
+        return int(w.worker_id.removeprefix("sim-"))
 
 
-def simulate_policy(policy: str, trace: Sequence[TraceRequest], spec: FleetSpec) -> PolicyResult:
-    """Serve ``trace`` on a fresh fleet with an in-process policy (not ``kvmesh``), in simulated time."""
-    workers = spec.build()
-    rng = random.Random(spec.seed)
+def simulate_policy(
+    policy: str, trace: Sequence[TraceRequest], spec: FleetSpec, *, route_policy: Policy | None = None
+) -> PolicyResult:
+    """Serve ``trace`` on a fresh fleet with an in-process policy (not ``kvmesh``), in simulated time.
+
+    The decision is taken in the harness from the fleet's state at the request's arrival and costs no
+    simulated time (routing delay 0). ``route_policy`` is the cost policy of ``kvmesh-exact`` (default
+    `Policy()`, the router's defaults).
+    """
     result = PolicyResult(policy=policy, per_worker=[0] * spec.workers)
+    fleet = _Fleet(spec, result)
+    chooser = _Chooser(policy, fleet, spec, route_policy or Policy())
     t0_ms = trace[0].timestamp_ms if trace else 0
     start = time.perf_counter()
     for i, req in enumerate(trace):
         p = _prepare(req, i, t0_ms)
-        for w in workers:
-            w.advance(p.arrival_s)
-        k = _choose(policy, workers, i, p.tokens, rng)
-        result.per_worker[k] += 1
-        workers[k].submit(p.request_id, p.tokens, p.outputs, arrival_s=p.arrival_s)
-    _finish(workers, result, trace, t0_ms)
+        chooser.observe(fleet.advance(p.arrival_s))
+        fleet.sample()
+        fleet.send(p, chooser.choose(i, p), 0.0)
+    fleet.advance(math.inf)
+    fleet.close(0.0)
     result.wall_s = time.perf_counter() - start
     return result
-
-
-def _finish(
-    workers: list[TimedWorker], result: PolicyResult, trace: Sequence[TraceRequest], t0_ms: int
-) -> None:
-    last = 0.0
-    for w in workers:
-        w.advance(math.inf)
-        for t in w.take_finished():
-            result.add(t)
-            if t.finished_s is not None:
-                last = max(last, t.finished_s)
-        result.extra["decode_overflows"] = result.extra.get("decode_overflows", 0) + w.decode_overflows
-    result.makespan_s = last - ((trace[0].timestamp_ms - t0_ms) / 1000.0 if trace else 0.0)
 
 
 # ---------------------------------------------------------------------- the real pipeline
@@ -204,12 +371,15 @@ def _finish(
 class _Pipeline:
     """A private nats-server, one ingest per engine, an indexer and a router, as child processes."""
 
-    def __init__(self, workers: int, block_size: int, log_dir: Path | None) -> None:
+    def __init__(
+        self, workers: int, block_size: int, log_dir: Path | None, router_args: Sequence[str] = ()
+    ) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
         self.log_dir = log_dir or self.tmp / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers = workers
         self.block_size = block_size
+        self.router_args = list(router_args)
         self.children = ChildProcesses(self.log_dir)
         self.server: Any = None
         self.publishers: list[EventPublisher] = []
@@ -229,7 +399,7 @@ class _Pipeline:
                 "--block-size", str(self.block_size),
             )  # fmt: skip
         self._spawn("indexer", "kvmesh.indexer", "--nats-url", nats_url)
-        self._spawn("router", "kvmesh.router", "--nats-url", nats_url)
+        self._spawn("router", "kvmesh.router", "--nats-url", nats_url, *self.router_args)
         return nats_url
 
     def _spawn(self, name: str, module: str, *argv: str) -> None:
@@ -271,63 +441,55 @@ async def _wait_ready(pipe: _Pipeline, router: Any, timeout_s: float = 90.0) -> 
 
 async def run_kvmesh(
     trace: Sequence[TraceRequest], spec: FleetSpec, *, speed: float, nats_url: str | None = None,
-    log_dir: Path | None = None, say: Callable[[str], None] = print,
+    log_dir: Path | None = None, router_args: Sequence[str] = (), say: Callable[[str], None] = print,
 ) -> PolicyResult:  # fmt: skip
-    """Serve ``trace`` routed by the real kvmesh pipeline, simulated time running ``speed`` × wall time."""
+    """Serve ``trace`` routed by the real kvmesh pipeline, simulated time running ``speed`` × wall time.
+
+    Each request is routed at the wall time of its arrival and reaches its engine at its simulated arrival
+    + the measured route latency (real seconds, not multiplied by ``speed``).
+    """
     from kvmesh.client import RouteError, Router  # noqa: PLC0415
     from kvmesh.runtime.nats import connect  # noqa: PLC0415
 
-    workers = spec.build()
     result = PolicyResult(policy="kvmesh", per_worker=[0] * spec.workers)
-    pipe = _Pipeline(spec.workers, spec.block_size, log_dir)
+    fleet = _Fleet(spec, result)
+    pipe = _Pipeline(spec.workers, spec.block_size, log_dir, router_args)
     loop = asyncio.get_running_loop()
     try:
         url = pipe.start(nats_url)
         nc = await connect(url, name="kvmesh-bench")
         router = Router(nc, timeout_s=5.0)
-        notify = [m for m in ("mark_prefill_done", "finish") if callable(getattr(router, m, None))]
         try:
             await _wait_ready(pipe, router)
             say(f"  pipeline ready ({spec.workers} ingests, indexer, router); replaying at speed {speed:g}×")
             t0_ms = trace[0].timestamp_ms if trace else 0
             wall0 = loop.time()
             late: list[float] = []
+            overlap: list[int] = []
+            """Per route: the router's overlap for its chosen worker minus that pool's true hit, in blocks."""
             tasks: set[asyncio.Task[Any]] = set()
 
-            async def publish_until(until_s: float) -> None:
-                merged: list[tuple[float, int, StepBatch]] = []
-                for k, w in enumerate(workers):
-                    merged.extend((b.time_s, k, b) for b in w.advance(until_s))
-                merged.sort(key=lambda x: (x[0], x[1]))
-                for time_s, k, batch in merged:
+            async def play(items: Sequence[_Item]) -> None:
+                """Publish each batch and send each lifecycle note at the wall time of its simulated time."""
+                for time_s, _serial, k, kind, payload in items:
                     delay = wall0 + time_s / speed - loop.time()
                     if delay > 0:
                         await asyncio.sleep(delay)
-                    elif delay < -_LATE_S:
+                    elif delay < -_LATE_S and kind == _EVENTS:
                         late.append(-delay)
-                    pipe.publishers[k].publish(batch.events)
-                if notify:
-                    for w in workers:
-                        for t in w.take_first_tokens():
-                            _fire(tasks, router, "mark_prefill_done", t.request_id, notify)
+                    if kind == _EVENTS:
+                        pipe.publishers[k].publish(payload.events)
+                    else:
+                        _fire(
+                            tasks, router, "mark_prefill_done" if kind == _PREFILL_DONE else "finish", payload
+                        )
                 await asyncio.sleep(0)
-
-            last_finish = 0.0
-
-            def collect() -> None:
-                nonlocal last_finish
-                for w in workers:
-                    for t in w.take_finished():
-                        result.add(t)
-                        if t.finished_s is not None:
-                            last_finish = max(last_finish, t.finished_s)
-                            _fire(tasks, router, "finish", t.request_id, notify)
 
             start = time.perf_counter()
             for i, req in enumerate(trace):
                 p = _prepare(req, i, t0_ms)
-                await publish_until(p.arrival_s)
-                collect()
+                await play(fleet.advance(p.arrival_s))
+                fleet.sample()
                 delay = wall0 + p.arrival_s / speed - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -335,33 +497,34 @@ async def run_kvmesh(
                 try:
                     reply = await router.route(MODEL, p.tokens, request_id=p.request_id)
                     k = int(reply.worker_id.removeprefix("sim-"))
+                    seen = min(reply.overlap_blocks, (len(p.tokens) - 1) // spec.block_size)
+                    overlap.append(seen - fleet.workers[k].pool.match_prefix(p.tokens) // spec.block_size)
                 except RouteError as exc:
                     result.extra["route_errors"] = result.extra.get("route_errors", 0) + 1
                     say(
                         f"  {p.request_id}: route failed ({exc.code}: {exc.message}); sent to worker {i % spec.workers}"
                     )
                     k = i % spec.workers
-                result.route_latency_s.append(time.perf_counter() - t_route)
-                result.per_worker[k] += 1
-                workers[k].submit(p.request_id, p.tokens, p.outputs, arrival_s=p.arrival_s)
-                await publish_until(p.arrival_s)
-                collect()
+                latency_s = time.perf_counter() - t_route
+                result.route_latency_s.append(latency_s)
+                fleet.send(p, k, latency_s)
                 if (i + 1) % max(1, len(trace) // 10) == 0:
                     say(
                         f"  [{i + 1}/{len(trace)}] simulated {p.arrival_s:.1f} s, wall {loop.time() - wall0:.1f} s"
                     )
-            # Let the fleet drain: publish every remaining step at its time.
-            while any(w.next_time_s() is not None for w in workers):
-                nxt = min(t for w in workers if (t := w.next_time_s()) is not None)
-                await publish_until(nxt)
-                collect()
+            # Let the fleet drain: deliver, publish and notify everything left at its time.
+            while (nxt := fleet.next_time_s()) is not None:
+                await play(fleet.advance(nxt))
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             result.wall_s = time.perf_counter() - start
-            result.makespan_s = last_finish - (trace[0].timestamp_ms - t0_ms) / 1000.0 if trace else 0.0
+            fleet.close(0.0)
             result.extra["batches_late_over_10ms"] = len(late)
             result.extra["max_late_ms"] = round(1e3 * max(late, default=0.0), 1)
-            result.extra["decode_overflows"] = sum(w.decode_overflows for w in workers)
+            result.extra["overlap_exact"] = sum(1 for d in overlap if d == 0)
+            result.extra["overlap_under"] = sum(1 for d in overlap if d < 0)
+            result.extra["overlap_over"] = sum(1 for d in overlap if d > 0)
+            result.extra["overlap_missed_blocks"] = -sum(d for d in overlap if d < 0)
         finally:
             await nc.close()
         return result
@@ -369,11 +532,7 @@ async def run_kvmesh(
         pipe.stop()
 
 
-def _fire(
-    tasks: set[asyncio.Task[Any]], router: Any, method: str, request_id: str, notify: list[str]
-) -> None:
-    if method not in notify:
-        return
+def _fire(tasks: set[asyncio.Task[Any]], router: Any, method: str, request_id: str) -> None:
     task = asyncio.ensure_future(getattr(router, method)(request_id))
     tasks.add(task)
     task.add_done_callback(tasks.discard)
@@ -385,8 +544,9 @@ def _fire(
 def table(results: Sequence[PolicyResult]) -> str:
     """Return the per-policy Markdown table."""
     rows = [
-        "| policy | requests | hit ratio | vs oracle | TTFT p50 (s) | TTFT p99 (s) | requests/s (simulated) | router p50 / p99 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | requests | hit ratio | vs oracle | TTFT p50 (s) | TTFT p99 (s) | requests/s (simulated) "
+        "| routing delay p50 / p99 (ms) | busiest worker's running requests p50 / p99 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     oracle = next((r for r in results if r.policy == "oracle"), None)
     for r in results:
@@ -394,17 +554,22 @@ def table(results: Sequence[PolicyResult]) -> str:
         lat = (
             f"{1e3 * percentile(r.route_latency_s, 0.5):.2f} / {1e3 * percentile(r.route_latency_s, 0.99):.2f}"
             if r.route_latency_s
+            else "0 (in-process)"
+        )
+        busy = (
+            f"{percentile(r.busiest_running, 0.5):.0f} / {percentile(r.busiest_running, 0.99):.0f}"
+            if r.busiest_running
             else "–"
         )
         rows.append(
-            f"| {r.policy} | {r.requests} | {100 * r.hit_ratio:.1f} % | {vs} | {percentile(r.ttft_s, 0.5):.3f} | "
-            f"{percentile(r.ttft_s, 0.99):.3f} | {r.requests_per_s:.2f} | {lat} |"
+            f"| {r.policy} | {r.requests} | {100 * r.hit_ratio:.2f} % | {vs} | {percentile(r.ttft_s, 0.5):.3f} | "
+            f"{percentile(r.ttft_s, 0.99):.3f} | {r.requests_per_s:.2f} | {lat} | {busy} |"
         )
     return "\n".join(rows)
 
 
 async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print) -> list[PolicyResult]:
-    """Run every selected policy on the trace; return the results in `POLICIES` order."""
+    """Run every selected policy on the trace; return the results in the order of ``args.policies``."""
     trace = load_trace(args.trace, limit=args.requests)
     spec = FleetSpec(
         workers=args.workers,
@@ -422,18 +587,31 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
     say(
         f"kvmesh bench trace: {len(trace)} requests from {args.trace} ({span:.0f} s of arrivals), {spec.workers} workers"
     )
+    weights = {"overlap_weight": args.overlap_weight, "decode_weight": args.decode_weight}
+    route_policy = replace(Policy(), **{k: v for k, v in weights.items() if v is not None})
+    router_args = [
+        *(a for k, v in weights.items() if v is not None for a in (f"--{k.replace('_', '-')}", repr(v))),
+        *args.router_arg,
+    ]
     results: list[PolicyResult] = []
     for policy in args.policies:
         say(f"policy {policy}")
         if policy == "kvmesh":
             r = await run_kvmesh(
-                trace, spec, speed=args.speed, nats_url=args.nats_url, log_dir=args.log_dir, say=say
-            )
+                trace, spec, speed=args.speed, nats_url=args.nats_url, log_dir=args.log_dir,
+                router_args=router_args, say=say,
+            )  # fmt: skip
         else:
-            r = simulate_policy(policy, trace, spec)
+            r = simulate_policy(policy, trace, spec, route_policy=route_policy)
+        lat = (
+            f", route p50 {1e3 * percentile(r.route_latency_s, 0.5):.2f} ms"
+            f" p99 {1e3 * percentile(r.route_latency_s, 0.99):.2f} ms"
+            if r.route_latency_s
+            else ""
+        )
         say(
-            f"  hit ratio {100 * r.hit_ratio:.1f} %, TTFT p50 {percentile(r.ttft_s, 0.5):.3f} s, "
-            f"p99 {percentile(r.ttft_s, 0.99):.3f} s, {r.wall_s:.1f} s wall"
+            f"  hit ratio {100 * r.hit_ratio:.2f} %, TTFT p50 {percentile(r.ttft_s, 0.5):.3f} s, "
+            f"p99 {percentile(r.ttft_s, 0.99):.3f} s{lat}, {r.wall_s:.1f} s wall"
         )
         results.append(r)
     return results
@@ -474,13 +652,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=32, help="running requests per engine (default 32)")
     p.add_argument("--seed", type=int, default=0, help="hash seed base and random policy seed")
     p.add_argument(
-        "--policies", default=",".join(POLICIES), help="comma-separated subset of " + ", ".join(POLICIES)
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated list of "
+        + ", ".join(POLICIES + EXTRA_POLICIES)
+        + " (default: all but the last two)",
     )
     p.add_argument(
         "--out",
         type=Path,
         default=Path("bench-trace"),
         help="write <out>.md and <out>.png (default bench-trace)",
+    )
+    p.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=None,
+        help="the router's overlap_weight (kvmesh and kvmesh-exact; default: the router's default)",
+    )
+    p.add_argument(
+        "--decode-weight",
+        type=float,
+        default=None,
+        help="the router's decode_weight (kvmesh and kvmesh-exact; default: the router's default)",
+    )
+    p.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="pass ARG to the kvmesh router (repeat for several: --router-arg=--index --router-arg=local)",
     )
     p.add_argument("--nats-url", default=None, help="use this NATS server instead of a private one")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the child processes' logs here")

@@ -21,6 +21,17 @@ the same for every candidate and is left out (it moves no winner and no normalis
 and no tiers the cost is ``prompt_blocks − overlap_blocks`` (for whole-block prompts), so the longest overlap
 wins, as before load-awareness.
 
+Default weights: ``overlap_weight`` 1.0 and ``decode_weight`` 0.1. Dynamo's form has no decode weight
+(``w · prefill_blocks + decode_blocks``, ``w`` = ``--kv-overlap-score-weight``, default 1.0); at temperature
+0, and at any temperature since costs are normalised, kvmesh's defaults choose exactly as Dynamo with
+``w`` = 10 (Dynamo documents a higher ``w`` as better TTFT at some cost in ITL). At 1.0 a running request's
+blocks weigh as much as prefilling them again: on the Mooncake conversation trace one ~7,000-token request
+in flight (440 blocks) then outweighs all but the longest cached prefixes, so returning conversations lose
+their cache to load balancing (kvmesh-exact: 82 % of the TTFT oracle's hit ratio at 1.0, 94–96 % at 0.1,
+TTFT p50 1.11 s → 0.84 s; ``docs/benchmarks.md`` section 1). At 0.1 that request weighs 44 blocks (704
+prompt tokens): equal overlaps still go to the less loaded worker, and queued prefill (the term a new
+request actually waits for) keeps its full weight.
+
 Choice: candidates whose fresh engine report shows them busy (``kv_usage ≥ busy_kv_usage`` or ``waiting ≥
 busy_waiting``) are skipped while any other is free. With ``temperature == 0`` the lowest cost wins; ties go
 to the fewest cached blocks, then to a *seeded* random order: ``xxh3_64(worker_id ‖ 0 ‖ dp_rank, seed)``
@@ -72,8 +83,8 @@ class Policy:
 
     overlap_weight: float = 1.0
     """Weight ``w`` of the prefill term (Dynamo's ``overlap_score_weight``), ≥ 0."""
-    decode_weight: float = 1.0
-    """Weight of the decode term (active blocks), ≥ 0."""
+    decode_weight: float = 0.1
+    """Weight of the decode term (active blocks), ≥ 0 (1.0 is Dynamo's form; see the module docstring)."""
     temperature: float = 0.0
     """0: lowest cost wins; > 0: softmax sampling over normalised costs."""
     tier_weights: Mapping[str, float] = field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.5, "DISK": 0.25})

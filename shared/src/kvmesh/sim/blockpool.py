@@ -256,6 +256,11 @@ class BlockPool:
         """Ids of the requests started and not finished."""
         return frozenset(self._requests)
 
+    @property
+    def cached_hashes(self) -> int:
+        """Distinct block hashes cached now (in use or free): the blocks an index of this pool's events holds."""
+        return len(self._cache)
+
     # ------------------------------------------------------------------ pure queries
 
     def compute_block_hashes(

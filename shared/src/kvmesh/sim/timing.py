@@ -11,7 +11,8 @@ is handed (seconds of *simulated* time; it never reads a real clock):
   emitted as one step.
 * **prefill** runs one request at a time per worker (compute-bound), taking ``prefill_overhead_s +
   uncached_tokens × prefill_s_per_token``; the first token is out when it ends, so
-  ``ttft = queueing + prefill wait + prefill``.
+  ``ttft = routing delay + queueing + prefill wait + prefill`` (the routing delay is ``received_s −
+  arrival_s`` of `TimedWorker.submit`).
 * **decode** produces one token per ``decode_s_per_token`` for each running request, concurrently (a decode
   step's cost does not grow with the batch in this model). A decode block's ``BlockStored`` is emitted at the
   step that fills it; the request finishes (blocks freed, no event) at its last token.
@@ -75,8 +76,11 @@ class RequestTiming:
 
     request_id: str
     arrival_s: float
+    """When the client sent it: TTFT counts from here."""
     prompt_tokens: int
     output_tokens: int
+    received_s: float | None = None
+    """When it reached the engine (``arrival_s`` + the routing delay); None means at ``arrival_s``."""
     admitted_s: float | None = None
     """When it got a batch slot and blocks (the prefix hit is taken then)."""
     first_token_s: float | None = None
@@ -89,7 +93,7 @@ class RequestTiming:
 
     @property
     def ttft_s(self) -> float | None:
-        """Time to first token: queueing + waiting for the prefill unit + prefill."""
+        """Time to first token: routing delay + queueing + waiting for the prefill unit + prefill."""
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
 
 
@@ -205,16 +209,19 @@ class TimedWorker:
         output_token_ids: Sequence[int],
         *,
         arrival_s: float,
+        received_s: float | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
     ) -> RequestTiming:
-        """Queue a request arriving at ``arrival_s`` (advance to that time first) and admit what fits.
+        """Queue a request reaching the engine at ``received_s`` (advance to that time first); admit what fits.
 
         Args:
             request_id: unique among running requests.
             token_ids: the prompt (non-empty).
             output_token_ids: the tokens it will generate (``len`` = output length).
-            arrival_s: arrival time; must not be before the worker's current time.
+            arrival_s: when the client sent it (its TTFT counts from here).
+            received_s: when it reaches this engine, ≥ ``arrival_s`` (the difference is the routing
+                delay); must not be before the worker's current time. None: at ``arrival_s``.
             lora_name: LoRA adapter name.
             cache_salt: cache salt.
 
@@ -222,23 +229,27 @@ class TimedWorker:
             The request's timing record, filled in as the worker advances.
 
         Raises:
-            ValueError: an empty prompt or an arrival in the worker's past.
+            ValueError: an empty prompt, a receipt in the worker's past or before the arrival.
         """
         if not token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
-        if arrival_s < self._now_s:
-            raise ValueError(f"arrival {arrival_s} is before the worker's time {self._now_s}")
-        self._now_s = arrival_s
+        at_s = arrival_s if received_s is None else received_s
+        if at_s < arrival_s:
+            raise ValueError(f"request {request_id!r} received at {at_s}, before its arrival {arrival_s}")
+        if at_s < self._now_s:
+            raise ValueError(f"arrival {at_s} is before the worker's time {self._now_s}")
+        self._now_s = at_s
         timing = RequestTiming(
             request_id=request_id,
             arrival_s=arrival_s,
             prompt_tokens=len(token_ids),
             output_tokens=len(output_token_ids),
+            received_s=at_s,
         )
         self._waiting.append(
             _Waiting(timing, list(token_ids), list(output_token_ids[:-1]), lora_name, cache_salt)
         )
-        self._admit(arrival_s)
+        self._admit(at_s)
         return timing
 
     def advance(self, until_s: float) -> list[StepBatch]:

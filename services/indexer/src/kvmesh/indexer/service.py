@@ -20,7 +20,8 @@ Match protocol (msgpack): request ``{"model", "token_ids", "lora_name", "cache_s
 the token ids packed as little-endian uint32 (msgpack bin: what the router sends, no per-token work on either
 side) or a msgpack array of ints; reply
 ``{"index_seq", "block_size", "prompt_blocks", "candidates": [[worker_id, dp_rank, overlap_blocks,
-cached_blocks], ...]}`` or ``{"error": {"code", "message"}}`` with codes ``bad_request`` and
+cached_blocks(, tiers)], ...]}`` (``tiers``: overlap blocks per storage medium, present only when some are
+not on GPU) or ``{"error": {"code", "message"}}`` with codes ``bad_request`` and
 ``unknown_model``.
 """
 
@@ -520,7 +521,9 @@ class IndexerService:
                     "prompt_blocks": result.prompt_blocks,
                     "replica": self.replica,
                     "candidates": [
-                        [c.worker_id, c.dp_rank, c.overlap_blocks, c.cached_blocks] for c in result.candidates
+                        [c.worker_id, c.dp_rank, c.overlap_blocks, c.cached_blocks]
+                        + ([c.tiers] if c.tiers is not None else [])
+                        for c in result.candidates
                     ],
                 }
             )

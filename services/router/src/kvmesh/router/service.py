@@ -438,7 +438,7 @@ class RouterService:
                     dp_rank=c.dp_rank,
                     overlap_blocks=c.overlap_blocks,
                     cached_blocks=c.cached_blocks,
-                    tiers=getattr(c, "tiers", None),
+                    tiers=c.tiers,
                 )
                 for c in result.candidates
             ],

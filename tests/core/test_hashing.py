@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvmesh.core.errors import RequestError
 from kvmesh.core.hashing import (
@@ -210,3 +212,28 @@ def test_prefix_keys_continue_from_stored_parent_and_stay_below_2_60() -> None:
         assert prefix_keys(local[k:], full[k - 1]) == full[k:]
     assert prompt_prefix_keys(tokens, 4, lora_name="adapter-a", cache_salt="tenant-1") == full
     assert prompt_prefix_keys(tokens, 4) != full
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=80),
+    block_size=st.sampled_from([1, 3, 4, 16]),
+    lora=st.sampled_from([None, "adapter-a"]),
+    salt=st.sampled_from([None, "", "tenant-1"]),
+)
+def test_lazy_prefix_keys_equal_the_eager_ones(
+    tokens: list[int], block_size: int, lora: str | None, salt: str | None
+) -> None:
+    """`iter_prompt_prefix_keys` yields exactly `prompt_prefix_keys`, LoRA and salt included."""
+    from kvmesh.core.hashing import iter_prompt_prefix_keys, prompt_prefix_keys
+
+    lazy = iter_prompt_prefix_keys(tokens, block_size, lora_name=lora, cache_salt=salt)
+    assert list(lazy) == prompt_prefix_keys(tokens, block_size, lora_name=lora, cache_salt=salt)
+
+
+def test_lazy_prefix_keys_check_every_token_before_hashing() -> None:
+    """A bad token id anywhere fails the call itself, not some later step of the iteration."""
+    from kvmesh.core.hashing import iter_prompt_prefix_keys
+
+    with pytest.raises(RequestError) as err:
+        iter_prompt_prefix_keys([1, 2, 3, 4, 5, 2**32], 4)
+    assert err.value.field == "token_ids"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -107,6 +108,29 @@ def test_missing_middle_block_cuts_the_leading_run() -> None:
     assert index.remove(B0, [F[0]]) == _removed(1)
     assert index.match(SEQ) == {A0: 1}
     assert index.match(SEQ[1:]) == {B0: 3}
+
+
+def test_match_reads_keys_only_as_far_as_some_holder_matches() -> None:
+    """With lazy keys, the match stops pulling after the first block no holder has (the rest is never hashed),
+    and the superset fast path (every live holder holds the next block) gives the same overlaps."""
+    index = PrefixIndex()
+    index.store(A0, E, None, LOCAL)
+    index.store(B0, F[:3], None, LOCAL[:3])
+    pulled: list[int] = []
+
+    def lazy(keys: list[int]) -> Iterator[int]:
+        for k in keys:
+            pulled.append(k)
+            yield k
+
+    assert index.match(lazy([*OTHER_SEQ, 7, 8])) == {A0: 2, B0: 2}
+    assert pulled == OTHER_SEQ[:3]  # blocks 0-1 held, block 2 held by nobody: stop
+    pulled.clear()
+    assert index.match(lazy([*SEQ, 7, 8])) == {A0: 4, B0: 3}
+    assert pulled == [*SEQ, 7]
+    pulled.clear()
+    assert index.match(lazy(DIFF_SEQ)) == {}
+    assert pulled == DIFF_SEQ[:1]
 
 
 # ---------------------------------------------------------------------------------------- parent resolution

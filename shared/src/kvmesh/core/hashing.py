@@ -43,7 +43,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Final, NewType
 
 import xxhash
@@ -233,3 +233,45 @@ def prompt_prefix_keys(
         ValueError: ``block_size`` is not positive.
     """
     return prefix_keys(local_block_hashes(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt))
+
+
+def iter_prompt_prefix_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+) -> Iterator[int]:
+    """Yield the same keys as `prompt_prefix_keys`, one block at a time.
+
+    A match walks the prompt block by block and stops at the first block no holder has; hashing lazily
+    spares the blocks after it (for a prompt whose cached prefix ends early, most of the hashing). Every
+    token id is still checked, eagerly, when this is called.
+
+    Raises:
+        RequestError: a token id is out of range or not an int.
+        ValueError: ``block_size`` is not positive.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    data = pack_tokens(token_ids)
+    return _iter_prefix_keys(
+        memoryview(data), len(token_ids) // block_size, block_size * 4, lora_seed(lora_name), cache_salt
+    )
+
+
+def _iter_prefix_keys(
+    view: memoryview, n_blocks: int, step: int, seed: int, cache_salt: str | None
+) -> Iterator[int]:
+    if not n_blocks:
+        return
+    xxh3, pack, chain_seed, mask = _xxh3, _pack_pair, SEED, KEY_MASK
+    first = view[:step]
+    local = (
+        xxh3(bytes(first) + _SALT_TAG + cache_salt.encode("utf-8"), seed) if cache_salt else xxh3(first, seed)
+    )
+    prev = local & mask
+    yield prev
+    for i in range(1, n_blocks):
+        prev = xxh3(pack(prev, xxh3(view[i * step : (i + 1) * step], seed)), chain_seed) & mask
+        yield prev

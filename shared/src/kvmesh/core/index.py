@@ -480,11 +480,12 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ queries
 
-    def match(self, seq_hashes: Sequence[int]) -> dict[Holder, int]:
+    def match(self, seq_hashes: Iterable[int]) -> dict[Holder, int]:
         """Count, per holder, how many leading blocks of a prompt it holds (on any tier).
 
         Args:
-            seq_hashes: the prompt's prefix keys (`kvmesh.core.hashing.prompt_prefix_keys`).
+            seq_hashes: the prompt's prefix keys (`kvmesh.core.hashing.prompt_prefix_keys`, or the lazy
+                `kvmesh.core.hashing.iter_prompt_prefix_keys`: consumed only as far as some holder matches).
 
         Returns:
             ``{holder: overlap_blocks}`` for holders with at least one leading block; others are absent.
@@ -494,7 +495,7 @@ class PrefixIndex:
             return {h: o.blocks for h, o in self._match_tiered(seq_hashes).items()}
         return self._match_default(seq_hashes)
 
-    def match_tiers(self, seq_hashes: Sequence[int]) -> dict[Holder, Overlap]:
+    def match_tiers(self, seq_hashes: Iterable[int]) -> dict[Holder, Overlap]:
         """Like `match`, with each holder's overlap blocks per tier (see the module docstring).
 
         Returns:
@@ -673,23 +674,31 @@ class PrefixIndex:
         self._tiered -= 1
         self._release(cache)
 
-    def _match_default(self, keys: Sequence[int]) -> dict[Holder, int]:
-        """`match` when every block is on the default tier: each cache id in `_where` is a whole holder."""
-        if not keys:
-            return {}
+    def _match_default(self, keys: Iterable[int]) -> dict[Holder, int]:
+        """`match` when every block is on the default tier: each cache id in `_where` is a whole holder.
+
+        ``keys`` is consumed only up to the first block no holder has (a lazy iterator hashes no further).
+        """
+        it = iter(keys)
         where = self._where
-        first = where.get(keys[0])
+        first = where.get(next(it, -1))  # -1 is no key: keys are ≥ 0
         if first is None:
             return {}
         caches = self._caches
         result: dict[Holder, int] = {}
         alive: set[int] = set(first) if isinstance(first, dict) else {first}
         depth = 1
-        for h in keys[1:]:
+        for h in it:
             here = where.get(h)
             if here is None:
                 break
-            nxt = alive.intersection(here) if isinstance(here, dict) else ({here} if here in alive else set())
+            if type(here) is dict:
+                if here.keys() >= alive:  # every holder still matching holds this block too (no new set)
+                    depth += 1
+                    continue
+                nxt = alive.intersection(here)
+            else:
+                nxt = {here} if here in alive else set()
             if len(nxt) != len(alive):
                 for gone in alive - nxt:
                     result[caches[gone].holder] = depth  # type: ignore[union-attr]
@@ -702,7 +711,7 @@ class PrefixIndex:
             result[caches[cid].holder] = depth  # type: ignore[union-attr]
         return result
 
-    def _match_tiered(self, keys: Sequence[int]) -> dict[Holder, Overlap]:
+    def _match_tiered(self, keys: Iterable[int]) -> dict[Holder, Overlap]:
         """`match_tiers` when some holder has blocks off the default tier."""
         where = self._where
         caches = self._caches

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import xxhash
 
 from kvmesh.core.events import Cleared, EventsMessage, IndexReset, Message, Removed, Stored, WorkerRemoved
-from kvmesh.core.hashing import SEED, prompt_prefix_keys
+from kvmesh.core.hashing import SEED, iter_prompt_prefix_keys, pack_tokens
 from kvmesh.core.index import Holder, IndexExport, PrefixIndex
 
 
@@ -305,12 +305,13 @@ class IndexState:
         unsized = live.pop(0, None)
         if live:
             block_size, index = max(live.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))
-            seq = prompt_prefix_keys(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
-            overlaps = index.match_tiers(seq)
+            prompt_blocks = len(token_ids) // block_size
+            keys = iter_prompt_prefix_keys(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
+            overlaps = index.match_tiers(keys)  # hashes only as far as some holder matches
             holders = index.holders()
         else:
-            prompt_prefix_keys(token_ids, 1)  # still validate the token ids
-            block_size, index, seq, overlaps, holders = 0, PrefixIndex(), [], {}, []
+            pack_tokens(token_ids)  # still validate the token ids
+            block_size, index, prompt_blocks, overlaps, holders = 0, PrefixIndex(), 0, {}, []
         if unsized is not None:
             holders = sorted({*holders, *unsized.holders()})
         candidates = tuple(
@@ -325,7 +326,10 @@ class IndexState:
             if not self._is_removed(h.worker_id)
         )
         return MatchResult(
-            index_seq=self.applied_seq, block_size=block_size, prompt_blocks=len(seq), candidates=candidates
+            index_seq=self.applied_seq,
+            block_size=block_size,
+            prompt_blocks=prompt_blocks,
+            candidates=candidates,
         )
 
     def _is_removed(self, worker_id: str) -> bool:

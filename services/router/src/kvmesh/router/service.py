@@ -8,7 +8,8 @@ counters). Every error reply carries ``{"error": {"code", "message"}}`` and the 
 Load, shared by every replica (plain subscriptions, no queue group, so each replica sees every event):
 
 * ``<requests_prefix>.routed`` — published by the replica that routed a request with a ``request_id``
-  (before it replies), applied by all, itself included (idempotent);
+  (before it replies, after recording it itself), applied by every other replica (the connection does not
+  echo a replica's own messages back to it);
 * ``<requests_prefix>.prefill_done`` / ``.finished`` — published by clients (`kvmesh.client.Router`);
 * ``<requests_prefix>.sync`` — a starting replica asks its peers for their ledger (`LedgerSnapshot`), so a
   restart loses nothing other replicas hold; it subscribes to the lifecycle events first, so nothing falls
@@ -154,7 +155,9 @@ class RouterService:
     async def run(self) -> None:
         """Join the shared accounting, then serve route requests until `stop()`."""
         s = self.settings
-        self._nc = nc = await connect(s.nats_url, name="kvmesh-router")
+        # no_echo: the replica records what it routed before publishing it; its own lifecycle events coming
+        # back would only be decoded and applied a second time (idempotently) on every route.
+        self._nc = nc = await connect(s.nats_url, name="kvmesh-router", no_echo=True)
         follow: asyncio.Task[None] | None = None
         watch: asyncio.Task[None] | None = None
         if self.registry is None and s.use_registry:

@@ -367,3 +367,11 @@ async def test_tiers_reported_by_the_index_are_weighted(nats_url: str, uid: str)
         ]
         full = await f.client(0).route("m", list(range(64)), policy={"tier_weights": {"CPU": 1.0}})
         assert full.worker_id == "a"
+
+
+async def test_prefill_progress_flag_reaches_the_ledger(nats_url: str, uid: str) -> None:
+    """``--prefill-progress`` (off by default) turns on the ledger's estimate; the default leaves it off."""
+    async with fleet(nats_url, uid) as f:
+        on = await f.start_router(prefill_progress=True)
+        off = await f.start_router()
+        assert (on.ledger.prefill_progress, off.ledger.prefill_progress) == (True, False)

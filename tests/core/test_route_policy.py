@@ -324,6 +324,33 @@ def test_hot_prefix_with_dynamo_weights_alternates_sooner() -> None:
     assert ledger.load("b", 0) == ActiveLoad(prefill_tokens=240, blocks=15, requests=3)
 
 
+def test_worked_example_a_half_done_prefill_keeps_a_returning_conversation() -> None:
+    """A 7,000-token turn whose first 6,400 tokens (400 blocks) are cached on A; B is idle and cold.
+
+    A learned 10,000 tokens/s from an earlier request (5,000 tokens, routed at −1.0, done at −0.5) and is
+    prefilling another 7,000-token request (438 blocks) routed at 0.0. At 0.6 s it has 1,000 tokens left:
+    A = (7,000 − 6,400 + 1,000) / 16 + 0.1 × 438 = 100 + 43.8 = 143.8 against B = 7,000 / 16 = 437.5.
+    Counting that request's whole prefill (``prefill_progress=False``, the former accounting) A costs
+    (600 + 7,000) / 16 + 43.8 = 518.8 and the conversation loses its cache to B.
+    """
+    cands = [cand("a", 400, 5000), cand("b", 0, 0)]
+    picks = {}
+    for progress in (True, False):
+        ledger = LoadLedger(prefill_progress=progress)
+        ledger.routed(
+            Routed(request_id="r0", worker_id="a", dp_rank=0, prefill_tokens=5000, blocks=313), -1.0
+        )
+        ledger.prefill_done("r0", -0.5)
+        ledger.finished("r0", -0.4)
+        ledger.routed(Routed(request_id="r1", worker_id="a", dp_rank=0, prefill_tokens=7000, blocks=438), 0.0)
+        active = {("a", 0): ledger.load("a", 0, now_s=0.6)}
+        d = decide(cands, prompt_tokens=7000, block_size=BS, active=active)
+        assert d is not None
+        picks[progress] = (d.winner.worker_id, costs(d))
+    assert picks[True] == ("a", {"a/0": pytest.approx(143.8), "b/0": 437.5})
+    assert picks[False] == ("b", {"b/0": 437.5, "a/0": pytest.approx(518.8)})
+
+
 # ---------------------------------------------------------------------------------------- candidates
 
 

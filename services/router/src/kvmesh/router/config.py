@@ -67,6 +67,11 @@ class RouterSettings:
         DEFAULT_REQUEST_TTL_S, "seconds after which an unfinished request stops counting"
     )
     load_ttl_s: float = setting(DEFAULT_LOAD_TTL_S, "seconds after which an engine load report is ignored")
+    prefill_progress: bool = setting(
+        False,
+        "count only the estimated remainder of each worker's oldest unfinished prefill, at a rate learned "
+        "from its routed -> prefill_done intervals (experimental; docs/benchmarks.md section 1)",
+    )
     sync_timeout_s: float = setting(0.5, "seconds to wait for a peer's accounting snapshot at start-up")
     log_level: str = setting("INFO", "log level")
 

@@ -135,7 +135,7 @@ class RouterService:
         self.settings = settings
         self.policy = settings.policy()
         self.registry = registry
-        self.ledger = LoadLedger(ttl_s=settings.request_ttl_s)
+        self.ledger = LoadLedger(ttl_s=settings.request_ttl_s, prefill_progress=settings.prefill_progress)
         self.engine_loads = EngineLoads(ttl_s=settings.load_ttl_s)
         self.synced_requests = 0
         self._clock = clock
@@ -315,11 +315,11 @@ class RouterService:
 
     async def _on_prefill_done(self, msg: Msg) -> None:
         with contextlib.suppress(msgspec.DecodeError):
-            self.ledger.prefill_done(_ref_dec.decode(msg.data).request_id)
+            self.ledger.prefill_done(_ref_dec.decode(msg.data).request_id, self._clock())
 
     async def _on_finished(self, msg: Msg) -> None:
         with contextlib.suppress(msgspec.DecodeError):
-            self.ledger.finished(_ref_dec.decode(msg.data).request_id)
+            self.ledger.finished(_ref_dec.decode(msg.data).request_id, self._clock())
 
     async def _on_load(self, msg: Msg) -> None:
         try:
@@ -503,7 +503,7 @@ class RouterService:
         active: dict[tuple[str, int], ActiveLoad] = {}
         engine: dict[tuple[str, int], WorkerLoad] = {}
         for c in candidates:
-            a = self.ledger.load(c.worker_id, c.dp_rank, excluding=parsed.request_id)
+            a = self.ledger.load(c.worker_id, c.dp_rank, excluding=parsed.request_id, now_s=now)
             if a.requests:
                 active[(c.worker_id, c.dp_rank)] = a
             e = self.engine_loads.get(c.worker_id, c.dp_rank, now)

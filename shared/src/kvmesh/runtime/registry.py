@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import nats.errors
@@ -121,6 +121,10 @@ async def registry_keys(kv: Any) -> set[str]:
         return set()
 
 
+MAX_DP_RANKS: Final[int] = 4096
+"""Largest ``dp_ranks`` a registry record may claim (each rank becomes a route candidate)."""
+
+
 class RegistryWatcher:
     """The live workers of a registry bucket, kept current by a KV watch (what a router narrows candidates by).
 
@@ -167,9 +171,21 @@ class RegistryWatcher:
             self.workers.pop(worker, None)
             return
         try:
-            self.workers[worker] = msgspec.json.decode(value or b"", type=WorkerRecord)
+            record = msgspec.json.decode(value or b"", type=WorkerRecord)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("registry: undecodable record for worker %s ignored: %s", worker, exc)
+            self.workers.pop(worker, None)
+            return
+        if not 1 <= record.dp_ranks <= MAX_DP_RANKS:
+            log.warning(
+                "registry: record for worker %s ignored: dp_ranks %d outside [1, %d]",
+                worker,
+                record.dp_ranks,
+                MAX_DP_RANKS,
+            )
+            self.workers.pop(worker, None)
+            return
+        self.workers[worker] = record
 
     async def run(self) -> None:
         """Watch the bucket until cancelled."""

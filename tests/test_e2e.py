@@ -247,3 +247,66 @@ async def test_candidates_follow_the_worker_registry(nats_url: str, uid: str) ->
             assert "w" in p.router_service.replica.state.workers()  # still indexed: only the registry moved
     finally:
         pub.close()
+
+
+@pytest.mark.parametrize("index", ["local", "remote"])
+async def test_requests_whose_errors_would_echo_past_the_max_payload_leave_the_router_serving(
+    nats_url: str, uid: str, index: str
+) -> None:
+    """A 600,000-character model name or candidate (a 600 KB request under the 1 MiB max payload) gets an
+    error that repeats it clipped; echoed in full, the reply (header and body) exceeded the max payload and
+    the server closed the router's (or the indexer's) connection for good. Both keep serving."""
+    from kvmesh.client import NoWorkersError
+
+    pub_worker = SimWorker("w", num_blocks=16, block_size=BS, endpoint="tcp://127.0.0.1:*", seed=1)
+    try:
+        async with pipeline(nats_url, uid) as p:
+            await p.start_ingest("w", pub_worker.publisher.endpoint, block_size=BS)
+            await pub_worker.publisher.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router(index)
+            await eventually(lambda: p.route(P1, explain=True), lambda r: overlaps(r) == {"w/0": 0})
+            with pytest.raises(UnknownModelError) as unknown:
+                await p.route(P1, model="m" * 600_000)
+            message = unknown.value.message
+            assert message.startswith("no worker serves model 'mmm") and message.endswith(" characters)")
+            assert len(message) < 700
+            with pytest.raises(NoWorkersError) as none:
+                await p.route(P1, candidates=["x" * 600_000])
+            assert len(none.value.message) < 700
+            assert (await p.route(P1)).worker_id == "w"  # still serving
+    finally:
+        pub_worker.close()
+
+
+async def test_after_a_reset_registered_workers_still_take_requests(nats_url: str, uid: str) -> None:
+    """`kvmesh reset` makes every replica forget every worker; the registry still knows them, so the model is
+    routed among them with nothing cached instead of answering unknown_model until an engine stores again."""
+    from kvmesh.core.events import IndexReset, encode_message
+    from kvmesh.runtime import subjects
+
+    worker = SimWorker("w", num_blocks=16, block_size=BS, endpoint="tcp://127.0.0.1:*", seed=1)
+    try:
+        async with pipeline(nats_url, uid) as p:
+            await p.start_ingest("w", worker.publisher.endpoint, block_size=BS)
+            await worker.publisher.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router("local")
+            assert (await worker.serve_request(P1, 0))["cached_tokens"] == 0
+            await eventually(lambda: p.route(P1, explain=True), lambda r: overlaps(r) == {"w/0": 4})
+            assert p._nc is not None and p.router_service is not None
+            await p._nc.jetstream().publish(
+                subjects.control_subject(p.prefix), encode_message(IndexReset(epoch=1, reason="test"))
+            )
+            reply = await eventually(
+                lambda: p.route(P1, explain=True),
+                lambda r: (
+                    p.router_service is not None
+                    and p.router_service.replica is not None
+                    and p.router_service.replica.state.reset_epoch == 1
+                ),
+            )
+            assert (reply.worker_id, reply.overlap_blocks, reply.block_size) == ("w", 0, BS)
+            assert overlaps(reply) == {"w/0": 0}
+    finally:
+        worker.close()

@@ -530,6 +530,10 @@ class IndexerService:
         )
 
     async def _error(self, req: Request, code: str, message: str, status: int) -> None:
+        # The message may repeat the request's model name: clip it, or a reply over the server's max payload
+        # would get this connection closed.
+        if len(message) > 512:
+            message = f"{message[:512]}… ({len(message):,} characters)"
         await req.respond_error(
             str(status),
             f"{code}: {message}",

@@ -401,24 +401,39 @@ class RouterService:
             request_id = parsed.request_id
             reply = await self._route(parsed, req.data)
         except RouteError as exc:
-            self.errors[exc.code] = self.errors.get(exc.code, 0) + 1
-            body = error_body(exc.code, exc.message)
-            if request_id is not None:
-                body["request_id"] = request_id
-            log.info("route %s: %s: %s", request_id or "-", exc.code, exc.message)
-            await req.respond_error(
-                str(ERROR_STATUS[exc.code]), f"{exc.code}: {exc.message}", self._json.encode(body)
-            )
+            await self._respond_error(req, exc.code, exc.message, request_id)
             return
         except Exception as exc:
-            log.exception("route %s: internal error", request_id or "-")
-            self.errors["internal"] = self.errors.get("internal", 0) + 1
-            await req.respond_error(
-                "500", f"internal: {exc}", self._json.encode(error_body("internal", str(exc)))
+            log.exception("route %s: internal error", _clip(request_id or "-"))
+            await self._respond_error(req, "internal", str(exc), request_id)
+            return
+        data = self._json.encode(reply)
+        if len(data) > self._reply_limit():
+            await self._respond_error(
+                req,
+                "bad_request",
+                f"the reply ({len(data):,} bytes) would exceed the server's max payload; "
+                "ask without explain, with fewer candidates or a shorter request_id",
+                None,
             )
             return
         self.routed += 1
-        await req.respond(self._json.encode(reply))
+        await req.respond(data)
+
+    def _reply_limit(self) -> int:
+        """Largest reply body we send: the server closes a connection that publishes more than its max payload
+        (and nats-py treats that as fatal), so a reply must leave room for the headers."""
+        return (self._nc.max_payload if self._nc is not None else 1 << 20) - 4096
+
+    async def _respond_error(self, req: Request, code: str, message: str, request_id: str | None) -> None:
+        """Send an error reply; echoed request values are clipped so the reply always fits the max payload."""
+        self.errors[code] = self.errors.get(code, 0) + 1
+        message = _clip(message)
+        body = error_body(code, message)
+        if request_id is not None and len(request_id) <= _MAX_ECHO:
+            body["request_id"] = request_id
+        log.info("route %s: %s: %s", _clip(request_id or "-", 64), code, message)
+        await req.respond_error(str(ERROR_STATUS[code]), f"{code}: {message}", self._json.encode(body))
 
     def _match_local(self, parsed: RouteRequest) -> dict[str, Any]:
         """Match against the in-process replica (``--index local``); same answer shape as an indexer's."""
@@ -491,9 +506,20 @@ class RouterService:
         return answer
 
     async def _route(self, parsed: RouteRequest, body: bytes) -> dict[str, Any]:
-        answer = await self._match(parsed)
-        indexed: list[Candidate] = answer["candidates"]
         live = self.registry.live(parsed.model) if self.registry is not None else None
+        try:
+            answer = await self._match(parsed)
+        except RouteError as exc:
+            if exc.code != "unknown_model" or not live:
+                raise
+            # Registered (heartbeating) but not in the index, e.g. after `kvmesh reset` forgot every worker:
+            # route among them with nothing cached rather than refuse the model until an engine stores again.
+            answer = {
+                "index_seq": self.replica.state.applied_seq if self.replica is not None else 0,
+                "block_size": self._registered_block_size(parsed.model),
+                "candidates": [],
+            }
+        indexed: list[Candidate] = answer["candidates"]
         candidates = merge_candidates(indexed, live)
         now = self._clock()
         self.ledger.expire(now)
@@ -531,6 +557,14 @@ class RouterService:
             await self._account(parsed.request_id, decision, prompt_tokens, block_size)
         return _reply(parsed, decision, answer)
 
+    def _registered_block_size(self, model: str) -> int:
+        """Block size the registry's workers of ``model`` report (0 when none does)."""
+        if isinstance(self.registry, RegistryWatcher):
+            for record in self.registry.workers.values():
+                if record.model == model and record.block_size:
+                    return record.block_size
+        return 0
+
     async def _account(
         self, request_id: str, decision: Decision, prompt_tokens: int, block_size: int
     ) -> None:
@@ -549,6 +583,15 @@ class RouterService:
             await self._nc.publish(
                 subjects.requests_subject(self.settings.requests_prefix, "routed"), self._json.encode(event)
             )
+
+
+_MAX_ECHO = 512
+"""Characters of a request's own values (model, candidates, request id) an error reply repeats."""
+
+
+def _clip(text: str, limit: int = _MAX_ECHO) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 
 def _match_overhead(parsed: RouteRequest) -> int:

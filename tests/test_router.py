@@ -375,3 +375,18 @@ async def test_prefill_progress_flag_reaches_the_ledger(nats_url: str, uid: str)
         on = await f.start_router(prefill_progress=True)
         off = await f.start_router()
         assert (on.ledger.prefill_progress, off.ledger.prefill_progress) == (True, False)
+
+
+async def test_a_router_whose_connection_is_closed_for_good_exits(nats_url: str, uid: str) -> None:
+    """nats-py closes a client for good on some server errors (a publish over the max payload); the router
+    then raises `ConnectionClosedForGood` (exit status 1 from the command) instead of living on unreachable."""
+    from kvmesh.runtime.nats import ConnectionClosedForGood
+
+    f = Fleet(nats_url, uid)
+    svc = RouterService(f.settings(0))
+    task = asyncio.create_task(svc.run())
+    await asyncio.wait_for(svc.ready.wait(), 10)
+    assert svc._nc is not None
+    await svc._nc.close()
+    with pytest.raises(ConnectionClosedForGood):
+        await asyncio.wait_for(task, 10)

@@ -1,6 +1,7 @@
 """NATS plumbing shared by the services: connecting, the events stream, error mapping.
 
 TransportError (KvmeshError)       something between us and NATS failed
+ └ ConnectionClosedForGood          the client closed its connection and will not reconnect
 └── StreamUnavailableError         the events stream does not exist (yet) or JetStream is off
 """
 
@@ -185,3 +186,14 @@ async def close_quietly(nc: Client, *, timeout_s: float = 2.0) -> None:
     if not nc.is_closed:
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+class ConnectionClosedForGood(TransportError):
+    """The NATS client closed its connection and will not reconnect (nats-py does this on some server errors,
+    e.g. a publish over the max payload); a service raises it so its supervisor restarts the process."""
+
+
+async def wait_closed(nc: Client, *, poll_s: float = 1.0) -> None:
+    """Return once ``nc`` is closed for good (not merely reconnecting)."""
+    while not nc.is_closed:  # noqa: ASYNC110 - nats-py has no awaitable "closed"; its callback is set at connect
+        await asyncio.sleep(poll_s)

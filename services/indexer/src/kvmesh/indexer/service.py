@@ -50,7 +50,13 @@ from kvmesh.core.snapshot import encode_snapshot
 from kvmesh.core.state import IndexState, UnknownModelError
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import close_quietly, connect, wait_for_stream
+from kvmesh.runtime.nats import (
+    ConnectionClosedForGood,
+    close_quietly,
+    connect,
+    wait_closed,
+    wait_for_stream,
+)
 from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, open_registry, publish_removal
 from kvmesh.runtime.replica import StreamReplica
 from kvmesh.runtime.snapshots import (
@@ -266,10 +272,16 @@ class IndexerService:
                 asyncio.create_task(self._watch_registry()),
             ]
             stop_wait = asyncio.create_task(self._stop.wait())
-            await asyncio.wait({consume, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            closed = asyncio.create_task(wait_closed(nc))
+            await asyncio.wait({consume, stop_wait, closed}, return_when=asyncio.FIRST_COMPLETED)
             stop_wait.cancel()
+            closed.cancel()
             if consume.done() and not self._stop.is_set():
                 consume.result()
+            if closed.done() and not closed.cancelled() and not self._stop.is_set():
+                raise ConnectionClosedForGood(
+                    f"indexer {self.replica}: the NATS connection was closed for good; exiting"
+                )
         finally:
             self._stop.set()  # background loops check it: nats-py may swallow a cancellation
             for t in tasks:

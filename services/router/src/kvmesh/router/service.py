@@ -80,7 +80,7 @@ from kvmesh.core.route import (
 from kvmesh.core.state import MatchResult, UnknownModelError
 from kvmesh.router.config import RouterSettings
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import connect, wait_for_stream
+from kvmesh.runtime.nats import ConnectionClosedForGood, connect, wait_closed, wait_for_stream
 from kvmesh.runtime.registry import RegistryWatcher
 from kvmesh.runtime.replica import StreamReplica
 from kvmesh.runtime.snapshots import SnapshotStore
@@ -259,12 +259,16 @@ class RouterService:
         )
         try:
             stop_wait = asyncio.create_task(self._stop.wait())
+            closed = asyncio.create_task(wait_closed(nc))
             await asyncio.wait(
-                {stop_wait} | ({follow} if follow else set()), return_when=asyncio.FIRST_COMPLETED
+                {stop_wait, closed} | ({follow} if follow else set()), return_when=asyncio.FIRST_COMPLETED
             )
             stop_wait.cancel()
+            closed.cancel()
             if follow is not None and follow.done() and not self._stop.is_set():
                 follow.result()  # the index replica failed: fail the router rather than serve a stale index
+            if closed.done() and not closed.cancelled() and not self._stop.is_set():
+                raise ConnectionClosedForGood("router: the NATS connection was closed for good; exiting")
         finally:
             with contextlib.suppress(Exception):
                 await service.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -308,5 +309,43 @@ async def test_after_a_reset_registered_workers_still_take_requests(nats_url: st
             )
             assert (reply.worker_id, reply.overlap_blocks, reply.block_size) == ("w", 0, BS)
             assert overlaps(reply) == {"w/0": 0}
+    finally:
+        worker.close()
+
+
+async def test_a_deleted_registry_bucket_voids_what_it_said(nats_url: str, uid: str) -> None:
+    """Deleting the registry bucket under a running router drops the workers it listed from the candidates
+    (a watch on a deleted bucket just goes quiet); the ingest re-creates the bucket at its next heartbeat
+    and its worker comes back."""
+    import msgspec
+
+    from kvmesh.runtime import subjects
+    from kvmesh.runtime.registry import WorkerRecord
+
+    worker = SimWorker("w", num_blocks=16, block_size=BS, endpoint="tcp://127.0.0.1:*", seed=1)
+    try:
+        async with pipeline(nats_url, uid) as p:
+            await p.start_ingest("w", worker.publisher.endpoint, block_size=BS, worker_ttl_s=3.0)
+            await worker.publisher.wait_for_subscribers(1)
+            await p.start_router("local")
+            assert p._nc is not None and p.router_service is not None
+            js = p._nc.jetstream()
+            bucket = subjects.registry_bucket(p.stream)
+            kv = await js.key_value(bucket)
+            ghost = WorkerRecord(worker_id="ghost", model=p.model, dp_ranks=1, block_size=BS, incarnation=0)
+            await kv.put(subjects.kv_key("ghost"), msgspec.json.encode(ghost))
+            await eventually(
+                lambda: p.route(P1, explain=True), lambda r: overlaps(r) == {"w/0": 0, "ghost/0": 0}
+            )
+            await js.delete_key_value(bucket)
+            # The ghost never heartbeats again: once the bucket is back (the ingest's heartbeat, every 1 s
+            # here), only w is listed.
+            await eventually(
+                lambda: p.route(P1, explain=True), lambda r: overlaps(r) == {"w/0": 0}, timeout_s=20
+            )
+            watcher = p.router_service.registry
+            await eventually(
+                lambda: asyncio.sleep(0, sorted(getattr(watcher, "workers", {}))), lambda w: w == ["w"]
+            )
     finally:
         worker.close()

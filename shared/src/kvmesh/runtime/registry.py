@@ -14,7 +14,9 @@ stream sequence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -146,6 +148,21 @@ class RegistryWatcher:
         self._bucket = bucket
         self._retry_s = retry_s
 
+    async def _until_bucket_gone(self, created: Any) -> None:
+        """Return once the bucket no longer exists, or was deleted and created again (its stream's creation
+        time changed): a watch on a deleted bucket just goes quiet."""
+        while True:
+            await asyncio.sleep(self._retry_s)
+            try:
+                info = await self._js.stream_info(f"KV_{self._bucket}")
+            except nats.js.errors.NotFoundError:
+                return
+            except Exception as exc:  # NATS unreachable: the watch itself reconnects
+                log.debug("registry: cannot check %s: %r", self._bucket, exc)
+                continue
+            if info.created != created:
+                return
+
     def live(self, model: str) -> list[tuple[str, int]] | None:
         """Return the live (worker id, dp rank)s registered for ``model``, sorted.
 
@@ -200,16 +217,50 @@ class RegistryWatcher:
                 await asyncio.sleep(self._retry_s)
                 continue
             try:
+                created = (await self._js.stream_info(f"KV_{self._bucket}")).created
                 watcher = await kv.watchall()
                 self.workers.clear()
-                async for entry in watcher:
-                    if entry is None:  # every existing key delivered
-                        self.synced = True
-                        continue
-                    self.apply(entry.key, entry.operation, entry.value)
+                check = asyncio.create_task(self._until_bucket_gone(created))
+                try:
+                    async for entry in _until(watcher, check):
+                        if entry is None:  # every existing key delivered
+                            self.synced = True
+                            continue
+                        self.apply(entry.key, entry.operation, entry.value)
+                finally:
+                    check.cancel()
+                    with contextlib.suppress(Exception):
+                        await watcher.stop()  # type: ignore[no-untyped-call]
+                # The bucket was deleted: what it said is void (its workers are not known to be live).
+                log.warning("registry: bucket %s was deleted; watching it again once it exists", self._bucket)
+                self.workers.clear()
+                self.synced = False
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("registry: watch of %s failed (%r); watching again", self._bucket, exc)
                 self.synced = False
                 await asyncio.sleep(self._retry_s)
+
+
+async def _next_entry(watcher: Any) -> tuple[bool, Any]:
+    """``(True, entry)`` for the watcher's next entry, ``(False, None)`` once it has ended."""
+    try:
+        return True, await watcher.__anext__()
+    except StopAsyncIteration:
+        return False, None
+
+
+async def _until(watcher: Any, stop: asyncio.Task[None]) -> AsyncIterator[Any]:
+    """Yield the watcher's entries (None marks the end of the initial values) until ``stop`` finishes or the
+    watcher ends."""
+    while True:
+        nxt = asyncio.ensure_future(_next_entry(watcher))
+        done, _ = await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if nxt not in done:
+            nxt.cancel()
+            return
+        more, entry = nxt.result()
+        if not more:
+            return
+        yield entry

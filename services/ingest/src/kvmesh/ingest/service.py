@@ -753,7 +753,9 @@ class IngestService:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.debug("worker %s: heartbeat failed: %r", s.worker_id, exc)
+                # Open (re-creating if needed) the bucket again next time: it may have been deleted.
+                kv = None
+                log.warning("worker %s: heartbeat failed (%r); retrying", s.worker_id, exc)
             await asyncio.sleep(s.worker_ttl_s / 3)
 
     # ------------------------------------------------------------------ status

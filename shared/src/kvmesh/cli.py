@@ -242,8 +242,11 @@ def status_command(argv: Sequence[str]) -> int:
             out["snapshots"] = await status_snapshots(js, a.stream)
             out["workers"] = await status_workers(js, a.stream, out["replicas"])
             out["ingests"] = sorted(ingests, key=lambda r: r.get("worker_id", ""))
+            summaries = [router_status(r, last) for r in routers]
+            # A local-index router of another stream reports against that stream, not this one.
             out["routers"] = sorted(
-                (router_status(r, last) for r in routers), key=lambda r: str(r.get("id", ""))
+                (r for r in summaries if r.get("stream", a.stream) == a.stream),
+                key=lambda r: str(r.get("id", "")),
             )
             return out
         finally:

@@ -238,6 +238,8 @@ def status_command(argv: Sequence[str]) -> int:
             replicas = [r for r in replicas if r.get("stream", a.stream) == a.stream]
             for r in replicas:
                 r["lag"] = max(0, last - r.get("applied_seq", 0))
+                if r.get("applied_seq", 0) > last:
+                    r["warning"] = STREAM_RECREATED
             out["replicas"] = sorted(replicas, key=lambda r: r.get("replica", ""))
             out["snapshots"] = await status_snapshots(js, a.stream)
             out["workers"] = await status_workers(js, a.stream, out["replicas"])
@@ -261,6 +263,12 @@ def status_command(argv: Sequence[str]) -> int:
     return 0
 
 
+STREAM_RECREATED = (
+    "applied sequence is past the stream's last one: the stream was deleted and created again; this "
+    "replica's index no longer describes it, restart the replica"
+)
+
+
 def router_status(stats: dict[str, Any], stream_last_seq: int) -> dict[str, Any]:
     """Summarise one router's ``$SRV.STATS`` reply: id, index mode, applied sequence and lag, counters."""
     data: dict[str, Any] = {}
@@ -271,6 +279,8 @@ def router_status(stats: dict[str, Any], stream_last_seq: int) -> dict[str, Any]
     out: dict[str, Any] = {"id": stats.get("id"), "version": stats.get("version"), **index}
     if "applied_seq" in index:
         out["lag"] = max(0, stream_last_seq - int(index["applied_seq"]))
+        if int(index["applied_seq"]) > stream_last_seq:
+            out["warning"] = STREAM_RECREATED
     for key in ("routed", "errors", "in_flight"):
         if key in data:
             out[key] = data[key]

@@ -88,3 +88,16 @@ class RequestError(KvmeshError, ValueError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+MAX_ECHO_CHARS = 512
+"""Characters of a request's own values (model, candidates, request id) an error reply repeats."""
+
+
+def clip_echo(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """Return ``text`` cut to ``limit`` characters, saying how long it was.
+
+    Error replies repeat parts of the request; unclipped, a request near the server's max payload gets a
+    reply over it, and the server closes the replying connection.
+    """
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"

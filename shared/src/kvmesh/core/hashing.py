@@ -254,23 +254,18 @@ def iter_prompt_prefix_keys(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    data = pack_tokens(token_ids)
-    return _iter_prefix_keys(
-        memoryview(data), len(token_ids) // block_size, block_size * 4, lora_seed(lora_name), cache_salt
-    )
-
-
-def _iter_prefix_keys(
-    view: memoryview, n_blocks: int, step: int, seed: int, cache_salt: str | None
-) -> Iterator[int]:
+    data = pack_tokens(token_ids)  # checks every token id now
+    n_blocks = len(token_ids) // block_size
     if not n_blocks:
-        return
+        return iter(())
+    # Block 0 carries the salt: take its local hash from `local_block_hashes`, the one place that rule lives.
+    first = local_block_hashes(token_ids[:block_size], block_size, lora_name=lora_name, cache_salt=cache_salt)
+    return _iter_prefix_keys(memoryview(data), n_blocks, block_size * 4, lora_seed(lora_name), first[0])
+
+
+def _iter_prefix_keys(view: memoryview, n_blocks: int, step: int, seed: int, first: int) -> Iterator[int]:
     xxh3, pack, chain_seed, mask = _xxh3, _pack_pair, SEED, KEY_MASK
-    first = view[:step]
-    local = (
-        xxh3(bytes(first) + _SALT_TAG + cache_salt.encode("utf-8"), seed) if cache_salt else xxh3(first, seed)
-    )
-    prev = local & mask
+    prev = first & mask
     yield prev
     for i in range(1, n_blocks):
         prev = xxh3(pack(prev, xxh3(view[i * step : (i + 1) * step], seed)), chain_seed) & mask

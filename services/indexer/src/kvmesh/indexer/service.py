@@ -45,7 +45,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, ServiceConfig
 
-from kvmesh.core.errors import RequestError
+from kvmesh.core.errors import RequestError, clip_echo
 from kvmesh.core.snapshot import encode_snapshot
 from kvmesh.core.state import IndexState, UnknownModelError
 from kvmesh.indexer.config import IndexerSettings
@@ -542,10 +542,7 @@ class IndexerService:
         )
 
     async def _error(self, req: Request, code: str, message: str, status: int) -> None:
-        # The message may repeat the request's model name: clip it, or a reply over the server's max payload
-        # would get this connection closed.
-        if len(message) > 512:
-            message = f"{message[:512]}… ({len(message):,} characters)"
+        message = clip_echo(message)  # it may repeat the request's model name
         await req.respond_error(
             str(status),
             f"{code}: {message}",

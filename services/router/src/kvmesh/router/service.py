@@ -55,7 +55,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, EndpointStats, ServiceConfig
 
-from kvmesh.core.errors import RequestError
+from kvmesh.core.errors import MAX_ECHO_CHARS, RequestError, clip_echo
 from kvmesh.core.hashing import pack_tokens
 from kvmesh.core.load import (
     ActiveLoad,
@@ -408,7 +408,7 @@ class RouterService:
             await self._respond_error(req, exc.code, exc.message, request_id)
             return
         except Exception as exc:
-            log.exception("route %s: internal error", _clip(request_id or "-"))
+            log.exception("route %s: internal error", clip_echo(request_id or "-"))
             await self._respond_error(req, "internal", str(exc), request_id)
             return
         data = self._json.encode(reply)
@@ -432,11 +432,11 @@ class RouterService:
     async def _respond_error(self, req: Request, code: str, message: str, request_id: str | None) -> None:
         """Send an error reply; echoed request values are clipped so the reply always fits the max payload."""
         self.errors[code] = self.errors.get(code, 0) + 1
-        message = _clip(message)
+        message = clip_echo(message)
         body = error_body(code, message)
-        if request_id is not None and len(request_id) <= _MAX_ECHO:
+        if request_id is not None and len(request_id) <= MAX_ECHO_CHARS:
             body["request_id"] = request_id
-        log.info("route %s: %s: %s", _clip(request_id or "-", 64), code, message)
+        log.info("route %s: %s: %s", clip_echo(request_id or "-", 64), code, message)
         await req.respond_error(str(ERROR_STATUS[code]), f"{code}: {message}", self._json.encode(body))
 
     def _match_local(self, parsed: RouteRequest) -> dict[str, Any]:
@@ -587,15 +587,6 @@ class RouterService:
             await self._nc.publish(
                 subjects.requests_subject(self.settings.requests_prefix, "routed"), self._json.encode(event)
             )
-
-
-_MAX_ECHO = 512
-"""Characters of a request's own values (model, candidates, request id) an error reply repeats."""
-
-
-def _clip(text: str, limit: int = _MAX_ECHO) -> str:
-    """``text`` cut to ``limit`` characters, saying how long it was."""
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 
 def _match_overhead(parsed: RouteRequest) -> int:

@@ -7,6 +7,17 @@
     ├── UnavailableError             code "unavailable", or no router answered in time
     └── InternalError                code "internal"
 
+    ConnectError (TransportError)    `Router.connect` could not connect (``reason`` says why)
+    ├── BadURLError                  not a nats://, tls://, ws:// or wss:// URL (also ValueError)
+    ├── UnknownHostError             the host name does not resolve
+    ├── ConnectRefusedError          nothing listens on the port
+    ├── ConnectTimeoutError          no answer within the connect timeout
+    ├── NotNatsServerError           not a NATS client port (for example the monitoring port, 8222)
+    ├── AuthorizationError           the server refused the credentials
+    └── TLSError                     tls:// and the server offers no TLS, or the handshake failed
+
+Error messages name the server with its credentials redacted (``nats://***@host:4222``).
+
 Example::
 
     async with await Router.connect("nats://127.0.0.1:4222") as router:
@@ -23,6 +34,7 @@ request TTL, 300 s by default). Call both (or at least ``finish``) for every rou
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -35,7 +47,38 @@ from nats.aio.client import Client
 from kvmesh.core.errors import KvmeshError
 from kvmesh.core.load import RequestRef
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import connect
+from kvmesh.runtime.nats import (
+    AuthorizationError,
+    BadURLError,
+    ConnectError,
+    ConnectRefusedError,
+    ConnectTimeoutError,
+    NotNatsServerError,
+    TLSError,
+    TransportError,
+    UnknownHostError,
+    connect,
+)
+
+__all__ = [
+    "AuthorizationError",
+    "BadRequestError",
+    "BadURLError",
+    "ConnectError",
+    "ConnectRefusedError",
+    "ConnectTimeoutError",
+    "InternalError",
+    "NoWorkersError",
+    "NotNatsServerError",
+    "RouteError",
+    "RouteReply",
+    "Router",
+    "TLSError",
+    "TransportError",
+    "UnavailableError",
+    "UnknownHostError",
+    "UnknownModelError",
+]
 
 
 class RouteError(KvmeshError):
@@ -145,9 +188,34 @@ class Router:
         self._owns = False
 
     @classmethod
-    async def connect(cls, url: str, **kwargs: Any) -> Router:
-        """Connect to NATS and return a client that closes the connection on `aclose`."""
-        router = cls(await connect(url, name="kvmesh-client"), **kwargs)
+    async def connect(
+        cls,
+        url: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        name: str = "kvmesh-client",
+        tls: ssl.SSLContext | None = None,
+        **kwargs: Any,
+    ) -> Router:
+        """Connect to NATS and return a client that closes the connection on `aclose`.
+
+        Args:
+            url: a NATS URL or a comma-separated list (``nats://a:4222,nats://b:4222``); ``tls://`` requires
+                TLS; credentials may be in the URL (``nats://user:pass@host:4222``).
+            connect_timeout_s: give up connecting after this many seconds in all (the call returns or
+                raises within about this bound; it prints nothing).
+            name: connection name shown by the server.
+            tls: TLS context (a private CA, client certificates); the default verifies against the system CAs.
+            **kwargs: `Router` options (``subject``, ``timeout_s`` — the per-request reply timeout, ...).
+
+        Raises:
+            ConnectError: the subclass naming why (`ConnectRefusedError`, `UnknownHostError`,
+                `BadURLError`, `NotNatsServerError`, `AuthorizationError`, `TLSError`,
+                `ConnectTimeoutError`); the message names the server without credentials.
+        """
+        options: dict[str, Any] = {} if tls is None else {"tls": tls}
+        nc = await connect(url, name=name, wait_s=connect_timeout_s, **options)
+        router = cls(nc, **kwargs)
         router._owns = True
         return router
 

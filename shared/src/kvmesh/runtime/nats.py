@@ -1,18 +1,32 @@
 """NATS plumbing shared by the services: connecting, the events stream, error mapping.
 
 TransportError (KvmeshError)       something between us and NATS failed
- └ ConnectionClosedForGood          the client closed its connection and will not reconnect
-└── StreamUnavailableError         the events stream does not exist (yet) or JetStream is off
+ ├ ConnectError                     the first connection could not be made (``reason`` says why)
+ │  ├ BadURLError                   the URL is not nats://, tls://, ws:// or wss:// (also ValueError)
+ │  ├ UnknownHostError              the host name does not resolve
+ │  ├ ConnectRefusedError           nothing listens on the port
+ │  ├ ConnectTimeoutError           no answer in time (a firewall, a host that is down)
+ │  ├ NotNatsServerError            something answers that is not a NATS client port (the monitoring port)
+ │  ├ AuthorizationError            the server refused the credentials
+ │  └ TLSError                      tls:// asked for TLS and the server offers none, or the handshake failed
+ ├ ConnectionClosedForGood          the client closed its connection and will not reconnect
+ └ StreamUnavailableError           the events stream does not exist (yet) or JetStream is off
+
+Every URL this module logs or puts in an error goes through `redact_url` first: credentials never reach logs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-from collections.abc import Awaitable, Callable
+import socket
+import ssl
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import unquote, urlsplit
 
 import nats
 import nats.errors
@@ -56,66 +70,369 @@ class StreamSettings:
     """Memory storage instead of file storage (tests, demos)."""
 
 
+class ConnectError(TransportError):
+    """The first connection to NATS could not be made.
+
+    Attributes:
+        reason: a short code: ``bad_url``, ``unknown_host``, ``refused``, ``timeout``, ``not_nats``,
+            ``authorization``, ``tls`` or ``unreachable`` (anything else).
+        servers: the server URL(s) as given, credentials redacted.
+    """
+
+    reason = "unreachable"
+
+    def __init__(self, message: str, *, servers: str = "") -> None:
+        super().__init__(message)
+        self.servers = servers
+
+
+class BadURLError(ConnectError, ValueError):
+    """The URL cannot name a NATS server (a scheme other than nats://, tls://, ws://, wss://, no host)."""
+
+    reason = "bad_url"
+
+
+class UnknownHostError(ConnectError):
+    """The server's host name does not resolve."""
+
+    reason = "unknown_host"
+
+
+class ConnectRefusedError(ConnectError):
+    """Nothing listens on the server's port (connection refused)."""
+
+    reason = "refused"
+
+
+class ConnectTimeoutError(ConnectError):
+    """The server did not answer within the connect timeout (a firewall that drops, a host that is down)."""
+
+    reason = "timeout"
+
+
+class NotNatsServerError(ConnectError):
+    """Something answers on the port but it is not a NATS client port (for example the HTTP monitoring port)."""
+
+    reason = "not_nats"
+
+
+class AuthorizationError(ConnectError):
+    """The server refused the credentials (user and password, token, nkey or creds file)."""
+
+    reason = "authorization"
+
+
+class TLSError(ConnectError):
+    """A tls:// URL asked for TLS and the server offers none, or the TLS handshake failed."""
+
+    reason = "tls"
+
+
+_SCHEMES: Final[frozenset[str]] = frozenset({"nats", "tls", "ws", "wss"})
+_DEFAULT_PORTS: Final[dict[str, int]] = {"nats": 4222, "tls": 4222, "ws": 80, "wss": 443}
+
+
+def _redact_one(server: str) -> str:
+    head, sep, rest = server.partition("://")
+    if not sep:
+        head, rest = "", server
+    end = len(rest)
+    for ch in "/?#":
+        pos = rest.find(ch)
+        if pos != -1:
+            end = min(end, pos)
+    netloc, tail = rest[:end], rest[end:]
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    return f"{head}{sep}{netloc}{tail}"
+
+
+def redact_url(url: str) -> str:
+    """Return a NATS URL (or comma-separated list) with every user info replaced by ``***``.
+
+    ``nats://alice:s3cret@host:4222,tls://t0ken@b:4222`` reads ``nats://***@host:4222,tls://***@b:4222``.
+    """
+    return ",".join(_redact_one(part.strip()) for part in url.split(","))
+
+
+def split_servers(url: str) -> list[str]:
+    """Split a NATS URL or a comma-separated server list into server URLs, each with a scheme.
+
+    A server without a scheme (``host:4222``) is ``nats://``.
+
+    Raises:
+        BadURLError: empty, an unknown scheme (``http://``), no host, a bad port, or ws:// mixed with nats://.
+    """
+    shown = redact_url(url)
+    parts = [p.strip() for p in url.split(",") if p.strip()]
+    if not parts:
+        raise BadURLError("no NATS server URL given", servers=shown)
+    out: list[str] = []
+    for part in parts:
+        server = part if "://" in part else f"nats://{part}"
+        scheme = server.partition("://")[0].lower()
+        if scheme not in _SCHEMES:
+            raise BadURLError(
+                f"{_redact_one(part)} is not a NATS URL: scheme {scheme}:// (use nats://, tls://, ws:// or wss://)",
+                servers=shown,
+            )
+        try:
+            u = urlsplit(server)
+            _ = u.port
+        except ValueError as exc:
+            raise BadURLError(f"{_redact_one(part)} is not a NATS URL: {exc}", servers=shown) from None
+        if not u.hostname:
+            raise BadURLError(f"{_redact_one(part)} is not a NATS URL: no host", servers=shown)
+        out.append(server)
+    if len({s.partition("://")[0].lower() in ("ws", "wss") for s in out}) > 1:
+        raise BadURLError(f"{shown}: ws:// and wss:// cannot be mixed with nats:// or tls://", servers=shown)
+    return out
+
+
+def _secrets(servers: Sequence[str], options: Mapping[str, Any]) -> list[str]:
+    found: list[str] = []
+    for s in servers:
+        u = urlsplit(s)
+        found += [unquote(x) for x in (u.username, u.password) if x]
+        found += [x for x in (u.username, u.password) if x]
+    found += [str(options[k]) for k in ("user", "password", "token") if options.get(k)]
+    return sorted({x for x in found if len(x) >= 3}, key=len, reverse=True)
+
+
+def _scrub(text: str, secrets: Sequence[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def _host_port(server: str) -> tuple[str, int]:
+    u = urlsplit(server)
+    return u.hostname or "", u.port or _DEFAULT_PORTS[u.scheme.lower()]
+
+
+async def _greeting(server: str, timeout_s: float) -> tuple[ConnectError | None, dict[str, Any] | None]:
+    """Open a plain TCP connection to ``server`` and read its first line: (the failure it shows, or its INFO)."""
+    host, port = _host_port(server)
+    shown = _redact_one(server)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except socket.gaierror:
+        return UnknownHostError(f"host {host!r} does not resolve", servers=shown), None
+    except ConnectionRefusedError:
+        return ConnectRefusedError(
+            f"connection refused: nothing listens on {host}:{port}", servers=shown
+        ), None
+    except TimeoutError:
+        return ConnectTimeoutError(
+            f"no answer from {host}:{port} within {timeout_s:g} s", servers=shown
+        ), None
+    except OSError as exc:
+        return ConnectError(f"{host}:{port}: {exc.strerror or exc}", servers=shown), None
+    try:
+        try:
+            line = await asyncio.wait_for(reader.readline(), timeout_s)
+        except (TimeoutError, OSError, ValueError):
+            line = b""
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(writer.wait_closed(), 0.5)
+    if line.startswith(b"INFO "):
+        with contextlib.suppress(ValueError):
+            info = json.loads(line[5:])
+            if isinstance(info, dict):
+                return None, info
+    return (
+        NotNatsServerError(
+            f"{host}:{port} accepts connections but is not a NATS client port (no INFO greeting within "
+            f"{timeout_s:g} s; the monitoring port, 8222 by default, speaks HTTP)",
+            servers=shown,
+        ),
+        None,
+    )
+
+
+def _definite(exc: BaseException, shown: str) -> ConnectError | None:
+    """The `ConnectError` a nats-py connect error proves at once (no retry can help), or None."""
+    text = str(exc).lower()
+    if isinstance(exc, nats.errors.AuthorizationError) or "authorization" in text or "authentication" in text:
+        return AuthorizationError(
+            "the server refused the credentials (authorization violation)", servers=shown
+        )
+    if isinstance(exc, ssl.SSLError):
+        return TLSError(f"TLS handshake failed: {exc.reason or exc}", servers=shown)
+    if "expecting info" in text or "info message" in text:
+        return NotNatsServerError(
+            "the server did not greet with NATS INFO: not a NATS client port", servers=shown
+        )
+    return None
+
+
+async def _diagnose(servers: Sequence[str], timeout_s: float, last: BaseException | None) -> ConnectError:
+    """Name why no server of the list could be reached: probe each, keep the most telling failure."""
+    found = await asyncio.gather(*(_greeting(s, timeout_s) for s in servers))
+    failures = [f for f, _ in found if f is not None]
+    if len(failures) == len(servers):
+        kinds = {type(f) for f in failures}
+        if len(kinds) == 1:
+            if len(failures) == 1:
+                return failures[0]
+            return failures[0].__class__("; ".join(str(f) for f in failures))
+        return ConnectError("; ".join(f"{f.servers}: {f}" for f in failures))
+    if last is not None and isinstance(last, TimeoutError | nats.errors.TimeoutError):
+        return ConnectTimeoutError(f"the server did not complete the NATS handshake within {timeout_s:g} s")
+    detail = f": {last}" if last is not None and str(last) else f": {type(last).__name__}" if last else ""
+    return ConnectError(f"the NATS handshake failed{detail}")
+
+
+def _with_context(exc: ConnectError, shown: str, secrets: Sequence[str], after: str) -> ConnectError:
+    """Re-make ``exc`` with the message ``cannot connect to NATS at <servers>: <why>``, secrets scrubbed."""
+    out = type(exc)(_scrub(f"cannot connect to NATS at {shown}: {exc}{after}", secrets), servers=shown)
+    return out
+
+
 async def connect(
     url: str,
     *,
     name: str,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
     wait_s: float | None = None,
+    connect_timeout_s: float = 2.0,
     **kwargs: Any,
 ) -> Client:
-    """Connect to NATS, retrying forever on disconnects (services must ride out server restarts).
+    """Connect to NATS; once connected, the client reconnects forever (services ride out server restarts).
 
     Args:
-        url: server URL.
+        url: a server URL, or a comma-separated list of them (``nats://a:4222,nats://b:4222``); schemes
+            nats://, tls:// (TLS required: a server without TLS is refused before any credential is sent),
+            ws://, wss://. Credentials in the URL never reach logs or error messages.
         name: connection name shown by the server.
         on_disconnect: awaited once per lost connection, before the client reconnects (and re-sends what
             it buffered).
-        wait_s: give up on the first connection after this many seconds (tools); None keeps trying,
-            logging a warning every few seconds (services may start before the server).
-        **kwargs: further `nats.connect` options.
+        wait_s: give up on the first connection after this many seconds in all (tools, the client); None
+            keeps trying, logging a warning with the reason every few seconds (services may start before
+            the server).
+        connect_timeout_s: seconds one attempt may take (TCP connect, INFO, handshake).
+        **kwargs: further `nats.connect` options (``tls``, ``user``, ``password``, ``token``, ...).
 
     Raises:
-        TransportError: the first connection could not be made within ``wait_s``.
+        BadURLError: the URL cannot name a NATS server (raised at once).
+        AuthorizationError, TLSError, NotNatsServerError: proved by the server's answer (raised at once
+            when ``wait_s`` is given).
+        UnknownHostError, ConnectRefusedError, ConnectTimeoutError, ConnectError: no connection within
+            ``wait_s`` (the last failure names the cause).
     """
+    servers = split_servers(url)
+    shown = redact_url(url)
+    secrets = _secrets(servers, kwargs)
+    loop = asyncio.get_running_loop()
+    deadline = None if wait_s is None else loop.time() + wait_s
+    # Time kept at the end of wait_s to name the cause (one TCP connect and one read per server).
+    probe_s = 1.0 if wait_s is None else min(1.0, max(0.1, wait_s / 4))
+    attempt_timeout = connect_timeout_s if wait_s is None else max(0.1, min(connect_timeout_s, wait_s))
+    if wait_s is not None:
+        attempt_timeout = max(0.1, min(attempt_timeout, wait_s - 2 * probe_s))
+    tls_servers = [s for s in servers if s.partition("://")[0].lower() == "tls"]
+    if tls_servers:
+        kwargs.setdefault("tls", ssl.create_default_context())
+        for s in tls_servers:
+            _, info = await _greeting(s, probe_s)
+            if info is not None and not info.get("tls_required") and not kwargs.get("tls_handshake_first"):
+                raise TLSError(
+                    f"cannot connect to NATS at {shown}: tls:// asks for TLS but {_redact_one(s)} offers "
+                    "none (its INFO says tls_required false); nothing was sent in plaintext",
+                    servers=shown,
+                )
 
     async def _disconnected() -> None:
-        log.info("nats: disconnected from %s (%s); reconnecting", url, name)
+        log.info("nats: disconnected from %s (%s); reconnecting", shown, name)
         if on_disconnect is not None:
             await on_disconnect()
 
     async def _reconnected() -> None:
-        log.info("nats: reconnected to %s (%s)", url, name)
+        log.info("nats: reconnected to %s (%s)", shown, name)
 
-    async def _error(exc: Exception) -> None:
-        log.debug("nats: %s: %r", name, exc)
-
-    options: dict[str, Any] = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, "connect_timeout": 2}
+    options: dict[str, Any] = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5}
     options.update(kwargs)
-    loop = asyncio.get_running_loop()
-    deadline = None if wait_s is None else loop.time() + wait_s
-    attempt_s = 5.0 if wait_s is None else max(0.1, wait_s)
+    options["connect_timeout"] = attempt_timeout
     last: BaseException | None = None
-    while deadline is None or loop.time() < deadline:
-        try:
-            # nats-py retries a failed first connection forever with max_reconnect_attempts=-1; bound each
-            # attempt so the caller hears about an unreachable server.
-            return await asyncio.wait_for(
-                nats.connect(
-                    url,
-                    name=name,
-                    disconnected_cb=_disconnected,
-                    reconnected_cb=_reconnected,
-                    error_cb=_error,
-                    **options,
-                ),
-                timeout=attempt_s if deadline is None else max(0.1, deadline - loop.time()),
+    while True:
+        window = 5.0 if deadline is None else deadline - loop.time() - 2 * probe_s
+        if window <= 0:
+            break
+        attempt = _Attempt(shown=shown, name=name, secrets=secrets, definite=loop.create_future())
+        nc = Client()
+        task: asyncio.Future[None] = asyncio.ensure_future(
+            nc.connect(
+                servers,
+                name=name,
+                disconnected_cb=_disconnected,
+                reconnected_cb=_reconnected,
+                error_cb=attempt.on_error,
+                **options,
             )
-        except (TimeoutError, OSError, nats.errors.Error) as exc:
-            last = exc
-            if deadline is None:
-                log.warning("nats: cannot reach %s (%s); still trying", url, name)
-    raise TransportError(f"cannot connect to NATS at {url} within {wait_s:g} s: {last!r}")
+        )
+        waited: set[asyncio.Future[Any]] = {task, attempt.definite}
+        done, _ = await asyncio.wait(waited, timeout=window, return_when=asyncio.FIRST_COMPLETED)
+        if task in done and task.exception() is None:
+            attempt.connected = True
+            await _check_tls(nc, shown)
+            return nc
+        failure = attempt.definite.result() if attempt.definite in done else None
+        raised = task.exception() if task.done() else None
+        if raised is not None:
+            attempt.last = raised
+            failure = failure or _definite(raised, shown)
+        last = attempt.last or last
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        with contextlib.suppress(Exception):
+            await nc.close()
+        if failure is not None and deadline is not None:
+            raise _with_context(failure, shown, secrets, "") from None
+        if deadline is None:
+            why = failure or await _diagnose(servers, probe_s, last)
+            log.warning(
+                "nats: cannot connect to %s (%s): %s; still trying", shown, name, _scrub(str(why), secrets)
+            )
+            await asyncio.sleep(options["reconnect_time_wait"])
+    why = await _diagnose(servers, probe_s, last)
+    raise _with_context(why, shown, secrets, f" (gave up after {wait_s:g} s)") from None
+
+
+@dataclass(slots=True, kw_only=True)
+class _Attempt:
+    """One first-connection attempt: nats-py reports its failures through the error callback."""
+
+    shown: str
+    name: str
+    secrets: Sequence[str]
+    definite: asyncio.Future[ConnectError]
+    connected: bool = False
+    last: BaseException | None = None
+
+    async def on_error(self, exc: Exception) -> None:
+        if not self.connected:
+            self.last = exc
+            found = _definite(exc, self.shown)
+            if found is not None and not self.definite.done():
+                self.definite.set_result(found)
+        log.debug("nats: %s: %s", self.name, _scrub(repr(exc), self.secrets))
+
+
+async def _check_tls(nc: Client, shown: str) -> None:
+    """Refuse a connection made through a tls:// URL that did not turn into TLS."""
+    url = nc.connected_url
+    if url is None or url.scheme != "tls":
+        return
+    info: dict[str, Any] = getattr(nc, "_server_info", {}) or {}
+    if not info.get("tls_required"):
+        await close_quietly(nc)
+        raise TLSError(
+            f"cannot connect to NATS at {shown}: tls:// asks for TLS but the server offers none",
+            servers=shown,
+        )
 
 
 async def ensure_stream(js: JetStreamContext, settings: StreamSettings) -> None:

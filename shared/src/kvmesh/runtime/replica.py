@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -37,6 +37,50 @@ STALL_S = 5.0
 """A consumer that applied nothing for this long while the stream holds more is re-created (seconds)."""
 STOP_TIMEOUT_S = 5.0
 """Bound on each shutdown step (seconds)."""
+RETRY_FIRST_S = 0.25
+"""First pause of `retry_start` (seconds); it doubles per attempt up to `RETRY_MAX_S`."""
+RETRY_MAX_S = 4.0
+"""Longest pause of `retry_start` (seconds)."""
+
+T = TypeVar("T")
+
+
+async def retry_start(
+    op: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    name: str,
+    stop: asyncio.Event,
+    first_s: float = RETRY_FIRST_S,
+    max_s: float = RETRY_MAX_S,
+) -> T | None:
+    """Run one start-up JetStream call until it succeeds; None when ``stop`` was set first.
+
+    A call that times out or fails on the server's side (an R3 bucket or stream electing its leader, no
+    JetStream quorum, NATS reconnecting) is retried after a pause that doubles from ``first_s`` to ``max_s``
+    seconds, with one warning per attempt naming ``what`` and the error. A definite "not found"
+    (`nats.js.errors.NotFoundError`, which includes a missing bucket) is the caller's to handle and is raised.
+
+    Args:
+        op: makes and awaits the call (called once per attempt).
+        what: the call, for log lines (``"open snapshot bucket KVMESH_EVENTS_SNAPSHOTS"``).
+        name: who is starting (``"indexer host-1"``).
+        stop: set by the owner; checked between attempts and interrupts a pause.
+    """
+    pause = first_s
+    attempt = 0
+    while not stop.is_set():
+        attempt += 1
+        try:
+            return await op()
+        except nats.js.errors.NotFoundError:
+            raise
+        except (nats.errors.Error, TimeoutError, OSError) as exc:
+            log.warning("%s: %s failed (attempt %d: %r); retrying in %.2f s", name, what, attempt, exc, pause)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), pause)
+        pause = min(pause * 2, max_s)
+    return None
 
 
 class StreamReplica:

@@ -34,8 +34,9 @@ import logging
 import sys
 import time
 from array import array
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -58,7 +59,7 @@ from kvmesh.runtime.nats import (
     wait_for_stream,
 )
 from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, open_registry, publish_removal
-from kvmesh.runtime.replica import StreamReplica
+from kvmesh.runtime.replica import StreamReplica, retry_start
 from kvmesh.runtime.snapshots import (
     SnapshotLease,
     SnapshotStore,
@@ -71,6 +72,18 @@ log = logging.getLogger("kvmesh.indexer")
 VERSION = "0.1.0"
 _STOP_TIMEOUT_S = 5.0
 """Bound on each shutdown step, so a stuck call never keeps a stopping replica (and its connection) alive."""
+
+
+T = TypeVar("T")
+
+
+class _Stopped(Exception):
+    """`stop()` was called during start-up."""
+
+
+async def _true(aw: Awaitable[None]) -> bool:
+    await aw
+    return True
 
 
 class MatchRequest(msgspec.Struct, kw_only=True):
@@ -177,48 +190,67 @@ class IndexerService:
     async def _run(self, nc: Client) -> None:
         s = self.settings
         js = nc.jetstream()
-        await wait_for_stream(js, s.stream, stop=self._stop)
-        if self._stop.is_set():
-            return
-        self._js = js
-        self._store = await SnapshotStore.open(
-            js,
-            s.snapshot_bucket_name(),
-            memory=s.buckets_memory,
-            max_bytes=s.buckets_max_bytes,
-            replicas=s.buckets_replicas,
-        )
-        self._lease = SnapshotLease(
-            await open_kv(
+        name = f"indexer {self.replica}"
+
+        async def step(op: Callable[[], Awaitable[T]], what: str) -> T:
+            # Every start-up call rides out timeouts while fresh R3 buckets and streams elect their leaders.
+            out = await retry_start(op, what=what, name=name, stop=self._stop)
+            if out is None or self._stop.is_set():
+                raise _Stopped
+            return out
+
+        try:
+            await step(
+                lambda: _true(wait_for_stream(js, s.stream, stop=self._stop)), f"wait for stream {s.stream}"
+            )
+            self._js = js
+            self._store = await step(
+                lambda: SnapshotStore.open(
+                    js,
+                    s.snapshot_bucket_name(),
+                    memory=s.buckets_memory,
+                    max_bytes=s.buckets_max_bytes,
+                    replicas=s.buckets_replicas,
+                ),
+                f"open snapshot bucket {s.snapshot_bucket_name()}",
+            )
+            lease_kv = await step(
+                lambda: open_kv(
+                    js,
+                    s.lease_bucket_name(),
+                    ttl_s=s.lease_ttl_s,
+                    memory=s.buckets_memory,
+                    replicas=s.buckets_replicas,
+                ),
+                f"open lease bucket {s.lease_bucket_name()}",
+            )
+            self._lease = SnapshotLease(lease_kv, self.replica)
+            self._registry_kv = await step(
+                lambda: open_registry(
+                    js,
+                    RegistrySettings(
+                        bucket=s.registry_bucket_name(),
+                        ttl_s=s.worker_ttl_s,
+                        memory=s.buckets_memory,
+                        replicas=s.buckets_replicas,
+                    ),
+                ),
+                f"open registry bucket {s.registry_bucket_name()}",
+            )
+            info = await step(lambda: js.stream_info(s.stream), f"read stream info of {s.stream}")
+            self._check_retention(info.config.max_age or 0.0)
+            self._replica = replica = StreamReplica(
                 js,
-                s.lease_bucket_name(),
-                ttl_s=s.lease_ttl_s,
-                memory=s.buckets_memory,
-                replicas=s.buckets_replicas,
-            ),
-            self.replica,
-        )
-        self._registry_kv = await open_registry(
-            js,
-            RegistrySettings(
-                bucket=s.registry_bucket_name(),
-                ttl_s=s.worker_ttl_s,
-                memory=s.buckets_memory,
-                replicas=s.buckets_replicas,
-            ),
-        )
-        info = await js.stream_info(s.stream)
-        self._check_retention(info.config.max_age or 0.0)
-        self._replica = replica = StreamReplica(
-            js,
-            stream=s.stream,
-            events_prefix=s.events_prefix,
-            store=self._store,
-            name=f"indexer {self.replica}",
-            stop=self._stop,
-            on_message=self._count_message,
-        )
-        start_seq = await replica.recover(info)
+                stream=s.stream,
+                events_prefix=s.events_prefix,
+                store=self._store,
+                name=name,
+                stop=self._stop,
+                on_message=self._count_message,
+            )
+            start_seq = await step(lambda: replica.recover(info), f"recover from the snapshots of {s.stream}")
+        except _Stopped:
+            return
         log.info(
             "indexer %s: reading %s from seq %d (%d messages, last seq %d)",
             self.replica,

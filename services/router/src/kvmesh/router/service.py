@@ -43,7 +43,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -82,7 +82,7 @@ from kvmesh.router.config import RouterSettings
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import ConnectionClosedForGood, connect, wait_closed, wait_for_stream
 from kvmesh.runtime.registry import RegistryWatcher
-from kvmesh.runtime.replica import StreamReplica
+from kvmesh.runtime.replica import StreamReplica, retry_start
 from kvmesh.runtime.snapshots import SnapshotStore
 
 log = logging.getLogger("kvmesh.router")
@@ -184,19 +184,38 @@ class RouterService:
         up (None when stopped first)."""
         s = self.settings
         js = nc.jetstream()
-        await wait_for_stream(js, s.stream, stop=self._stop)
-        if self._stop.is_set():
+
+        async def step(op: Callable[[], Awaitable[Any]], what: str) -> Any:
+            # Every start-up call rides out timeouts while fresh R3 buckets and streams elect their leaders.
+            return await retry_start(op, what=what, name="router", stop=self._stop)
+
+        async def waited() -> bool:
+            await wait_for_stream(js, s.stream, stop=self._stop)
+            return True
+
+        async def open_store() -> SnapshotStore | bool:
+            try:
+                return await SnapshotStore.open(js, s.snapshot_bucket_name(), create=False)
+            except nats.js.errors.BucketNotFoundError:
+                # No indexer has written a snapshot yet, so none has purged the stream either: it is whole.
+                return False
+
+        if await step(waited, f"wait for stream {s.stream}") is None or self._stop.is_set():
             return None
-        try:
-            store: SnapshotStore | None = await SnapshotStore.open(js, s.snapshot_bucket_name(), create=False)
-        except nats.js.errors.BucketNotFoundError:
-            # No indexer has written a snapshot yet, so none has purged the stream either: it is whole.
-            store = None
+        opened = await step(open_store, f"open snapshot bucket {s.snapshot_bucket_name()}")
+        if opened is None:
+            return None
+        store: SnapshotStore | None = opened or None
         self.replica = replica = StreamReplica(
             js, stream=s.stream, events_prefix=s.events_prefix, store=store, name="router", stop=self._stop
         )
-        info = await js.stream_info(s.stream)
-        follow = asyncio.create_task(replica.follow(await replica.recover(info)))
+        info = await step(lambda: js.stream_info(s.stream), f"read stream info of {s.stream}")
+        start_seq = (
+            None if info is None else await step(lambda: replica.recover(info), "recover from snapshots")
+        )
+        if start_seq is None:
+            return None
+        follow = asyncio.create_task(replica.follow(start_seq))
         await replica.wait_caught_up()
         if follow.done():
             follow.result()  # the consumer failed: fail the router

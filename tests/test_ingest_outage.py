@@ -290,12 +290,14 @@ async def test_outbox_overflow_drops_oldest_and_resynchronises(tmp_path: Path, u
 
 
 async def _stop_ingest(p: Pipeline, worker: str) -> None:
-    """Stop worker's ingest and wait until it has finished."""
+    """Stop worker's ingest as a crash does (its registry key stays until the TTL) and wait until it has
+    finished; a clean `stop()` deregisters, so a restart is a new incarnation (tests/test_ingest_registry.py)."""
     svc = p.ingests.pop(worker)
     task = svc._task  # type: ignore[attr-defined]
     p.tasks.remove(task)
-    svc.stop()
-    await asyncio.wait_for(task, 10)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
 
 
 async def restartable_ingest(p: Pipeline, pub: EventPublisher, subscribers: int) -> IngestService:

@@ -104,23 +104,68 @@ async def publish_removal(
 
 
 async def list_workers(kv: Any) -> dict[str, WorkerRecord]:
-    """Return every registered (live) worker."""
+    """Return every registered (live) worker: worker id → its last heartbeat record.
+
+    Creates no server state (no consumer): the keys come from the bucket's stream info and each record from
+    a direct get. Keys deleted, purged or aged out (a server marker) and undecodable records are skipped.
+    """
     out: dict[str, WorkerRecord] = {}
     for key in sorted(await registry_keys(kv)):
         try:
             entry = await kv.get(key)
-            out[subjects.from_kv_key(key)] = msgspec.json.decode(entry.value or b"", type=WorkerRecord)
-        except (nats.errors.Error, msgspec.DecodeError, msgspec.ValidationError):
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        except nats.errors.Error:
+            continue
+        if not entry.value:  # an age-out marker
+            continue
+        try:
+            out[subjects.from_kv_key(key)] = msgspec.json.decode(entry.value, type=WorkerRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError):
             continue
     return out
 
 
+def _bucket_stream(kv: Any) -> tuple[JetStreamContext, str, str]:
+    """(JetStream context, stream name, key subject prefix) of a nats-py KeyValue (no public accessor)."""
+    return kv._js, kv._stream, kv._pre
+
+
 async def registry_keys(kv: Any) -> set[str]:
-    """Return the keys of every registered worker (empty when none)."""
+    """Return the keys with a message in the bucket (empty when none); creates no consumer.
+
+    A key listed here may have just been deleted or aged out (its last message is then a delete marker):
+    read it with ``kv.get`` (as `list_workers` and `key_present` do) before trusting it.
+
+    Raises:
+        nats.errors.Error: the bucket's stream cannot be read (timeout, no responders, deleted).
+    """
+    js, stream, prefix = _bucket_stream(kv)
+    info = await js.stream_info(stream, subjects_filter=f"{prefix}>")
+    return {subject[len(prefix) :] for subject in (info.state.subjects or {}) if subject.startswith(prefix)}
+
+
+async def key_present(kv: Any, worker_id: str) -> bool:
+    """Whether ``worker_id``'s registry key exists, by a direct get of that key (creates no server state).
+
+    Returns False only on a definite answer: no message for the key, or its last one is a delete, a purge
+    or an age-out marker. True when the key holds a record.
+
+    Raises:
+        nats.errors.Error, TimeoutError: no definite answer (timeout, no responders, bucket unreadable);
+            callers must not treat the worker as gone.
+    """
     try:
-        return set(await kv.keys())
-    except nats.js.errors.NoKeysError:
-        return set()
+        entry = await kv.get(subjects.kv_key(worker_id))
+    except nats.js.errors.KeyNotFoundError as exc:
+        if isinstance(exc, nats.js.errors.KeyDeletedError) or getattr(exc, "op", None) is not None:
+            return False
+        # A 404 from the server (no message on the key's subject); nats-py also maps a missing stream
+        # to this error on a non-direct get, which is no answer about the key: check the stream is there.
+        js, stream, _ = _bucket_stream(kv)
+        await js.stream_info(stream)  # raises NotFoundError if the bucket itself is gone
+        return False
+    return bool(entry.value)  # an empty value is a server marker (the key aged out)
 
 
 MAX_DP_RANKS: Final[int] = 4096

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
+from kvmesh.runtime.registry import MAX_DP_RANKS
 from kvmesh.runtime.snapshots import DEFAULT_STREAM_MAX_AGE_S, DEFAULT_STREAM_MAX_BYTES
 
 
@@ -63,8 +64,11 @@ class IngestSettings:
             problems.append("--worker-id / KVMESH_INGEST_WORKER_ID is required")
         if not self.model:
             problems.append("--model / KVMESH_INGEST_MODEL is required")
-        if self.data_parallel_size < 1:
-            problems.append("--data-parallel-size must be ≥ 1")
+        if not 1 <= self.data_parallel_size <= MAX_DP_RANKS:
+            problems.append(
+                f"--data-parallel-size must be in [1, {MAX_DP_RANKS}] (got {self.data_parallel_size}): "
+                "one per engine DP rank, read on port + rank"
+            )
         if self.block_size is not None and self.block_size < 1:
             problems.append("--block-size must be ≥ 1")
         if self.max_pending_acks < 1:

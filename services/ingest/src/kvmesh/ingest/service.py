@@ -42,7 +42,14 @@ from kvmesh.ingest.config import IngestSettings
 from kvmesh.runtime import subjects
 from kvmesh.runtime.metrics import MetricsLoadPublisher
 from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, ensure_stream
-from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, heartbeat, open_registry, registry_keys
+from kvmesh.runtime.registry import (
+    RegistrySettings,
+    WorkerRecord,
+    deregister,
+    heartbeat,
+    key_present,
+    open_registry,
+)
 
 log = logging.getLogger("kvmesh.ingest")
 
@@ -78,6 +85,12 @@ class IngestCounters:
     rejected_events: int = 0
     dropped_batches: int = 0
     split_batches: int = 0
+    bad_dp_rank_batches: int = 0
+    """Engine batches whose dp_rank is outside [0, data_parallel_size): their events are rejected."""
+    reorders: int = 0
+    """Holders found stored out of engine order in the stream (acks not rising), each resynchronised."""
+    bad_replay_topics: int = 0
+    """Replay replies whose topic is not the configured one (another engine's), ignored."""
 
 
 @dataclass(slots=True)
@@ -127,6 +140,11 @@ class IngestService:
         self._clear_serial = 0
         self._nonce = os.urandom(4).hex()
         self._max_payload = 1024 * 1024
+        self._registry_kv: Any = None
+        self._rejoined = False
+        self._stream_replicas = settings.stream_replicas
+        """Replicas of the events stream as it exists (what the registry bucket is created with)."""
+        """True when this ingest started a new incarnation because its worker had been removed."""
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -150,15 +168,35 @@ class IngestService:
                 max_age_s=s.stream_max_age_s,
             ),
         )
+        with contextlib.suppress(Exception):  # the registry gets the stream's replica count (3 on a cluster)
+            info = await self._js.stream_info(s.stream)
+            self._stream_replicas = info.config.num_replicas or s.stream_replicas
         status_sub = await self._nc.subscribe(f"{subjects.STATUS_SUBJECT}.ingest", cb=self._on_status)
-        for r in range(s.data_parallel_size):
+        recovered = {
+            r: await self._recover(r, s.replay_endpoint is not None) for r in range(s.data_parallel_size)
+        }
+        trackers = {r: t for r, (t, _) in recovered.items()}
+        if any(found for _, found in recovered.values()) and not await self._still_registered():
+            # The worker was removed (clean stop, TTL) or is about to be: the index drops every message of
+            # the old incarnation from here on. Start a new one on every rank, above every rank's epoch
+            # (the removal covers the worker's highest), replaying what the engine still holds.
+            epoch = max(t.epoch for t in trackers.values()) + 1
+            log.warning(
+                "worker %s: cursor recovered but the worker is not registered (removed); starting "
+                "incarnation %d on every rank",
+                s.worker_id,
+                epoch,
+            )
+            trackers = {r: _fresh_tracker(s.replay_endpoint is not None, epoch) for r in trackers}
+            self._rejoined = True
+        for r, tracker in trackers.items():
             endpoint = offset_endpoint(s.zmq_endpoint, r)
             replay = offset_endpoint(s.replay_endpoint, r) if s.replay_endpoint else None
-            tracker = await self._recover(r, replay is not None)
             self._ranks[r] = _Rank(r, endpoint, replay, tracker, Normalizer(block_size=s.block_size))
-            # Announce the rank so routers see the worker before it caches anything.
+            # Announce the rank so routers see the worker before it caches anything (a rejoin clears it).
+            events: list[Event] = [Cleared("rejoin")] if self._rejoined else []
             self._enqueue_events(
-                r, tracker.epoch, _cursor(tracker), [], msg_id=self._unique_id(r, tracker, "hello")
+                r, tracker.epoch, _cursor(tracker), events, msg_id=self._unique_id(r, tracker, "hello")
             )
         tasks = [asyncio.create_task(self._read_rank(rank)) for rank in self._ranks.values()]
         tasks.append(asyncio.create_task(self._publish_loop()))
@@ -198,6 +236,8 @@ class IngestService:
                     len(self._outbox),
                     len(self._inflight),
                 )
+            if self._stop.is_set():  # a clean stop: leave the registry now rather than at the TTL
+                await self._deregister()
             await close_quietly(self._nc)
             self._ctx.destroy(linger=0)
 
@@ -205,20 +245,21 @@ class IngestService:
         """Ask `run()` to finish (publishing what is buffered first, for a few seconds)."""
         self._stop.set()
 
-    async def _recover(self, rank: int, has_replay: bool) -> SeqTracker:
+    async def _recover(self, rank: int, has_replay: bool) -> tuple[SeqTracker, bool]:
+        """The rank's tracker, resuming after the last message on its subject; True when one was found."""
         assert self._js is not None
         s = self.settings
         subject = subjects.events_subject(s.events_prefix, s.model, s.worker_id, rank)
         try:
             raw = await self._js.get_last_msg(s.stream, subject)
         except nats.js.errors.NotFoundError:
-            return SeqTracker(replay=has_replay)
+            return _fresh_tracker(has_replay), False
         try:
             last = decode_message(raw.data or b"")
         except WireError:
-            return SeqTracker(replay=has_replay)
+            return _fresh_tracker(has_replay), False
         if not isinstance(last, EventsMessage):
-            return SeqTracker(replay=has_replay)
+            return _fresh_tracker(has_replay), False
         log.info(
             "ingest %s rank %d: resuming after epoch %d seq %d (from stream seq %s)",
             s.worker_id,
@@ -228,7 +269,7 @@ class IngestService:
             raw.seq,
         )
         # seq -1: this ingest announced the rank but saw no batch of the epoch; the next one due is 0.
-        return SeqTracker(epoch=last.epoch, last_seq=max(last.seq, -1), replay=has_replay)
+        return SeqTracker(epoch=last.epoch, last_seq=max(last.seq, -1), replay=has_replay), True
 
     # ------------------------------------------------------------------ ZMQ side
 
@@ -317,7 +358,7 @@ class IngestService:
                     a.after_seq,
                     a.reason,
                 )
-                self._enqueue_clear(rank, a.reason)
+                self._enqueue_clear(rank, a.reason, seq=-1 if a.after_seq is None else a.after_seq)
             elif isinstance(a, NewEpoch):
                 log.warning(
                     "worker %s rank %d: engine restarted (seq %d); epoch %d, clearing its index entries",
@@ -326,7 +367,7 @@ class IngestService:
                     a.first_seq,
                     a.epoch,
                 )
-                self._enqueue_clear(rank, "restart")
+                self._enqueue_clear(rank, "restart", seq=a.first_seq - 1)
             elif isinstance(a, ReplayDone):
                 log.info("worker %s rank %d: replay done (healed=%s)", s.worker_id, rank.rank, a.healed)
 
@@ -338,6 +379,7 @@ class IngestService:
         sock.connect(rank.replay_endpoint)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.replay_timeout_s
+        topic = self.settings.topic.encode()
         try:
             await sock.send_multipart(wire.encode_replay_request(from_seq))
             while rank.tracker.replaying:
@@ -356,6 +398,19 @@ class IngestService:
                 if reply.is_end:
                     self._act(rank, rank.tracker.on_replay_end("replay_incomplete"))
                     return
+                if reply.topic is not None and not reply.topic.startswith(topic):
+                    # Not this engine's (the live SUB filters by the same prefix): another engine behind
+                    # the replay endpoint. Its batches would be taken for ours.
+                    self.counters.bad_replay_topics += 1
+                    log.error(
+                        "worker %s rank %d: replay reply seq %d has topic %r, not the configured %r; ignored",
+                        self.settings.worker_id,
+                        rank.rank,
+                        reply.seq,
+                        reply.topic[:64],
+                        topic,
+                    )
+                    continue
                 self._act(rank, rank.tracker.on_replay(reply.seq, reply.payload))
         except asyncio.CancelledError:
             raise
@@ -376,6 +431,23 @@ class IngestService:
                 "worker %s rank %d seq %d: undecodable batch dropped: %s", s.worker_id, rank.rank, seq, exc
             )
             self._enqueue_clear(rank, "malformed")
+            return
+        dp_rank = batch.dp_rank if batch.dp_rank is not None else rank.rank
+        if not 0 <= dp_rank < s.data_parallel_size:
+            # Not a rank this ingest reads (vLLM and SGLang stamp rank r on the publisher of port + r): a
+            # new holder and subject per bad value would be invented. The events go, nothing else does.
+            self.counters.bad_dp_rank_batches += 1
+            self.counters.rejected_events += len(batch.events)
+            log.error(
+                "worker %s endpoint rank %d seq %d: batch carries dp_rank %d outside [0, %d); its %d "
+                "event(s) rejected",
+                s.worker_id,
+                rank.rank,
+                seq,
+                dp_rank,
+                s.data_parallel_size,
+                len(batch.events),
+            )
             return
         result = rank.normalizer.normalize(batch)
         for err in batch.errors:
@@ -407,7 +479,6 @@ class IngestService:
                 seq,
                 batch.unknown_events,
             )
-        dp_rank = batch.dp_rank if batch.dp_rank is not None else rank.rank
         if dp_rank != rank.holder_rank and rank.holder_rank >= 0:
             log.warning(
                 "worker %s endpoint rank %d seq %d: batches now carry dp_rank %d (was %d)",
@@ -449,12 +520,18 @@ class IngestService:
         self._clear_serial += 1
         return f"{self.settings.worker_id}:{rank}:{tracker.epoch}:{tracker.last_seq}:{kind}:{self._nonce}:{self._clear_serial}"
 
-    def _enqueue_clear(self, rank: _Rank, reason: str) -> None:
+    def _enqueue_clear(self, rank: _Rank, reason: str, *, seq: int | None = None) -> None:
+        """Enqueue a Cleared for the rank's holder after what is pending.
+
+        ``seq`` is the engine seq the clear records (default the tracker's cursor); a resync passes the
+        last batch delivered before the loss, so the holder's seqs in the stream never go back.
+        """
         self._flush_pending(rank)
         t = rank.tracker
         holder = rank.holder_rank if rank.holder_rank >= 0 else rank.rank
+        at = _cursor(t) if seq is None else seq
         self._enqueue_events(
-            holder, t.epoch, _cursor(t), [Cleared(reason)], msg_id=self._unique_id(holder, t, reason)
+            holder, t.epoch, at, [Cleared(reason)], msg_id=self._unique_id(holder, t, reason)
         )
 
     def _enqueue_events(
@@ -470,7 +547,9 @@ class IngestService:
     ) -> None:
         s = self.settings
         subject = subjects.events_subject(s.events_prefix, s.model, s.worker_id, dp_rank)
-        base_id = msg_id or f"{s.worker_id}:{dp_rank}:{epoch}:{seq}"
+        # The nonce makes ids unique per ingest process: a re-used worker id (another model, a restart
+        # within the duplicate window) never collides with what an earlier incarnation published.
+        base_id = msg_id or f"{s.worker_id}:{dp_rank}:{epoch}:{seq}:{self._nonce}"
         block_size = self._block_size(dp_rank)
         msg = EventsMessage(
             worker_id=s.worker_id,
@@ -714,29 +793,41 @@ class IngestService:
 
     # ------------------------------------------------------------------ registry
 
+    async def _open_registry(self) -> Any:
+        """Open (creating when missing, with the stream's replica count) the registry bucket."""
+        assert self._js is not None
+        s = self.settings
+        return await open_registry(
+            self._js,
+            RegistrySettings(
+                bucket=s.registry_bucket or subjects.registry_bucket(s.stream),
+                ttl_s=s.worker_ttl_s,
+                memory=s.stream_memory,
+                replicas=self._stream_replicas,
+            ),
+        )
+
     async def _heartbeat_loop(self) -> None:
         """Keep this worker's registry key alive (every TTL/3). If the key vanished while we were away (TTL
         expired: the worker was removed from the index), start a new incarnation on every rank so the
-        worker's later events are not dropped as the removed incarnation's."""
-        assert self._js is not None
+        worker's later events are not dropped as the removed incarnation's.
+
+        The liveness check is a direct get of the own key (`key_present`): it creates no consumer, and only
+        a definite "no such key / deleted / aged out" counts as gone; a timeout or an unreadable bucket
+        leaves the worker as it is.
+        """
         s = self.settings
-        bucket = s.registry_bucket or subjects.registry_bucket(s.stream)
         registered = False
-        kv = None
+        kv = self._registry_kv
         while True:
             try:
                 if kv is None:
-                    kv = await open_registry(
-                        self._js,
-                        RegistrySettings(bucket=bucket, ttl_s=s.worker_ttl_s, memory=s.stream_memory),
-                    )
-                if registered and subjects.kv_key(s.worker_id) not in await registry_keys(kv):
+                    kv = self._registry_kv = await self._open_registry()
+                if registered and not await key_present(kv, s.worker_id):
                     log.warning(
                         "worker %s: registry entry expired; rejoining as a new incarnation", s.worker_id
                     )
-                    for rank in self._ranks.values():
-                        rank.tracker.epoch += 1
-                        self._enqueue_clear(rank, "rejoin")
+                    self._rejoin("rejoin")
                 epochs = [r.tracker.epoch for r in self._ranks.values()]
                 await heartbeat(
                     kv,
@@ -754,9 +845,52 @@ class IngestService:
                 raise
             except Exception as exc:
                 # Open (re-creating if needed) the bucket again next time: it may have been deleted.
-                kv = None
+                kv = self._registry_kv = None
                 log.warning("worker %s: heartbeat failed (%r); retrying", s.worker_id, exc)
             await asyncio.sleep(s.worker_ttl_s / 3)
+
+    def _rejoin(self, reason: str) -> None:
+        """Start a new incarnation on every rank, announced by a Cleared.
+
+        The new epoch is above every rank's (a removal covers the worker's highest epoch).
+        """
+        epoch = max((r.tracker.epoch for r in self._ranks.values()), default=0) + 1
+        for rank in self._ranks.values():
+            rank.tracker.epoch = epoch
+            self._enqueue_clear(rank, reason)
+
+    async def _still_registered(self) -> bool:
+        """Whether this worker's registry key exists, asked at start before resuming a recovered cursor.
+
+        An answer that is not definite (timeout, bucket unreadable) counts as "not registered": a new
+        incarnation costs a clear and a replay, resuming a removed one loses every later message.
+        """
+        try:
+            self._registry_kv = await self._open_registry()
+            return await key_present(self._registry_kv, self.settings.worker_id)
+        except Exception as exc:
+            self._registry_kv = None
+            log.warning(
+                "worker %s: cannot read its registry key (%r); starting a new incarnation",
+                self.settings.worker_id,
+                exc,
+            )
+            return False
+
+    async def _deregister(self) -> None:
+        """Delete this worker's registry key (a clean stop: watchers publish its removal at once)."""
+        s = self.settings
+        try:
+            kv = self._registry_kv or await asyncio.wait_for(self._open_registry(), _STOP_FLUSH_S)
+            await asyncio.wait_for(deregister(kv, s.worker_id), _STOP_FLUSH_S)
+            log.info("worker %s: deregistered", s.worker_id)
+        except Exception as exc:
+            log.warning(
+                "worker %s: could not delete its registry key (%r); it expires after %.1f s",
+                s.worker_id,
+                exc,
+                s.worker_ttl_s,
+            )
 
     # ------------------------------------------------------------------ status
 
@@ -785,6 +919,12 @@ class IngestService:
     async def _on_status(self, msg: Any) -> None:
         if msg.reply:
             await msg.respond(msgspec.json.encode(self.status()))
+
+
+def _fresh_tracker(has_replay: bool, epoch: int = 0) -> SeqTracker:
+    """A tracker with no stored cursor: with a replay socket the next batch due is the engine's seq 0, so a
+    first live sequence above 0 replays what the engine still holds before going live."""
+    return SeqTracker(epoch=epoch, last_seq=-1 if has_replay else None, replay=has_replay)
 
 
 def _cursor(tracker: SeqTracker) -> int:

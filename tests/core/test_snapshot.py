@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvmesh.core.events import Cleared, Event, EventsMessage, IndexReset, Removed, Stored, WorkerRemoved
@@ -20,9 +22,13 @@ BS = 4
 LOCAL = local_block_hashes(list(range(32)), BS)  # 8 blocks
 
 
+_SEQ = itertools.count()
+
+
 def _msg(worker: str, rank: int, events: list[Event], *, epoch: int = 1) -> EventsMessage:
+    """An engine message; engine sequences rise across all messages, so each holder's rise too."""
     return EventsMessage(
-        worker_id=worker, dp_rank=rank, model="m", block_size=BS, epoch=epoch, seq=0, events=events
+        worker_id=worker, dp_rank=rank, model="m", block_size=BS, epoch=epoch, seq=next(_SEQ), events=events
     )
 
 
@@ -110,19 +116,24 @@ def test_header_carries_version_and_sequence() -> None:
         9,
         len(data) - HEADER_SIZE,
     )
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
 
 
-def test_format_1_snapshot_is_refused_by_version() -> None:
-    """A format-1 snapshot (64-bit sequence hashes) is refused with reason "version" and says why."""
+@pytest.mark.parametrize(
+    ("version", "why"),
+    [
+        (1, "format 1 keyed the index by 64-bit sequence hashes"),
+        (2, "format 2 kept no engine order per holder"),
+    ],
+)
+def test_older_format_snapshot_is_refused_by_version(version: int, why: str) -> None:
+    """A format-1 or format-2 snapshot is refused with reason "version" and says why."""
     data = encode_snapshot(_state(_history()).export())
-    old = data[:8] + (1).to_bytes(4, "little") + data[12:]
+    old = data[:8] + version.to_bytes(4, "little") + data[12:]
     with pytest.raises(SnapshotError) as info:
         decode_snapshot(old)
     assert info.value.reason == "version"
-    assert str(info.value) == (
-        "snapshot format 1 (format 1 keyed the index by 64-bit sequence hashes); this build reads only format 2"
-    )
+    assert str(info.value) == f"snapshot format {version} ({why}); this build reads only format 3"
 
 
 def test_flipped_body_byte_fails_the_checksum() -> None:

@@ -42,7 +42,14 @@ def _msg(
 
 
 def _hm(worker: str, rank: int, overlap: int, cached: int) -> HolderMatch:
-    return HolderMatch(worker_id=worker, dp_rank=rank, overlap_blocks=overlap, cached_blocks=cached)
+    return HolderMatch(
+        worker_id=worker,
+        dp_rank=rank,
+        overlap_blocks=overlap,
+        cached_blocks=cached,
+        block_size=BS,
+        overlap_tokens=overlap * BS,
+    )
 
 
 def _candidates(state: IndexState, tokens: list[int] = TOKENS, **kw: str) -> tuple[HolderMatch, ...]:
@@ -249,12 +256,28 @@ def test_match_reports_overlap_per_tier() -> None:
     state.apply(2, _msg("w1", 0, [Stored([11, 12, 13, 14], None, LOCAL, "CPU")], seq=2))
     state.apply(3, _msg("w2", 0, [Stored([31, 32, 33], None, LOCAL[:3])]))
     assert _candidates(state) == (
-        HolderMatch(worker_id="w1", dp_rank=0, overlap_blocks=4, cached_blocks=6, tiers={"GPU": 2, "CPU": 2}),
+        HolderMatch(
+            worker_id="w1",
+            dp_rank=0,
+            overlap_blocks=4,
+            cached_blocks=6,
+            tiers={"GPU": 2, "CPU": 2},
+            block_size=BS,
+            overlap_tokens=4 * BS,
+        ),
         _hm("w2", 0, 3, 3),
     )
     state.apply(4, _msg("w1", 0, [Removed([13], "CPU"), Removed([12])], seq=3))
     assert _candidates(state) == (
-        HolderMatch(worker_id="w1", dp_rank=0, overlap_blocks=2, cached_blocks=4, tiers={"GPU": 1, "CPU": 1}),
+        HolderMatch(
+            worker_id="w1",
+            dp_rank=0,
+            overlap_blocks=2,
+            cached_blocks=4,
+            tiers={"GPU": 1, "CPU": 1},
+            block_size=BS,
+            overlap_tokens=2 * BS,
+        ),
         _hm("w2", 0, 3, 3),
     )
     assert state.counters.removed_blocks == 2

@@ -20,10 +20,13 @@ pairs, the held orphans in hold order (with their tier), the index counters and 
 cursors: everything `IndexState.from_export` needs to continue exactly as the original would. About 17 bytes
 per block.
 
-Format versions: **2** (this build) stores the index's 60-bit prefix keys and folded engine keys
-(`kvmesh.core.index`) and per-holder tiers. **1** stored 64-bit Dynamo sequence hashes and raw engine hashes;
-its values mean something else now, so it is refused (`SnapshotError` with reason ``"version"``) and
-recovery skips it like any unusable snapshot, rebuilding from an older snapshot or the stream.
+Format versions: **3** (this build) adds each holder's engine order (cursor, gap, health; see
+`kvmesh.core.state`) and the removed incarnation's model. **2** stored the index's 60-bit prefix keys and
+folded engine keys (`kvmesh.core.index`) and per-holder tiers, but no engine order: a state restored from it
+could not tell a duplicate or re-ordered message from a new one, so it is refused. **1** stored 64-bit Dynamo
+sequence hashes and raw engine hashes; its values mean something else now. A refused snapshot raises
+`SnapshotError` with reason ``"version"``, and recovery skips it like any unusable snapshot, rebuilding from
+an older snapshot or the stream.
 
 SnapshotError (KvmeshError, ValueError)   the bytes are not a whole, verified snapshot of a known format
 """
@@ -47,9 +50,13 @@ from kvmesh.core.index import Holder, HolderExport, IndexExport, TierExport
 from kvmesh.core.state import StateExport, WorkerExport
 
 MAGIC: Final[bytes] = b"KVMSNAP\x00"
-FORMAT_VERSION: Final[int] = 2
+FORMAT_VERSION: Final[int] = 3
 _HEADER: Final[struct.Struct] = struct.Struct("<8sIIQQQ")
 HEADER_SIZE: Final[int] = _HEADER.size
+_OLD_FORMATS: Final[dict[int, str]] = {
+    1: " (format 1 keyed the index by 64-bit sequence hashes)",
+    2: " (format 2 kept no engine order per holder)",
+}
 _CHUNK: Final[int] = 65_536
 """Ints packed per C call, so a thread encoding a snapshot gives the GIL back every millisecond or so."""
 
@@ -116,6 +123,8 @@ class _Worker(msgspec.Struct, array_like=True):
     last_ts: float
     removed_epoch: int | None
     stale_through: int | None
+    stale_model: str | None
+    seqs: dict[int, tuple[int | None, int, bool, int | None, str | None]]
 
 
 class _Body(msgspec.Struct, array_like=True):
@@ -172,6 +181,8 @@ def encode_snapshot(export: StateExport) -> bytes:
                 w.last_ts,
                 w.removed_epoch,
                 w.stale_through,
+                w.stale_model,
+                w.seqs,
             )
             for w in export.workers
         ],
@@ -230,7 +241,7 @@ def read_header(data: bytes) -> SnapshotHeader:
     if magic != MAGIC:
         raise SnapshotError("magic", "not a kvmesh snapshot (bad magic)")
     if version != FORMAT_VERSION:
-        why = " (format 1 keyed the index by 64-bit sequence hashes)" if version == 1 else ""
+        why = _OLD_FORMATS.get(version, "")
         raise SnapshotError(
             "version", f"snapshot format {version}{why}; this build reads only format {FORMAT_VERSION}"
         )
@@ -276,6 +287,8 @@ def decode_snapshot(data: bytes) -> StateExport:
                 last_ts=w.last_ts,
                 removed_epoch=w.removed_epoch,
                 stale_through=w.stale_through,
+                stale_model=w.stale_model,
+                seqs=w.seqs,
             )
             for w in body.workers
         ),

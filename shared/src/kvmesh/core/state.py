@@ -15,6 +15,54 @@ Rules applied here, besides the index's own:
   `match` reports each candidate's overlap per tier in `HolderMatch.tiers`.
 * After a gap in the stream (`mark_gap`: the messages between a snapshot and the stream's first one are
   gone), every holder is *incomplete* until a Cleared (or a new engine epoch) rebuilds it from nothing.
+* A worker id seen under another model than its current incarnation's is a **new incarnation** (a new
+  ingest, whose epochs start again at 0 on new subjects): its old entries and bookkeeping are dropped and its
+  epochs count afresh. A WorkerRemoved's ``stale_through`` applies only to messages of the removed
+  incarnation's model, so a re-used id under another model is never dropped as stale.
+
+Engine order per holder
+-----------------------
+
+Per (worker, dp_rank) and epoch, stream order must equal engine order. A message's position is its engine
+sequence range ``first_seq..seq`` (``first_seq`` None: ``seq..seq``) and its ``part`` (parts 0..n of one
+split batch share ``seq``). A message is an **engine message** when it carries a Stored or Removed event or
+an engine ``Cleared("engine")``; the holder's *cursor* is the position of the last engine message applied.
+
+* The first engine message of an epoch is applied whatever its sequence (an ingest may attach to an engine
+  that already counted past 0).
+* An engine message that comes after the cursor is applied: ``first_seq > cursor`` (a new batch, part 0) or
+  the same ``seq`` with the next ``part``. When it does not continue the cursor (``first_seq > cursor + 1``,
+  a part skipped, or a new batch starting at a part above 0) some message is missing or re-ordered (the
+  ingest clears before it delivers past a gap it cannot heal, so a gap in the stream is never meant): it is
+  applied, counted in ``sequence_gaps``, and the holder becomes incomplete with reason ``"gap"``.
+* An engine message at or before the cursor is **refused** (nothing of it applies):
+
+  - a repeat of exactly the cursor's ``(seq, part)``, or an older message while the holder has no gap since
+    its last rebuild, is a **duplicate**: everything up to the cursor was applied (or voided by a later
+    Cleared), so it is ignored and counted in ``duplicate_messages``; the holder stays exact (correctness
+    does not depend on JetStream's duplicate window);
+  - an older message at or after the first sequence missing since the last rebuild, or one whose range
+    straddles the cursor (``first_seq <= cursor < seq``), is **out of order**: it is counted in
+    ``out_of_order`` and the holder becomes incomplete with reason ``"out_of_order"`` (it may be the missing
+    content, which can no longer be applied in engine order).
+
+  Trailing parts of a split batch that never arrive cannot be seen (a message does not carry the part count).
+* Ingest-made messages always apply, whatever their sequence: a hello (no events, ``seq`` the ingest's cursor,
+  -1 before any batch) changes nothing (an empty message only moves an existing cursor forward, with the same
+  gap rule); an ingest ``Cleared`` (reason other than ``"engine"``, ``seq`` the ingest's cursor, which may be
+  at or past batches that follow it) empties the holder and is a **rebuild**: the cursor stays where it was
+  (the ingest delivers only later batches after it) but the next engine message may skip ahead without being
+  a gap. A rebuild, an engine ``Cleared``, or a new epoch makes the holder exact again.
+
+`holder_health()` lists every live holder that is not exact, with its reason (``"stream_gap"`` for the
+snapshot gap above, ``"gap"``, ``"out_of_order"``); `match` reports it per candidate (`HolderMatch.health`).
+
+Block sizes
+-----------
+
+A model's workers normally share one block size. A worker whose events use another size is indexed under
+that size, and `match` scores every holder in its own block size (`HolderMatch.block_size`,
+``overlap_tokens``); `MatchResult.block_size` stays the size with the most holders.
 
 `export()` copies the whole state cheaply (dict copies, no per-block Python work) and `from_export()`
 rebuilds it; `kvmesh.core.snapshot` turns an export into bytes and back.
@@ -45,6 +93,13 @@ class HolderMatch:
     tiers: dict[str, int] | None = None
     """The overlap blocks per storage tier (``{"GPU": 4, "CPU": 4}``), each block on its fastest tier (GPU, CPU,
     then the others by name; `kvmesh.core.index`); None when they are all on the default tier (GPU)."""
+    block_size: int = 0
+    """Tokens per block of this holder: ``overlap_blocks`` and ``cached_blocks`` count blocks of this size
+    (0 while its block size is not known: then it has nothing cached)."""
+    overlap_tokens: int = 0
+    """Leading prompt tokens this holder has cached (``overlap_blocks × block_size``)."""
+    health: str | None = None
+    """None when the holder's index is exact, else why it may not be (`IndexState.holder_health`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,8 +108,9 @@ class MatchResult:
 
     Attributes:
         index_seq: stream sequence the state had applied.
-        block_size: tokens per block of the model's index (0 when the model is unknown).
-        prompt_blocks: full blocks in the prompt.
+        block_size: tokens per block of the model's index, the size with the most holders (0 when no holder's
+            size is known). Each candidate's own size is `HolderMatch.block_size`.
+        prompt_blocks: full blocks of ``block_size`` in the prompt.
         candidates: every known holder of the model, zero overlap included, sorted by (worker, rank).
     """
 
@@ -76,6 +132,14 @@ class _Counters:
     stale_messages: int = 0
     clears: int = 0
     workers_removed: int = 0
+    duplicate_messages: int = 0
+    """Engine messages refused as repeats of what a holder already applied."""
+    out_of_order: int = 0
+    """Engine messages refused because they came after later ones of their holder."""
+    sequence_gaps: int = 0
+    """Engine messages applied after a holder's engine sequence skipped ahead."""
+    incarnations: int = 0
+    """Workers seen again under another model (a new incarnation)."""
 
 
 @dataclass(slots=True)
@@ -88,6 +152,36 @@ class _WorkerInfo:
     removed_epoch: int | None = None
     stale_through: int | None = None
     """Epoch of the last WorkerRemoved: messages with an epoch ≤ it stay dropped even after a rejoin."""
+    stale_model: str | None = None
+    """Model of the removed incarnation: ``stale_through`` applies to messages of this model only."""
+    seqs: dict[int, HolderSeq] = field(default_factory=dict)
+    """dp_rank → engine order of the current epoch."""
+
+
+@dataclass(slots=True)
+class HolderSeq:
+    """Engine order of one holder within its epoch (see the module docstring)."""
+
+    seq: int | None = None
+    """Engine sequence of the last engine message applied, None before the first of the epoch."""
+    part: int = 0
+    """Its part (split batches)."""
+    free: bool = True
+    """The next engine message may skip ahead (the epoch's first, or the first after an ingest Cleared)."""
+    gap_from: int | None = None
+    """First engine sequence missing since the last rebuild, or None."""
+    health: str | None = None
+    """Why the holder is not exact (``"gap"``, ``"out_of_order"``), or None."""
+
+    def rebuilt(self) -> None:
+        """The holder was emptied: it is exact again."""
+        self.gap_from = None
+        self.health = None
+
+    def flag(self, reason: str) -> None:
+        """Mark the holder incomplete; ``"out_of_order"`` (the cause found) overrides ``"gap"``."""
+        if self.health is None or reason == "out_of_order":
+            self.health = reason
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +198,9 @@ class WorkerExport:
     last_ts: float
     removed_epoch: int | None
     stale_through: int | None
+    stale_model: str | None = None
+    seqs: dict[int, tuple[int | None, int, bool, int | None, str | None]] = field(default_factory=dict)
+    """dp_rank → engine order ``(seq, part, free, gap_from, health)`` (`HolderSeq`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,6 +281,32 @@ class IndexState:
             if Holder(w, r) not in self._healed
         )
 
+    def holder_health(self) -> dict[tuple[str, int], str]:
+        """Return every live (worker, dp_rank) holder whose index is not exact, with the reason, sorted.
+
+        Reasons: ``"stream_gap"`` (messages lost between a snapshot and the stream, see `mark_gap`),
+        ``"gap"`` (its engine sequence skipped ahead), ``"out_of_order"`` (a message came after later ones
+        and was refused). A holder missing from the answer is exact. Each lasts until a Cleared or a new
+        engine epoch rebuilds the holder.
+        """
+        out: dict[tuple[str, int], str] = {}
+        for w, info in sorted(self._workers.items()):
+            if info.removed_epoch is not None:
+                continue
+            for r in sorted(info.epochs):
+                reason = self._health(w, info, r)
+                if reason is not None:
+                    out[(w, r)] = reason
+        return out
+
+    def _health(self, worker_id: str, info: _WorkerInfo, rank: int) -> str | None:
+        hs = info.seqs.get(rank)
+        if hs is not None and hs.health is not None:
+            return hs.health
+        if self.gap_seq is not None and Holder(worker_id, rank) not in self._healed:
+            return "stream_gap"
+        return None
+
     def _reset(self, msg: IndexReset) -> None:
         self._indexes.clear()
         self._workers.clear()
@@ -202,27 +325,49 @@ class IndexState:
         info = self._workers.get(msg.worker_id)
         if info is None:
             info = self._workers[msg.worker_id] = _WorkerInfo(msg.model, msg.block_size)
-        if info.stale_through is not None and msg.epoch <= info.stale_through:
+        if (
+            info.stale_through is not None
+            and msg.epoch <= info.stale_through
+            and msg.model == info.stale_model
+        ):
             self.counters.stale_messages += 1
             return
-        info.removed_epoch = None
+        if info.model != msg.model:
+            # Another model: a new incarnation of the worker id (a new ingest, epochs from 0 again). The old
+            # one's entries are meaningless now, and so are its epochs and engine cursors.
+            for by_size in self._indexes.get(info.model, {}).values():
+                by_size.remove_worker(msg.worker_id)
+            info = self._workers[msg.worker_id] = _WorkerInfo(
+                msg.model,
+                msg.block_size,
+                stale_through=info.stale_through,
+                stale_model=info.stale_model,
+            )
+            self.counters.incarnations += 1
         holder = Holder(msg.worker_id, msg.dp_rank)
         # Block size 0 means the ingest has not learned it yet (no --block-size and no BlockStored seen on
         # that rank: its hello, clears, removals, or any message after an ingest restart). It says nothing
         # about the worker, so it must not move the worker: that would drop every other rank's blocks.
         block_size = msg.block_size or info.block_size
-        index = self._index(msg.model, block_size)
-        if info.model != msg.model or info.block_size != block_size:
-            # The worker moved to another model or block size: its old entries are meaningless now.
-            self._index(info.model, info.block_size).remove_worker(msg.worker_id)
-            info.model, info.block_size = msg.model, block_size
-            # Its ranks stay known (with nothing cached) under the new size, as they were under the old.
-            for rank in info.epochs:
-                index.touch(Holder(msg.worker_id, rank))
         epoch = info.epochs.get(msg.dp_rank)
         if epoch is not None and msg.epoch < epoch:
             self.counters.stale_messages += 1
             return
+        new_epoch = epoch is None or msg.epoch > epoch
+        hs = info.seqs.get(msg.dp_rank)
+        if hs is None or new_epoch:
+            hs = info.seqs[msg.dp_rank] = HolderSeq()
+        if not self._in_engine_order(hs, msg):
+            return
+        info.removed_epoch = None
+        index = self._index(msg.model, block_size)
+        if info.block_size != block_size:
+            # The worker moved to another block size: its old entries are meaningless now.
+            self._index(info.model, info.block_size).remove_worker(msg.worker_id)
+            info.block_size = block_size
+            # Its ranks stay known (with nothing cached) under the new size, as they were under the old.
+            for rank in info.epochs:
+                index.touch(Holder(msg.worker_id, rank))
         if epoch is not None and msg.epoch > epoch:
             index.clear(holder)
             self.counters.clears += 1
@@ -247,8 +392,64 @@ class IndexState:
             elif isinstance(event, Cleared):
                 index.clear(holder)
                 c.clears += 1
+                hs.rebuilt()
+                if event.reason != "engine":
+                    hs.free = True
                 if self.gap_seq is not None:
                     self._healed.add(holder)
+
+    def _in_engine_order(self, hs: HolderSeq, msg: EventsMessage) -> bool:
+        """Check ``msg`` against its holder's engine cursor (same epoch); move the cursor when it applies.
+
+        Returns False for a refused message (a duplicate or out of order, counted); see the module docstring.
+        """
+        engine = any(not isinstance(e, Cleared) or e.reason == "engine" for e in msg.events)
+        first = msg.seq if msg.first_seq is None else msg.first_seq
+        if not engine:
+            # Hello, ingest Cleared, or an engine batch whose events were all skipped: always applies. Only
+            # an empty message moves an existing cursor (forward), so that it is no gap for the next one.
+            if not msg.events and hs.seq is not None and first > hs.seq:
+                self._advance(hs, msg, first)
+            return True
+        if hs.seq is None or hs.free:
+            if hs.seq is not None and (msg.seq < hs.seq or (msg.seq == hs.seq and msg.part <= hs.part)):
+                self.counters.duplicate_messages += 1  # voided by the Cleared that came after it
+                return False
+            hs.seq, hs.part, hs.free = msg.seq, msg.part, False
+            return True
+        if first > hs.seq or (msg.seq == hs.seq and msg.part > hs.part):
+            self._advance(hs, msg, first)  # a later batch, or a later part of the cursor's batch
+            return True
+        if first <= hs.seq < msg.seq:
+            self._refuse_out_of_order(hs)  # straddles the cursor: partly applied, partly not
+            return False
+        if (msg.seq, msg.part) == (hs.seq, hs.part):
+            self.counters.duplicate_messages += 1
+            return False
+        if hs.gap_from is not None and msg.seq >= hs.gap_from:
+            self._refuse_out_of_order(hs)
+            return False
+        self.counters.duplicate_messages += 1
+        return False
+
+    def _advance(self, hs: HolderSeq, msg: EventsMessage, first: int) -> None:
+        assert hs.seq is not None
+        if msg.seq == hs.seq:
+            skipped = msg.part > hs.part + 1
+            missing = hs.seq
+        else:
+            skipped = first > hs.seq + 1 or msg.part != 0
+            missing = hs.seq + 1
+        if skipped:
+            self.counters.sequence_gaps += 1
+            if hs.gap_from is None:
+                hs.gap_from = missing
+            hs.flag("gap")
+        hs.seq, hs.part = msg.seq, msg.part
+
+    def _refuse_out_of_order(self, hs: HolderSeq) -> None:
+        self.counters.out_of_order += 1
+        hs.flag("out_of_order")
 
     def _remove_worker(self, msg: WorkerRemoved) -> None:
         info = self._workers.get(msg.worker_id)
@@ -259,6 +460,7 @@ class IndexState:
         if info is not None:
             info.removed_epoch = msg.epoch if msg.epoch is not None else max(info.epochs.values(), default=0)
             info.stale_through = info.removed_epoch
+            info.stale_model = info.model
 
     # ------------------------------------------------------------------ queries
 
@@ -283,9 +485,10 @@ class IndexState:
             cache_salt: tenant salt as the engine received it, or None.
 
         Returns:
-            the overlaps under the model's block size (the size with the most holders when workers of one
-            model disagree); a holder's overlap is its leading run over all its storage tiers, split per tier
-            in `HolderMatch.tiers`.
+            every holder's overlap in its own block size (`HolderMatch.block_size`, ``overlap_tokens``);
+            ``block_size`` and ``prompt_blocks`` of the result are those of the size with the most holders
+            when workers of one model disagree. A holder's overlap is its leading run over all its storage
+            tiers, split per tier in `HolderMatch.tiers`; `HolderMatch.health` says when it may be inexact.
 
         Raises:
             UnknownModelError: no worker of that model is known.
@@ -303,34 +506,53 @@ class IndexState:
         # nothing cached. They are zero-overlap candidates, but 0 is never the size a prompt is hashed with
         # (hashing needs a positive block size; choosing it used to crash the match).
         unsized = live.pop(0, None)
+        # Every holder is scored in its own block size (a worker whose engine uses another size than the
+        # rest of its model still gets its exact overlap); the result's block size is the majority one.
+        found: dict[Holder, HolderMatch] = {}
+        block_size = prompt_blocks = 0
         if live:
-            block_size, index = max(live.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))
+            block_size = max(live.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))[0]
             prompt_blocks = len(token_ids) // block_size
-            keys = iter_prompt_prefix_keys(token_ids, block_size, lora_name=lora_name, cache_salt=cache_salt)
-            overlaps = index.match_tiers(keys)  # hashes only as far as some holder matches
-            holders = index.holders()
+            for bs, index in sorted(live.items()):
+                keys = iter_prompt_prefix_keys(token_ids, bs, lora_name=lora_name, cache_salt=cache_salt)
+                overlaps = index.match_tiers(keys)  # hashes only as far as some holder matches
+                for h in index.holders():
+                    if h in found or self._is_removed(h.worker_id):
+                        continue
+                    o = overlaps.get(h)
+                    blocks = o.blocks if o is not None else 0
+                    found[h] = HolderMatch(
+                        worker_id=h.worker_id,
+                        dp_rank=h.dp_rank,
+                        overlap_blocks=blocks,
+                        cached_blocks=index.block_count(h),
+                        tiers=o.tiers if o is not None else None,
+                        block_size=bs,
+                        overlap_tokens=blocks * bs,
+                        health=self._holder_health(h),
+                    )
         else:
             pack_tokens(token_ids)  # still validate the token ids
-            block_size, index, prompt_blocks, overlaps, holders = 0, PrefixIndex(), 0, {}, []
         if unsized is not None:
-            holders = sorted({*holders, *unsized.holders()})
-        candidates = tuple(
-            HolderMatch(
-                worker_id=h.worker_id,
-                dp_rank=h.dp_rank,
-                overlap_blocks=o.blocks if (o := overlaps.get(h)) is not None else 0,
-                cached_blocks=index.block_count(h),
-                tiers=o.tiers if o is not None else None,
-            )
-            for h in holders
-            if not self._is_removed(h.worker_id)
-        )
+            for h in unsized.holders():
+                if h not in found and not self._is_removed(h.worker_id):
+                    found[h] = HolderMatch(
+                        worker_id=h.worker_id,
+                        dp_rank=h.dp_rank,
+                        overlap_blocks=0,
+                        cached_blocks=0,
+                        health=self._holder_health(h),
+                    )
         return MatchResult(
             index_seq=self.applied_seq,
             block_size=block_size,
             prompt_blocks=prompt_blocks,
-            candidates=candidates,
+            candidates=tuple(found[h] for h in sorted(found)),
         )
+
+    def _holder_health(self, holder: Holder) -> str | None:
+        info = self._workers.get(holder.worker_id)
+        return None if info is None else self._health(holder.worker_id, info, holder.dp_rank)
 
     def _is_removed(self, worker_id: str) -> bool:
         info = self._workers.get(worker_id)
@@ -411,6 +633,8 @@ class IndexState:
                     last_ts=i.last_ts,
                     removed_epoch=i.removed_epoch,
                     stale_through=i.stale_through,
+                    stale_model=i.stale_model,
+                    seqs={r: (h.seq, h.part, h.free, h.gap_from, h.health) for r, h in i.seqs.items()},
                 )
                 for w, i in self._workers.items()
             ),
@@ -439,6 +663,8 @@ class IndexState:
                 w.last_ts,
                 w.removed_epoch,
                 w.stale_through,
+                w.stale_model,
+                {r: HolderSeq(*t) for r, t in w.seqs.items()},
             )
         for model, bs, ix in export.indexes:
             state._indexes.setdefault(model, {})[bs] = PrefixIndex.from_export(ix)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -54,7 +55,21 @@ def _services() -> dict[str, Callable[..., int]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the kvmesh command line; returns the exit code."""
+    """Run the kvmesh command line; returns the exit code (141 when stdout's reader went away, as a shell
+    reports SIGPIPE, silently: ``kvmesh --help | head``)."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader of stdout is gone: say nothing more, and keep the interpreter's final flush quiet.
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -117,7 +132,14 @@ def route_command(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--subject", default=subjects.ROUTE_SUBJECT, help="route subject")
     a = parser.parse_args(argv)
-    text = a.token_ids if a.token_ids is not None else a.token_ids_file.read_text()
+    try:
+        text = a.token_ids if a.token_ids is not None else a.token_ids_file.read_text()
+    except OSError as exc:
+        print(
+            f"kvmesh route: error: cannot read --token-ids-file {a.token_ids_file}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         tokens = _parse_tokens(text)
     except ValueError as exc:
@@ -132,7 +154,7 @@ def route_command(argv: Sequence[str]) -> int:
         body["explain"] = True
 
     async def go() -> bytes:
-        from kvmesh.client import Router, UnavailableError  # noqa: PLC0415
+        from kvmesh.client import RouteError, Router  # noqa: PLC0415
 
         nc = await connect(a.nats_url, name="kvmesh-route", wait_s=3.0)
         try:
@@ -140,8 +162,8 @@ def route_command(argv: Sequence[str]) -> int:
                 return await Router(nc, subject=a.subject, timeout_s=a.timeout_s).request_raw(
                     msgspec.json.encode(body)
                 )
-            except UnavailableError as exc:
-                return msgspec.json.encode({"error": {"code": "unavailable", "message": str(exc)}})
+            except RouteError as exc:  # no router answered, or the request cannot be sent
+                return msgspec.json.encode({"error": {"code": exc.code, "message": exc.message}})
         finally:
             await nc.close()
 

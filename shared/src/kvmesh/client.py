@@ -267,9 +267,15 @@ class Router:
 
         Raises:
             UnavailableError: no router answered within the timeout.
+            BadRequestError: the request is larger than the NATS server's max payload (nothing was sent).
         """
         try:
             msg = await self._nc.request(self._subject, body, timeout=self._timeout_s)
+        except nats.errors.MaxPayloadError as exc:
+            raise BadRequestError(
+                f"request of {len(body)} bytes exceeds the NATS server's max payload of "
+                f"{self._nc.max_payload} bytes (a shorter prompt, or a larger max_payload on the server)"
+            ) from exc
         except nats.errors.NoRespondersError as exc:
             raise UnavailableError("no router is serving " + self._subject) from exc
         except nats.errors.TimeoutError as exc:

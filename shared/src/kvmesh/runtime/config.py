@@ -159,9 +159,16 @@ def _single(cls: type[Any], name: str) -> type[Any]:
 
 
 def to_dict(settings: Any) -> dict[str, Any]:
-    """Return the settings as a plain dict, secrets redacted (for ``--print-config``)."""
+    """Return the settings as a plain dict, secrets redacted (for ``--print-config``): secret fields read
+    ``***``, and a URL's user info (``nats://user:pass@host``) reads ``nats://***@host``."""
+    from kvmesh.runtime.nats import redact_url  # noqa: PLC0415 - config stays importable without nats-py
+
     out: dict[str, Any] = {}
     for f in dataclasses.fields(settings):
         value = getattr(settings, f.name)
-        out[f.name] = "***" if f.metadata.get("secret") and value else value
+        if f.metadata.get("secret") and value:
+            value = "***"
+        elif isinstance(value, str) and "@" in value and "://" in value:
+            value = redact_url(value)
+        out[f.name] = value
     return out

@@ -8,6 +8,11 @@ with ``--speed`` > 0, which turns on the `kvmesh.sim.timing.TimingModel`: concur
 ``--max-batch``, prefill and decode delays scaled by ``--speed``) or ``{"error": "..."}``; and
 ``kvmesh.sim.<worker>.reset`` (reset the prefix cache: AllBlocksCleared).
 
+Self-made traffic (``--traffic-rps`` > 0): each rank also serves requests it makes up itself
+(`kvmesh.sim.traffic`) for ``--traffic-s`` seconds, independent of NATS. Recording (``--record-dir``): each
+rank appends every batch it publishes to ``<dir>/<worker>.<rank>.<start ns>.kv``
+(`kvmesh.sim.publisher.read_record`) and, when its traffic ends, writes its cache content to ``….kv.done``.
+
 Ports: worker *i* publishes on ``--base-port + 20·i`` and replays on ``--base-port + 20·i + 10``; its
 data-parallel rank *r* adds *r* to both (vLLM's rule), so up to 10 ranks per worker.
 """
@@ -17,20 +22,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import zmq
 
+from kvmesh.core.errors import KvmeshError
 from kvmesh.runtime import subjects
 from kvmesh.runtime.cli import run_async, setup_logging
-from kvmesh.runtime.config import add_arguments, load, setting
+from kvmesh.runtime.config import add_arguments, load, setting, to_dict
 from kvmesh.runtime.nats import DEFAULT_NATS_URL, close_quietly, connect
 from kvmesh.sim.engine import SimWorker
 from kvmesh.sim.timing import TimingModel
+from kvmesh.sim.traffic import drive
 
 log = logging.getLogger("kvmesh.sim")
 
@@ -58,6 +69,10 @@ class SimSettings:
     )
     decode_ms_per_token: float = setting(20.0, "timing model: time per output token")
     max_batch: int = setting(32, "timing model: requests running at once per worker (rank)")
+    traffic_rps: float = setting(0.0, "requests per second each rank makes up itself (0: none)")
+    traffic_s: float = setting(60.0, "seconds of self-made traffic (with --traffic-rps)")
+    traffic_seed: int = setting(0, "seed of the self-made prompts")
+    record_dir: str = setting("", "append every published batch to a file per rank in this directory")
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server for the generate endpoints")
     log_level: str = setting("INFO", "log level")
 
@@ -87,6 +102,8 @@ class SimSettings:
             problems.append("--hash-form must be int, signed or bytes")
         if self.speed < 0 or self.max_batch < 1:
             problems.append("--speed must be >= 0 and --max-batch >= 1")
+        if self.traffic_rps < 0 or self.traffic_s < 0:
+            problems.append("--traffic-rps and --traffic-s must be >= 0")
         return problems
 
 
@@ -98,6 +115,10 @@ class _Request(msgspec.Struct):
     dp_rank: int = 0
 
 
+class SimPortError(KvmeshError):
+    """A simulated worker's ZMQ port is already taken."""
+
+
 class SimFleet:
     """Run the simulated workers and their NATS endpoints until stopped."""
 
@@ -105,17 +126,73 @@ class SimFleet:
         self.settings = settings
         self.workers: dict[str, list[SimWorker]] = {}
         self._stop = asyncio.Event()
+        self._started_ns = time.time_ns()
 
     async def run(self) -> None:
         """Bind every worker's sockets, serve requests until `stop()`."""
         s = self.settings
         nc = await connect(s.nats_url, name="kvmesh-sim")
         subs = []
+        traffic: list[asyncio.Task[None]] = []
+        started_ns = self._started_ns = time.time_ns()
         try:
             for i in range(s.workers):
                 wid = f"{s.worker_prefix}{i}"
                 pub, replay = s.endpoints(i)
-                ranks = [
+                ranks = self._bind(wid, i)
+                self.workers[wid] = ranks
+                subs.append(await nc.subscribe(subjects.sim_subject(wid), cb=self._generate_handler(ranks)))
+                subs.append(
+                    await nc.subscribe(
+                        subjects.sim_subject(wid).replace(".generate", ".reset"),
+                        cb=self._reset_handler(ranks),
+                    )
+                )
+                log.info(
+                    "sim worker %s: events on %s, replay on %s (%d rank(s))", wid, pub, replay, len(ranks)
+                )
+            if s.traffic_rps > 0:
+                for ranks in self.workers.values():
+                    for w in ranks:
+                        path = self._record_path(w.worker_id, w.dp_rank, started_ns)
+                        report = None if path is None else path.with_name(path.name + ".done")
+                        traffic.append(
+                            asyncio.create_task(
+                                drive(
+                                    w,
+                                    rps=s.traffic_rps,
+                                    duration_s=s.traffic_s,
+                                    seed=s.traffic_seed,
+                                    report_path=report,
+                                )
+                            )
+                        )
+            await self._stop.wait()
+        finally:
+            for t in traffic:
+                t.cancel()
+            await asyncio.gather(*traffic, return_exceptions=True)
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            for ranks in self.workers.values():
+                for w in ranks:
+                    w.close()
+            await close_quietly(nc)
+
+    def _bind(self, wid: str, i: int) -> list[SimWorker]:
+        """Make worker ``i``'s ranks, binding their ZMQ sockets.
+
+        Raises:
+            SimPortError: a port is taken (one clear line instead of a ZMQ traceback).
+        """
+        s = self.settings
+        pub, replay = s.endpoints(i)
+        started_ns = self._started_ns
+        ranks: list[SimWorker] = []
+        try:
+            for r in range(s.data_parallel_size):
+                ranks.append(
                     SimWorker(
                         wid,
                         num_blocks=s.num_blocks,
@@ -129,29 +206,24 @@ class SimFleet:
                         seed=s.seed + i,
                         timing=s.timing(),
                         speed=s.speed or 1.0,
-                    )
-                    for r in range(s.data_parallel_size)
-                ]
-                self.workers[wid] = ranks
-                subs.append(await nc.subscribe(subjects.sim_subject(wid), cb=self._generate_handler(ranks)))
-                subs.append(
-                    await nc.subscribe(
-                        subjects.sim_subject(wid).replace(".generate", ".reset"),
-                        cb=self._reset_handler(ranks),
+                        record_path=self._record_path(wid, r, started_ns),
                     )
                 )
-                log.info(
-                    "sim worker %s: events on %s, replay on %s (%d rank(s))", wid, pub, replay, len(ranks)
-                )
-            await self._stop.wait()
-        finally:
-            for sub in subs:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-            for ranks in self.workers.values():
-                for w in ranks:
-                    w.close()
-            await close_quietly(nc)
+        except zmq.ZMQError as exc:
+            for w in ranks:
+                w.close()
+            where = f"{pub} (or its replay port {replay})" if replay else pub
+            raise SimPortError(
+                f"sim worker {wid} rank {len(ranks)} cannot bind {where}: {exc.strerror}; choose another "
+                "--base-port (worker i uses base + 20·i and base + 20·i + 10, plus its rank)"
+            ) from None
+        return ranks
+
+    def _record_path(self, worker_id: str, dp_rank: int, started_ns: int) -> Path | None:
+        """Return a rank's record file (``--record-dir``), or None when not recording."""
+        if not self.settings.record_dir:
+            return None
+        return Path(self.settings.record_dir) / f"{worker_id}.{dp_rank}.{started_ns}.kv"
 
     def stop(self) -> None:
         """Ask `run()` to finish."""
@@ -193,5 +265,8 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh sim") -> int:
         settings = load(SimSettings, service="sim", environ=os.environ, args=args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args._print_config:
+        print(json.dumps(to_dict(settings), indent=2, default=str))
+        return 0
     setup_logging(settings.log_level, "sim")
     return run_async(SimFleet(settings))

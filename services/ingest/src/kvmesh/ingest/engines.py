@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -471,6 +472,13 @@ def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
     problems = settings.validate()
     if problems:
         parser.error("; ".join(problems))
+    if shutil.which(cmd.argv[0]) is None:  # before the ingest registers anything
+        print(
+            f"{prog}: error: {cmd.argv[0]} not found (is {'vLLM' if vllm else 'SGLang'} installed? "
+            f"--{engine}-bin names the executable)",
+            file=sys.stderr,
+        )
+        return 127
     setup_logging(a.log_level, engine)
     try:
         return asyncio.run(run_engine(cmd, settings, ingest_wait_s=a.ingest_wait_s))

@@ -1,0 +1,155 @@
+"""The `kvmesh` command line fails with one clear line and a non-zero exit status, never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import nats.js.errors
+import pytest
+
+from kvmesh.client import BadRequestError, Router
+
+KVMESH = str(Path(sys.executable).parent / "kvmesh")
+SECRET = "s3cret-pw-42"
+
+
+def kvmesh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run the installed `kvmesh ARGS` and capture its output."""
+    return subprocess.run([KVMESH, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    """Assert ``proc`` failed with a one-line message on stderr and no traceback; return the line."""
+    assert proc.returncode != 0, proc
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and " INFO " not in ln]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_missing_token_ids_file_is_one_line(tmp_path: Path) -> None:
+    """`kvmesh route --token-ids-file` naming a missing file exits 2 with one line naming it."""
+    missing = tmp_path / "nope.json"
+    proc = kvmesh(
+        "route", "--model", "m", "--token-ids-file", str(missing), "--nats-url", "nats://127.0.0.1:1"
+    )
+    line = one_line_error(proc)
+    assert proc.returncode == 2
+    assert line == f"kvmesh route: error: cannot read --token-ids-file {missing}: No such file or directory"
+
+
+@pytest.mark.nats
+@pytest.mark.anyio
+async def test_client_prompt_over_max_payload_is_bad_request(nats_url: str, uid: str) -> None:
+    """A prompt larger than the server's max payload raises BadRequestError naming both sizes."""
+    router = await Router.connect(nats_url, subject=f"t{uid}.route", timeout_s=1.0)
+    try:
+        with pytest.raises(BadRequestError) as info:
+            await router.route("m", [123456] * 200_000)
+        assert info.value.code == "bad_request"
+        assert "exceeds the NATS server's max payload of 1048576 bytes" in info.value.message
+    finally:
+        await router.aclose()
+
+
+@pytest.mark.nats
+def test_cli_prompt_over_max_payload_is_bad_request(nats_url: str, uid: str, tmp_path: Path) -> None:
+    """`kvmesh route` with a prompt over the max payload prints a bad_request reply and exits 1."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([123456] * 200_000))
+    proc = kvmesh(
+        "route", "--model", "m", "--token-ids-file", str(tokens), "--nats-url", nats_url,
+        "--subject", f"t{uid}.route", "--timeout-s", "0.5",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert json.loads(proc.stdout)["error"]["code"] == "bad_request"
+
+
+def test_help_into_a_closed_pipe_is_quiet() -> None:
+    """`kvmesh --help | head` with the reader gone prints no BrokenPipe traceback."""
+    proc = subprocess.Popen([KVMESH, "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=30) == 141
+    assert err == ""
+
+
+@pytest.mark.nats
+@pytest.mark.anyio
+async def test_vllm_without_vllm_fails_before_starting_anything(nats_url: str, uid: str) -> None:
+    """`kvmesh vllm` with no vllm binary exits 127 with one line, before the ingest creates its stream."""
+    stream = f"KV_{uid}"
+    proc = await asyncio.to_thread(
+        kvmesh,
+        "vllm", "--worker-id", f"w{uid}", "--nats-url", nats_url, "--stream", stream,
+        "--events-prefix", f"t{uid}.kv", "--vllm-bin", f"/nonexistent/{uid}/vllm", "--", "serve", "m",
+    )  # fmt: skip
+    line = one_line_error(proc)
+    assert proc.returncode == 127
+    assert line == (
+        f"kvmesh vllm: error: /nonexistent/{uid}/vllm not found (is vLLM installed? --vllm-bin names the "
+        "executable)"
+    )
+    nc = await nats.connect(nats_url)
+    try:
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await nc.jetstream().stream_info(stream)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.nats
+def test_sim_port_clash_is_one_line(nats_url: str) -> None:
+    """`kvmesh sim` on a port already bound exits 1 with one line naming the endpoint and --base-port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = int(taken.getsockname()[1])
+        proc = kvmesh("sim", "--workers", "1", "--base-port", str(port), "--nats-url", nats_url, timeout=30)
+    line = one_line_error(proc)
+    assert proc.returncode == 1
+    assert f"sim worker sim-0 rank 0 cannot bind tcp://127.0.0.1:{port}" in line
+    assert "choose another --base-port" in line
+
+
+def test_sim_print_config_prints_and_exits() -> None:
+    """`kvmesh sim --print-config` prints the settings as JSON and exits 0 without starting workers."""
+    t0 = time.monotonic()
+    proc = kvmesh("sim", "--workers", "3", "--nats-url", "nats://127.0.0.1:1", "--print-config", timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["workers"] == 3
+    assert time.monotonic() - t0 < 20
+
+
+def test_print_config_redacts_the_nats_password() -> None:
+    """`--print-config` shows the NATS URL with its credentials redacted."""
+    proc = kvmesh("router", "--nats-url", f"nats://alice:{SECRET}@h:4222", "--print-config", timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["nats_url"] == "nats://***@h:4222"
+    assert SECRET not in proc.stdout
+
+
+@pytest.mark.nats
+def test_status_accepts_a_server_list(nats_url: str, uid: str) -> None:
+    """`kvmesh status` with a comma-separated server list (a dead one first) connects through the live one."""
+    url = f"nats://127.0.0.1:{free_port()},{nats_url}"
+    proc = kvmesh("status", "--nats-url", url, "--stream", f"LIST_{uid}", "--wait-s", "0.2")
+    assert "Traceback" not in proc.stderr
+    assert f"LIST_{uid}" in proc.stdout + proc.stderr

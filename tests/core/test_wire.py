@@ -1032,16 +1032,28 @@ def test_bigram_reason_names_the_limitation() -> None:
 # Sequence numbers and replay framing
 
 
-def test_seq_round_trip_and_lenient_decode() -> None:
-    """Seq frames are 8-byte big-endian; decode_seq accepts any length like vLLM does."""
+def test_seq_round_trip() -> None:
+    """Seq frames are 8-byte big-endian and round-trip through encode_seq and decode_seq."""
     assert encode_seq(0) == b"\x00" * 8
     assert encode_seq(258) == b"\x00" * 6 + b"\x01\x02"
     assert encode_seq(SEQ_END) == END
     for seq in (0, 1, 255, 2**32, 2**63, SEQ_END):
         assert decode_seq(encode_seq(seq)) == seq
-    assert decode_seq(b"\x04") == 4
-    assert decode_seq(b"") == 0
     assert SEQ_END == 2**64 - 1
+
+
+@pytest.mark.parametrize("length", [0, 1, 4, 7, 9, 16, 23, 25])
+def test_decode_seq_rejects_frames_of_other_lengths(length: int) -> None:
+    """A seq frame that is not 8 or 24 bytes (an empty one included, which read leniently would be seq 0 and
+    look like an engine restart) is a WireError naming its length."""
+    with pytest.raises(WireError, match=f"sequence frame of {length} bytes"):
+        decode_seq(b"\x01" * length)
+
+
+def test_decode_seq_reads_the_sequence_of_a_frame_with_a_publisher_epoch() -> None:
+    """A 24-byte frame (8-byte seq, then a 16-byte publisher epoch) reads as its first 8 bytes."""
+    assert decode_seq(encode_seq(258) + b"\xab" * 16) == 258
+    assert decode_seq(END + b"\x00" * 16) == SEQ_END
 
 
 @pytest.mark.parametrize("seq", [-1, 2**64])
@@ -1168,7 +1180,6 @@ def test_encode_rejects_out_of_range_fields() -> None:
 
 def test_decode_seq_rejects_frames_longer_than_eight_bytes() -> None:
     """A 20-byte sequence frame (no publisher sends one; it cannot fit a uint64) is a WireError."""
-    assert decode_seq(b"\x04") == 4
     assert decode_seq(b"\xff" * 8) == 2**64 - 1
     with pytest.raises(WireError, match="20 bytes"):
         decode_seq((2**100 + 1).to_bytes(20, "big"))

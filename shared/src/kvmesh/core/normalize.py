@@ -11,6 +11,18 @@ For each event of a `kvmesh.core.wire.EngineBatch` this module checks, keys and 
   is remembered so that its BlockRemoved events (which carry only ``group_idx``) are skipped too.
 * **BlockRemoved** → `Removed`; **AllBlocksCleared** → `Cleared("engine")`.
 
+An event that fails to decode (`wire.EngineBatch.errors`: a field of the wrong type, such as a non-string
+``medium``, a float or bool block hash) is rejected alone and counted (``malformed_events``); the batch's
+other events are kept exactly. Only when the index could over-state afterwards does the result say
+``lost`` (the caller then clears the holder, `NormalizeResult.lost`):
+
+* a **BlockStored** that fails is just not indexed, whatever field failed (its hashes included): the index
+  misses those blocks, a later BlockStored chained on them is held as an orphan and never attached, and a
+  later BlockRemoved of them is an unknown removal. The index under-states, never invents: not lost.
+* a **BlockRemoved** that fails is lost: the index would keep blocks the engine evicted.
+* an event whose type cannot be read (not an array or map, a missing or non-string tag) is lost: it may
+  have been a removal.
+
 Extra keys (vLLM ≥ 0.17, one entry per block): the LoRA entry (its name, or ``lora_id`` before 0.13) is
 dropped since the adapter already seeds every block; on block 0 of a sequence the last remaining string is
 the ``cache_salt``; everything else (multimodal identifiers, prompt-embedding digests) is encoded into that
@@ -29,6 +41,8 @@ from kvmesh.core.errors import BlockAlignmentError, EventRejectedError, RequestE
 from kvmesh.core.events import Cleared, Event, Removed, Stored
 from kvmesh.core.hashing import local_block_hashes
 from kvmesh.core.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch, engine_key
+
+_STORED: Final[str] = "BlockStored"
 
 FULL_ATTENTION_KINDS: Final[frozenset[str | None]] = frozenset({None, "full_attention", "mla_attention"})
 """``kv_cache_spec_kind`` values whose blocks are prefix-cache keys."""
@@ -65,6 +79,9 @@ class NormalizeStats:
     rejected_tokens: int = 0
     unknown_events: int = 0
     malformed_events: int = 0
+    """Events that failed to decode (``batch.errors``), rejected alone."""
+    malformed_stored: int = 0
+    """Of those, BlockStored events: their blocks are not indexed, and the holder is not resynchronised."""
 
 
 @dataclass(slots=True)
@@ -84,8 +101,9 @@ class Normalizer:
 
         Returns:
             the stream events in order, and every rejection (the event and why), so the caller can log and
-            count them. ``lost`` is True when an event failed to decode (``batch.errors``): the holder may
-            now be wrong and should be resynchronised.
+            count them. ``lost`` is True when an event that failed to decode (``batch.errors``) may have
+            removed blocks (a BlockRemoved, or an event of unknown type): the holder may now over-state and
+            should be resynchronised. A BlockStored that failed to decode is not lost (module docstring).
         """
         out: list[Event] = []
         rejections: list[EventRejectedError | RequestError] = []
@@ -111,7 +129,13 @@ class Normalizer:
             elif isinstance(ev, AllBlocksCleared):
                 st.cleared_events += 1
                 out.append(Cleared("engine"))
-        return NormalizeResult(events=out, rejections=rejections, lost=bool(batch.errors))
+        lost = False
+        for err in batch.errors:
+            if err.tag == _STORED:
+                st.malformed_stored += 1
+            else:
+                lost = True
+        return NormalizeResult(events=out, rejections=rejections, lost=lost)
 
     def _stored(self, ev: BlockStored) -> Stored | None:
         st = self.stats
@@ -151,6 +175,7 @@ class NormalizeResult:
     events: list[Event]
     rejections: list[EventRejectedError | RequestError]
     lost: bool
+    """An event that may have removed blocks failed to decode: clear the holder (its index may over-state)."""
 
 
 def _split_extra_keys(ev: BlockStored, *, first_block: bool) -> tuple[str | None, list[bytes | None] | None]:

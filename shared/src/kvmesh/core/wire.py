@@ -64,6 +64,8 @@ SEQ_END: Final[int] = _MASK64
 """Sequence number of the replay end marker (``ff`` × 8 on the wire, sent with an empty payload)."""
 
 _SEQ_END_FRAME: Final[bytes] = b"\xff" * 8
+_SEQ_EPOCH_FRAME: Final[int] = 24
+"""Length of a sequence frame that carries a 16-byte publisher epoch after the 8-byte sequence."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -495,20 +497,25 @@ def engine_key(h: EngineHash) -> int:
 
 
 def decode_seq(frame: bytes) -> int:
-    """Read a sequence-number frame: big-endian unsigned, normally 8 bytes.
+    """Read a sequence-number frame: 8 bytes, big-endian unsigned (every vLLM and SGLang release).
 
-    Shorter frames are accepted, as vLLM's ``int.from_bytes(frame, "big")`` does (a 1-byte ``04`` is 4, empty
-    is 0).
+    A 24-byte frame is read as its first 8 bytes: vLLM's coming snapshot protocol appends a 16-byte publisher
+    epoch to the sequence, which this build does not use yet. Any other length (an empty frame included) is
+    no sequence number: read leniently, as vLLM's own ``int.from_bytes(frame, "big")`` does, an empty frame
+    would be seq 0 and look like an engine restart.
 
     Returns:
         The sequence number (`SEQ_END` for the replay end marker).
 
     Raises:
-        WireError: the frame is longer than 8 bytes (no publisher sends one; it would not fit a uint64).
+        WireError: the frame is not 8 or 24 bytes long.
     """
-    if len(frame) > 8:
-        raise WireError(f"sequence frame of {len(frame)} bytes (at most 8)")
-    return int.from_bytes(frame, "big")
+    n = len(frame)
+    if n == 8:
+        return int.from_bytes(frame, "big")
+    if n == _SEQ_EPOCH_FRAME:
+        return int.from_bytes(frame[:8], "big")
+    raise WireError(f"sequence frame of {n} bytes (expected 8, or {_SEQ_EPOCH_FRAME} with a publisher epoch)")
 
 
 def encode_seq(seq: int) -> bytes:

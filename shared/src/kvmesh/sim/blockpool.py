@@ -261,6 +261,13 @@ class BlockPool:
         """Distinct block hashes cached now (in use or free): the blocks an index of this pool's events holds."""
         return len(self._cache)
 
+    def cached_block_hashes(self) -> list[ExternalBlockHash]:
+        """Return the hash of every block cached now (in use or free), in the pool's `HashForm`, sorted.
+
+        This is the engine's cache content: what an exact index of this pool's events holds for it.
+        """
+        return sorted(self._external(d) for d in self._cache)
+
     # ------------------------------------------------------------------ pure queries
 
     def compute_block_hashes(

@@ -16,6 +16,7 @@ speed`` per token); `ServeResult` then carries the simulated ``queue_s`` and ``t
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -97,10 +98,12 @@ class SimWorker:
         clock: batch timestamp source in seconds since the epoch.
         timing: serve concurrently with this cost model (None: one request at a time, no delays).
         speed: simulated seconds per real second when ``timing`` is set (> 0).
+        record_path: append every published batch to this file (`kvmesh.sim.publisher.read_record`).
 
     Raises:
         ValueError: invalid pool parameters or an endpoint without a rule for ``dp_rank`` > 0.
         zmq.ZMQError: an endpoint cannot be bound.
+        OSError: ``record_path`` cannot be opened.
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class SimWorker:
         clock: Callable[[], float] = time.time,
         timing: TimingModel | None = None,
         speed: float = 1.0,
+        record_path: str | os.PathLike[str] | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError(f"speed must be > 0, got {speed}")
@@ -139,6 +143,7 @@ class SimWorker:
             hash_form=hash_form,
             buffer_steps=buffer_steps,
             clock=clock,
+            record_path=record_path,
         )
         """The worker's publisher (its fault-injection hooks are fair game in tests)."""
         self._lock = asyncio.Lock()

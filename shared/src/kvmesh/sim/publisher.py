@@ -20,25 +20,31 @@ Differences from vLLM, on purpose: the endpoints are always bound (vLLM *connect
 ``*``/``::``), the live socket is an XPUB so tests can `wait_for_subscribers` instead of sleeping (a SUB
 peer sees no difference), batches are sent synchronously rather than through a queue, and fault-injection
 hooks exist: `drop_next`, `restart`, `replay_enabled`, `replay_truncate`, `publish_raw`.
+
+Recording (``record_path``): every batch the publisher takes (sent live or dropped by `drop_next`) is appended
+to a file as ``seq`` (8 bytes big-endian), payload length (4 bytes big-endian) and the payload, one unbuffered
+write per batch, so the file survives a kill -9 of the process and holds exactly what the engine published;
+`read_record` reads it back. This is the engine's truth the fault tests compare the index with.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Final, Literal
+from typing import BinaryIO, Final, Literal
 
 import zmq
 
 from kvmesh.core.wire import SEQ_END, EngineBatch, KVEvent, encode_batch, encode_seq
 from kvmesh.sim.blockpool import HashForm
 
-__all__ = ["EventPublisher", "replay_includes_topic"]
+__all__ = ["EventPublisher", "read_record", "replay_includes_topic"]
 
 DEFAULT_BUFFER_STEPS: Final[int] = 10_000
 """Batches kept for replay (vLLM's ``buffer_steps`` default)."""
@@ -50,6 +56,33 @@ END_SEQ_BYTES: Final[bytes] = encode_seq(SEQ_END)
 _REPLAY_TOPIC_SINCE: Final[dict[str, tuple[int, ...]]] = {"vllm": (0, 26), "sglang": (0, 5, 22)}
 _SUBSCRIBE: Final[int] = 1
 _THREAD_JOIN_TIMEOUT_S: Final[float] = 5.0
+_RECORD_HEAD: Final[int] = 12
+"""Bytes before each recorded payload: seq (8) and payload length (4), both big-endian."""
+
+
+def read_record(path: str | os.PathLike[str]) -> list[tuple[int, bytes]]:
+    """Read a publisher's record file (see the module docstring).
+
+    Args:
+        path: the file `EventPublisher` wrote with ``record_path``.
+
+    Returns:
+        ``(seq, payload)`` of every complete record, in publish order; a record cut short by a kill at the
+        end of the file is left out.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    out: list[tuple[int, bytes]] = []
+    pos = 0
+    while pos + _RECORD_HEAD <= len(data):
+        seq = int.from_bytes(data[pos : pos + 8], "big")
+        size = int.from_bytes(data[pos + 8 : pos + _RECORD_HEAD], "big")
+        end = pos + _RECORD_HEAD + size
+        if end > len(data):
+            break
+        out.append((seq, data[pos + _RECORD_HEAD : end]))
+        pos = end
+    return out
 
 
 def _parse_version(version: str) -> tuple[int, ...]:
@@ -109,8 +142,10 @@ class EventPublisher:
         hwm: live socket send high-water mark, in messages.
         clock: returns the batch timestamp ``ts`` in seconds since the epoch.
         context: ZMQ context; default the process-global ``zmq.Context.instance()`` (as vLLM).
+        record_path: append every batch to this file (see the module docstring), or None.
 
     Raises:
+        OSError: ``record_path`` cannot be opened for appending.
         ValueError: bad ``buffer_steps``; a producer, version or hash form `kvmesh.core.wire.encode_batch`
             does not know (or ``"bytes"`` for a release that cannot send bin hashes).
         zmq.ZMQError: an endpoint cannot be bound (e.g. the port is in use).
@@ -130,6 +165,7 @@ class EventPublisher:
         hwm: int = DEFAULT_HWM,
         clock: Callable[[], float] = time.time,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        record_path: str | os.PathLike[str] | None = None,
     ) -> None:
         if buffer_steps <= 0:
             raise ValueError(f"buffer_steps must be > 0, got {buffer_steps}")
@@ -159,6 +195,7 @@ class EventPublisher:
         self.replay_truncate: int | None = None
         """When set, a replay sends at most this many batches before its END marker (0: only END)."""
 
+        self._record: BinaryIO | None = None
         self._pub: zmq.Socket[bytes] = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
@@ -176,6 +213,8 @@ class EventPublisher:
         self._thread: threading.Thread | None = None
         if replay_endpoint is not None:
             self._start_replay(replay_endpoint, buffer_steps)
+        if record_path is not None:
+            self._record = open(record_path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
 
     # ------------------------------------------------------------------ properties
 
@@ -253,6 +292,8 @@ class EventPublisher:
             seq = self._next_seq
             self._next_seq += 1
             self._buffer.append((seq, payload))
+            if self._record is not None:
+                self._record.write(seq.to_bytes(8, "big") + len(payload).to_bytes(4, "big") + payload)
             drop = self._drop_remaining > 0
             if drop:
                 self._drop_remaining -= 1
@@ -410,6 +451,8 @@ class EventPublisher:
                 self._thread.join(_THREAD_JOIN_TIMEOUT_S)
             self._ctl.close(linger=0)
         self._pub.close(linger=0)
+        if self._record is not None:
+            self._record.close()
 
     def __enter__(self) -> EventPublisher:
         """Return the publisher (already bound)."""

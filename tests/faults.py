@@ -1,0 +1,540 @@
+"""A whole kvmesh fleet as real OS processes on a 3-node NATS cluster, with kill -9 and the engines' truth.
+
+`Fleet` starts, each as its own process: three clustered ``nats-server`` nodes (JetStream, file storage),
+``ENGINES`` simulated vLLM engines (``kvmesh sim``, one worker of ``RANKS`` data-parallel ranks each, making
+up their own traffic and recording every batch they publish), one ``kvmesh ingest`` per engine (R3 events
+stream), two ``kvmesh indexer`` replicas (R3 buckets) and two ``kvmesh router`` replicas. Any of them can be
+killed with SIGKILL and started again with the same arguments; `Fleet.stream_leader` names the node that
+leads the events stream.
+
+The checks a fault test makes at quiescence:
+
+* `Fleet.truth` — the engines' truth: each engine rank's recorded batches (latest incarnation), decoded,
+  normalized and applied in engine order to a fresh `IndexState`, and each rank's final cache content (its
+  end-of-traffic report); `Truth.problems` says where the two disagree (then the simulator is wrong, not
+  kvmesh);
+* `Fleet.replicas` — every indexer replica's status (digest, applied sequence, completeness);
+* `Fleet.stream_order` — per (worker, dp_rank), the engine sequences of the stream's messages in stream
+  order: within an epoch every engine batch must follow the previous one (seq + 1) unless an ingest resync
+  (a Cleared it made) came in between, an epoch starts at engine seq 0, and the last epoch ends at the
+  engine's last batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import nats.js.api
+
+from kvmesh.cli import gather_status
+from kvmesh.core.events import Cleared, EventsMessage, Removed, Stored, decode_message
+from kvmesh.core.normalize import Normalizer
+from kvmesh.core.state import IndexState
+from kvmesh.core.wire import decode_batch
+from kvmesh.runtime import subjects
+from kvmesh.runtime.nats import connect
+from kvmesh.runtime.server import NatsServer
+from kvmesh.sim.publisher import read_record
+
+MODEL = "fault-model"
+BS = 16
+ENGINES = 2
+RANKS = 2
+NODES = 3
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """Return a loopback TCP port that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _free_block(span: int) -> int:
+    """Return a base port such that ``base .. base + span - 1`` are all free now."""
+    for _ in range(200):
+        base = free_port()
+        if base + span >= 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + span):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {span} consecutive free ports")
+
+
+async def wait_for(
+    probe: Callable[[], Awaitable[T]], ok: Callable[[T], bool], *, timeout_s: float, what: str
+) -> T:
+    """Poll ``probe`` until ``ok`` holds for its value; raise `AssertionError` naming ``what`` and the last value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last: Any = None
+    while True:
+        try:
+            last = await probe()
+            if ok(last):
+                return last  # type: ignore[no-any-return]
+        except Exception as exc:
+            last = exc
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last: {last!r}")
+        await asyncio.sleep(0.2)
+
+
+class Proc:
+    """One kvmesh service as an OS process (own session), logging to ``<logs>/<name>.log``."""
+
+    def __init__(self, name: str, argv: list[str], logs: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = logs / f"{name}.log"
+        self.popen: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.starts = 0
+
+    def start(self, argv: list[str] | None = None) -> Proc:
+        """Start the process (again), with ``argv`` instead of the original arguments when given."""
+        assert not self.alive, f"{self.name} is running"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed on kill/stop)
+        self._log.write(f"----- start {self.starts} at {time.time():.3f}\n".encode())
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("KVMESH_NATS_URL", None)
+        self.popen = subprocess.Popen(
+            argv or self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self.starts += 1
+        return self
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process runs."""
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the process and reap it."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait()
+        self._close_log()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def tail(self, lines: int = 30) -> str:
+        """Return the last lines of the log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Cluster:
+    """``size`` nats-server processes with JetStream (file storage), routed to each other on loopback.
+
+    A killed node restarts on the same client port and storage directory.
+    """
+
+    def __init__(self, root: Path, size: int = NODES) -> None:
+        self.root = root
+        self.cluster_ports = [free_port() for _ in range(size)]
+        self.ports = [0] * size
+        self.servers: list[NatsServer | None] = [None] * size
+
+    def start(self, i: int) -> None:
+        """Start (or restart) node ``i``."""
+        routes = ",".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(self.cluster_ports) if j != i)
+        args = ["--cluster", f"nats://127.0.0.1:{self.cluster_ports[i]}", "--routes", routes]
+        args += ["--cluster_name", "kvmesh-faults"]
+        server = NatsServer(port=self.ports[i], store_dir=self.root / f"n{i}", args=args, name=f"n{i}")
+        server.start()
+        self.ports[i] = server.port
+        self.servers[i] = server
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node ``i``."""
+        server = self.servers[i]
+        assert server is not None
+        server.kill()
+        server.stop()
+        self.servers[i] = None
+
+    def url(self, i: int) -> str:
+        """Client URL of node ``i``."""
+        return f"nats://127.0.0.1:{self.ports[i]}"
+
+    def stop(self) -> None:
+        """Stop every node."""
+        for server in self.servers:
+            if server is not None:
+                server.stop()
+
+
+@dataclass
+class Truth:
+    """What the engines published (latest incarnation of each rank) and what they cache at the end."""
+
+    state: IndexState
+    """A fresh index fed every recorded batch in engine order."""
+    last_seq: dict[tuple[str, int], int]
+    """Per (worker, dp_rank): the engine seq of its last recorded batch (-1: none)."""
+    cached: dict[tuple[str, int], set[int]]
+    """Per (worker, dp_rank): engine keys its pool caches at the end (its report)."""
+    replayed: dict[tuple[str, int], set[int]]
+    """Per (worker, dp_rank): engine keys held after replaying its events with store counts."""
+    batches: int = 0
+
+    def problems(self) -> list[str]:
+        """Return every rank whose events do not describe its final cache (a simulator fault)."""
+        out = []
+        for holder, cached in sorted(self.cached.items()):
+            got = self.replayed.get(holder, set())
+            if got != cached:
+                out.append(f"{holder}: events leave {len(got)} blocks, the pool caches {len(cached)}")
+        return out
+
+
+@dataclass
+class Order:
+    """Per-rank stream order against engine order (see the module docstring)."""
+
+    messages: int = 0
+    violations: list[str] = field(default_factory=list)
+    resyncs: list[str] = field(default_factory=list)
+    last: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    """Per (worker, dp_rank): (epoch, last engine seq) at the stream's end."""
+
+
+class Fleet:
+    """The whole system as processes; see the module docstring.
+
+    Args:
+        root: a fresh directory (stores, logs, engine records).
+        traffic_s: seconds of self-made traffic per engine incarnation.
+        rps: requests per second per engine rank.
+        num_blocks: KV blocks per engine rank (small, so evictions happen).
+    """
+
+    def __init__(
+        self, root: Path, *, traffic_s: float = 14.0, rps: float = 15.0, num_blocks: int = 160
+    ) -> None:
+        self.root = root
+        self.logs = root / "logs"
+        self.records = root / "records"
+        self.logs.mkdir(parents=True)
+        self.records.mkdir()
+        self.cluster = Cluster(root)
+        self.traffic_s = traffic_s
+        self.rps = rps
+        self.num_blocks = num_blocks
+        self.py = sys.executable
+        self.engine_ports = [_free_block(12) for _ in range(ENGINES)]
+        self.traffic_end = 0.0
+        self.engines: list[Proc] = []
+        self.ingests: list[Proc] = []
+        self.indexers: list[Proc] = []
+        self.routers: list[Proc] = []
+
+    # ------------------------------------------------------------------ processes
+
+    def worker_id(self, i: int) -> str:
+        """Worker id of engine ``i`` (the sim names it ``<prefix>0``)."""
+        return f"e{i}-0"
+
+    def _kvmesh(self, *args: str) -> list[str]:
+        return [self.py, "-m", "kvmesh.cli", *args]
+
+    def _engine_argv(self, i: int, traffic_s: float) -> list[str]:
+        return self._kvmesh(
+            "sim",
+            "--workers=1",
+            f"--worker-prefix=e{i}-",
+            f"--base-port={self.engine_ports[i]}",
+            f"--data-parallel-size={RANKS}",
+            f"--num-blocks={self.num_blocks}",
+            f"--block-size={BS}",
+            f"--seed={100 * i}",
+            f"--traffic-rps={self.rps}",
+            f"--traffic-s={traffic_s:.2f}",
+            f"--traffic-seed={i}",
+            f"--record-dir={self.records}",
+            f"--nats-url={self.cluster.url(i % NODES)}",
+        )
+
+    def start(self) -> None:
+        """Start the cluster, the ingests, the indexers and the routers (engines: `start_engines`)."""
+        for i in range(NODES):
+            self.cluster.start(i)
+        for i in range(ENGINES):
+            port = self.engine_ports[i]
+            argv = self._kvmesh(
+                "ingest",
+                f"--worker-id={self.worker_id(i)}",
+                f"--model={MODEL}",
+                f"--zmq-endpoint=tcp://127.0.0.1:{port}",
+                f"--replay-endpoint=tcp://127.0.0.1:{port + 10}",
+                f"--data-parallel-size={RANKS}",
+                f"--block-size={BS}",
+                "--stream-replicas=3",
+                f"--nats-url={self.cluster.url(i % NODES)}",
+            )
+            self.ingests.append(Proc(f"ingest-{i}", argv, self.logs).start())
+        for j in range(2):
+            argv = self._kvmesh(
+                "indexer",
+                f"--replica-id=ix{j}",
+                "--buckets-replicas=3",
+                f"--nats-url={self.cluster.url(j % NODES)}",
+            )
+            self.indexers.append(Proc(f"indexer-{j}", argv, self.logs).start())
+        for j in range(2):
+            argv = self._kvmesh("router", f"--nats-url={self.cluster.url((j + 1) % NODES)}")
+            self.routers.append(Proc(f"router-{j}", argv, self.logs).start())
+
+    def start_engines(self) -> None:
+        """Start every engine with ``traffic_s`` of traffic."""
+        self.traffic_end = time.monotonic() + self.traffic_s
+        for i in range(ENGINES):
+            self.engines.append(Proc(f"engine-{i}", self._engine_argv(i, self.traffic_s), self.logs).start())
+
+    def restart_engine(self, i: int) -> None:
+        """Start engine ``i`` again (a new incarnation) with the traffic time that is left (at least 2 s)."""
+        left = max(2.0, self.traffic_end - time.monotonic())
+        self.engines[i].start(self._engine_argv(i, left))
+
+    def procs(self) -> list[Proc]:
+        """Every kvmesh process."""
+        return [*self.engines, *self.ingests, *self.indexers, *self.routers]
+
+    def stop(self) -> None:
+        """Stop every process and node."""
+        for p in self.procs():
+            p.kill()
+        self.cluster.stop()
+
+    def logs_tail(self, lines: int = 15) -> str:
+        """Return the tail of every process's log (for a failure message)."""
+        return "\n".join(f"=== {p.name} (alive={p.alive})\n{p.tail(lines)}" for p in self.procs())
+
+    # ------------------------------------------------------------------ NATS views
+
+    async def stream_leader(self, js: Any) -> int:
+        """Return the index of the node that leads the events stream."""
+        info = await js.stream_info(subjects.STREAM)
+        assert info.cluster is not None and info.cluster.leader is not None, info
+        return int(info.cluster.leader.removeprefix("n"))
+
+    async def routers_status(self, nc: Any) -> list[dict[str, Any]]:
+        """Return every router's ``route`` endpoint data (its local index: applied sequence, blocks)."""
+        replies = await gather_status(nc, f"$SRV.STATS.{subjects.ROUTER_QUEUE}", 1.0)
+        out = []
+        for r in replies:
+            for endpoint in r.get("endpoints") or []:
+                if endpoint.get("name") == "route":
+                    out.append({"id": r.get("id"), **((endpoint.get("data") or {}).get("index") or {})})
+        return sorted(out, key=lambda r: str(r.get("id")))
+
+    async def replicas(self, nc: Any) -> list[dict[str, Any]]:
+        """Return every indexer replica's status reply, sorted by replica id."""
+        replies = await gather_status(nc, subjects.STATUS_SUBJECT, 1.0)
+        return sorted(replies, key=lambda r: str(r.get("replica", "")))
+
+    def engines_done(self) -> bool:
+        """Whether every engine rank's latest incarnation has written its end-of-traffic report."""
+        latest = self._latest_records()
+        if len(latest) < ENGINES * RANKS:
+            return False
+        return all(p.with_name(p.name + ".done").exists() for p in latest.values())
+
+    async def quiesce(self, nc: Any, *, timeout_s: float = 45.0) -> tuple[int, list[dict[str, Any]]]:
+        """Wait until traffic ended, the stream stopped growing and every replica applied all of it.
+
+        Returns:
+            The stream's last sequence and the replicas' status replies.
+        """
+        js = nc.jetstream()
+        await wait_for(
+            lambda: asyncio.sleep(0, self.engines_done()), bool, timeout_s=timeout_s, what="engines' reports"
+        )
+        previous: list[int] = [-1]
+
+        async def probe() -> tuple[int, list[dict[str, Any]], bool]:
+            last = (await js.stream_info(subjects.STREAM)).state.last_seq
+            stable = last == previous[0]
+            previous[0] = last
+            reps = await self.replicas(nc)
+            return last, reps, stable
+
+        def settled(v: tuple[int, list[dict[str, Any]], bool]) -> bool:
+            last, reps, stable = v
+            return stable and len(reps) == 2 and all(r.get("applied_seq") == last for r in reps)
+
+        last, reps, _ = await wait_for(
+            probe, settled, timeout_s=timeout_s, what="a quiet, fully applied stream"
+        )
+        return last, reps
+
+    # ------------------------------------------------------------------ the engines' truth
+
+    def _latest_records(self) -> dict[tuple[str, int], Path]:
+        latest: dict[tuple[str, int], tuple[int, Path]] = {}
+        for path in self.records.glob("*.kv"):
+            worker, rank, started = path.name.removesuffix(".kv").rsplit(".", 2)
+            key = (worker, int(rank))
+            if key not in latest or int(started) > latest[key][0]:
+                latest[key] = (int(started), path)
+        return {k: p for k, (_, p) in latest.items()}
+
+    def truth(self) -> Truth:
+        """Build the engines' truth from the latest incarnation's records and reports."""
+        state = IndexState()
+        truth = Truth(state=state, last_seq={}, cached={}, replayed={})
+        stream_seq = 0
+        for (worker, rank), path in sorted(self._latest_records().items()):
+            normalizer = Normalizer(block_size=BS)
+            counts: dict[int, int] = {}
+            last = -1
+            for seq, payload in read_record(path):
+                batch = decode_batch(payload)
+                result = normalizer.normalize(batch)
+                assert not result.rejections and not result.lost, (worker, rank, seq, result)
+                stream_seq += 1
+                msg = EventsMessage(
+                    worker_id=worker,
+                    dp_rank=rank,
+                    model=MODEL,
+                    block_size=BS,
+                    epoch=0,
+                    seq=seq,
+                    ts=batch.ts,
+                    events=result.events,
+                )
+                state.apply(stream_seq, msg)
+                last = seq
+                for ev in result.events:
+                    if isinstance(ev, Stored):
+                        for h in ev.engine_hashes:
+                            counts[h] = counts.get(h, 0) + 1
+                    elif isinstance(ev, Removed):
+                        for h in ev.engine_hashes:
+                            if counts.get(h, 0) > 1:
+                                counts[h] -= 1
+                            else:
+                                counts.pop(h, None)
+                    elif isinstance(ev, Cleared):
+                        counts.clear()
+            truth.last_seq[(worker, rank)] = last
+            truth.replayed[(worker, rank)] = set(counts)
+            report = json.loads(path.with_name(path.name + ".done").read_text())
+            truth.cached[(worker, rank)] = set(report["cached"])
+        truth.batches = stream_seq
+        return truth
+
+    # ------------------------------------------------------------------ stream order
+
+    async def stream_order(self, nc: Any, truth: Truth) -> Order:
+        """Read the whole events stream and check per-rank order against engine order (module docstring)."""
+        js = nc.jetstream()
+        info = await js.stream_info(subjects.STREAM)
+        last_seq, total = info.state.last_seq, info.state.messages
+        sub = await js.subscribe(
+            f"{subjects.EVENTS_PREFIX}.>",
+            ordered_consumer=True,
+            deliver_policy=nats.js.api.DeliverPolicy.ALL,
+        )
+        order = Order()
+        # per holder: epoch, last engine seq (None before the epoch's first engine batch), resync seen since
+        cursor: dict[tuple[str, int], tuple[int, int | None, bool]] = {}
+        try:
+            seen = 0
+            while seen < last_seq:
+                msg = await sub.next_msg(timeout=10)
+                sseq = msg.metadata.sequence.stream
+                seen = sseq
+                order.messages += 1
+                m = decode_message(msg.data)
+                if not isinstance(m, EventsMessage):
+                    continue
+                holder = (m.worker_id, m.dp_rank)
+                epoch, last, resync = cursor.get(holder, (m.epoch, None, False))
+                if m.epoch < epoch:
+                    order.violations.append(
+                        f"{holder} stream seq {sseq}: epoch {m.epoch} after epoch {epoch}"
+                    )
+                    continue
+                if m.epoch > epoch:
+                    epoch, last, resync = m.epoch, None, False
+                if m.ts == 0.0:  # made by the ingest: a hello, or a resync Cleared
+                    if any(isinstance(e, Cleared) and e.reason != "engine" for e in m.events):
+                        reasons = [e.reason for e in m.events if isinstance(e, Cleared)]
+                        order.resyncs.append(f"{holder} stream seq {sseq} epoch {epoch}: {reasons}")
+                        resync = True
+                    cursor[holder] = (epoch, last, resync)
+                    continue
+                lo = m.first_seq if m.first_seq is not None else m.seq
+                if m.part > 0:
+                    if m.seq != last:
+                        order.violations.append(
+                            f"{holder} stream seq {sseq}: part {m.part} of engine seq {m.seq} after {last}"
+                        )
+                    continue
+                expected = 0 if last is None else last + 1
+                if lo != expected and not (resync and lo > expected):
+                    order.violations.append(
+                        f"{holder} stream seq {sseq} epoch {epoch}: engine seqs {lo}..{m.seq} "
+                        f"after {last} (expected {expected})"
+                    )
+                if last is None or m.seq > last:
+                    last = m.seq
+                cursor[holder] = (epoch, last, False)
+        finally:
+            await sub.unsubscribe()
+        assert order.messages == total, (order.messages, total)
+        for holder, (epoch, last, _) in sorted(cursor.items()):
+            order.last[holder] = (epoch, -1 if last is None else last)
+            want = truth.last_seq.get(holder)
+            if want is not None and last != want:
+                order.violations.append(
+                    f"{holder}: the stream ends at engine seq {last} (epoch {epoch}), the engine at {want}"
+                )
+        return order
+
+
+async def connect_client(url: str) -> Any:
+    """Connect a test client that rides out node kills."""
+    return await connect(url, name="kvmesh-faults", wait_s=10.0)

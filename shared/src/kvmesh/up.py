@@ -1,12 +1,17 @@
 """kvmesh up: the whole system on one machine, driven by a request trace.
 
 Starts (as child processes, each also runnable on its own): a private nats-server with JetStream in a
-temporary directory (unless --nats-url names one), `kvmesh sim` with N simulated vLLM workers, one
-`kvmesh ingest` per worker, a `kvmesh indexer` and a `kvmesh router`. Then it replays a Mooncake-format
-trace: every request is routed through kvmesh.route and sent to the chosen simulated worker, which
-reports how many prompt tokens it served from its prefix cache. At the end it prints a table per worker next
-to what round-robin routing achieves on the same requests with the same pools (computed in-process).
-Ctrl-C stops every process it started and removes the temporary directory.
+temporary directory (unless --nats-url or KVMESH_NATS_URL names one), `kvmesh sim` with N simulated vLLM
+workers, one `kvmesh ingest` per worker, a `kvmesh indexer` and a `kvmesh router`. Then it replays a
+Mooncake-format trace: every request is routed through kvmesh.route and sent to the chosen simulated worker,
+which reports how many prompt tokens it served from its prefix cache. At the end it prints a table per
+worker next to what round-robin routing achieves on the same requests with the same pools (computed
+in-process). Ctrl-C or SIGTERM stops every process it started and removes the temporary directory.
+
+On a server of your own (--nats-url, or KVMESH_NATS_URL from the environment: the first line says which),
+the connection is checked before anything starts, and the run keeps to a namespace of its own: stream
+KVMESH_UP_<run>, subjects kvmesh.up.<run>.*, workers sim-<run>-<i>, so another fleet's router or workers on
+that server never answer it. That stream and its buckets are deleted when the run ends.
 """
 
 from __future__ import annotations
@@ -21,16 +26,18 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 import msgspec
+from nats.aio.client import Client
 
 from kvmesh.client import RouteError, Router, UnavailableError
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import close_quietly, connect
+from kvmesh.runtime.nats import TransportError, close_quietly, connect, redact_url
 from kvmesh.runtime.procs import ChildProcesses
 from kvmesh.runtime.server import NatsServer
 from kvmesh.sim.blockpool import BlockPool, PoolExhaustedError
@@ -93,11 +100,47 @@ def _free_base_port(span: int) -> int:
     raise RuntimeError("no free port range found")
 
 
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """The stream, subjects and worker ids of one run (defaults on the private server, unique on a shared one)."""
+
+    stream: str = subjects.STREAM
+    events_prefix: str = subjects.EVENTS_PREFIX
+    route_subject: str = subjects.ROUTE_SUBJECT
+    match_subject: str = subjects.MATCH_SUBJECT
+    requests_prefix: str = subjects.REQUESTS_PREFIX
+    load_prefix: str = subjects.LOAD_PREFIX
+    worker_prefix: str = "sim-"
+    own: bool = False
+    """True: a namespace of this run only, deleted (stream and buckets) when it ends."""
+
+    @classmethod
+    def unique(cls) -> Namespace:
+        """A namespace no other run uses."""
+        run = uuid.uuid4().hex[:8]
+        base = f"kvmesh.up.{run}"
+        return cls(
+            stream=f"KVMESH_UP_{run.upper()}",
+            events_prefix=f"{base}.events",
+            route_subject=f"{base}.route",
+            match_subject=f"{base}.match",
+            requests_prefix=f"{base}.requests",
+            load_prefix=f"{base}.load",
+            worker_prefix=f"sim-{run}-",
+            own=True,
+        )
+
+    def service_args(self) -> list[str]:
+        """The flags that put a router (and, less the router's own, the others) in this namespace."""
+        return ["--stream", self.stream, "--events-prefix", self.events_prefix]
+
+
 class Up:
     """One `kvmesh up` run."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, ns: Namespace | None = None) -> None:
         self.args = args
+        self.ns = ns or Namespace()
         self.tmp = Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
         self.log_dir = Path(args.log_dir) if args.log_dir else self.tmp / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -114,17 +157,63 @@ class Up:
         """
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self.children.stop()
+        self.children.stop(grace_s=STOP_GRACE_S)
         if self.server is not None:
             self.server.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def start(self) -> str:
-        """Start NATS (unless given) and every kvmesh process; return the NATS URL."""
+    async def remove_namespace(self, url: str) -> None:
+        """Delete this run's stream and buckets from a shared server (only a namespace of its own)."""
+        if not self.ns.own:
+            return
+        try:
+            nc = await connect(url, name="kvmesh-up-cleanup", wait_s=3.0)
+        except TransportError as exc:
+            self.say(f"cannot remove stream {self.ns.stream} and its buckets: {exc}")
+            return
+        removed: list[str] = []
+        try:
+            js = nc.jetstream()
+            stream = self.ns.stream
+            for kind, name, delete in (
+                ("stream", stream, js.delete_stream),
+                ("bucket", subjects.registry_bucket(stream), js.delete_key_value),
+                ("bucket", subjects.lease_bucket(stream), js.delete_key_value),
+                ("bucket", subjects.snapshot_bucket(stream), js.delete_object_store),
+            ):
+                try:
+                    await delete(name)
+                    removed.append(f"{kind} {name}")
+                except Exception as exc:
+                    if type(exc).__name__ not in ("NotFoundError", "BucketNotFoundError"):
+                        self.say(f"cannot remove {kind} {name}: {exc}")
+        finally:
+            await close_quietly(nc)
+        if removed:
+            self.say(f"removed this run's {', '.join(removed)} from {redact_url(url)}")
+
+    async def connect_checked(self, url: str) -> Client:
+        """Connect to a given server and check it has JetStream, before anything is started.
+
+        Raises:
+            TransportError: no connection within 5 s (the reason named), or JetStream is not enabled.
+        """
+        nc = await connect(url, name="kvmesh-up", wait_s=5.0)
+        try:
+            await nc.jetstream().account_info()
+        except Exception as exc:
+            await close_quietly(nc)
+            raise TransportError(
+                f"{redact_url(url)} does not answer JetStream requests ({type(exc).__name__}): kvmesh needs a "
+                "server started with JetStream (nats-server -js)"
+            ) from None
+        return nc
+
+    def start(self, url: str | None) -> str:
+        """Start NATS (unless ``url`` names a server) and every kvmesh process; return the NATS URL."""
         a = self.args
-        if a.nats_url:
-            url = str(a.nats_url)
-        else:
+        ns = self.ns
+        if url is None:
             self.server = NatsServer(store_dir=self.tmp / "nats").start()
             url = self.server.url
             self.say(f"started nats-server with JetStream at {url} (store in a temporary directory)")
@@ -147,7 +236,7 @@ class Up:
             "--version",
             a.version,
             "--worker-prefix",
-            "sim-",
+            ns.worker_prefix,
         )
         for i in range(a.workers):
             port = base + 20 * i
@@ -158,7 +247,7 @@ class Up:
                 "--nats-url",
                 url,
                 "--worker-id",
-                f"sim-{i}",
+                f"{ns.worker_prefix}{i}",
                 "--model",
                 MODEL,
                 "--zmq-endpoint",
@@ -167,18 +256,26 @@ class Up:
                 f"tcp://127.0.0.1:{port + 10}",
                 "--block-size",
                 str(a.block_size),
+                *ns.service_args(),
             )
-        self.children.spawn("indexer", "-m", "kvmesh.indexer", "--nats-url", url)
-        self.children.spawn("router", "-m", "kvmesh.router", "--nats-url", url)
+        self.children.spawn(
+            "indexer", "-m", "kvmesh.indexer", "--nats-url", url, *ns.service_args(),
+            "--match-subject", ns.match_subject,
+        )  # fmt: skip
+        self.children.spawn(
+            "router", "-m", "kvmesh.router", "--nats-url", url, *ns.service_args(),
+            "--match-subject", ns.match_subject, "--route-subject", ns.route_subject,
+            "--requests-prefix", ns.requests_prefix, "--load-prefix", ns.load_prefix,
+        )  # fmt: skip
         self.say(
             f"started {a.workers} simulated workers, {a.workers} ingests, an indexer and a router "
             f"(logs in {self.log_dir if a.log_dir else 'a temporary directory'})"
         )
         return url
 
-    def say(self, text: str) -> None:
-        """Print a status line."""
-        print(text, file=self.out, flush=True)
+    def say(self, text: str, *, err: bool = False) -> None:
+        """Print a status line (to stderr with ``err``)."""
+        print(text, file=sys.stderr if err else self.out, flush=True)
 
     # ------------------------------------------------------------------ the run
 
@@ -198,11 +295,19 @@ class Up:
             await asyncio.sleep(0.2)
         raise RuntimeError(f"kvmesh did not become ready in {timeout_s:g} s ({last})")
 
-    async def replay(self, url: str, trace: list[TraceRequest]) -> tuple[Tally, int, float, list[float]]:
+    async def replay(
+        self, url: str, trace: list[TraceRequest], nc: Client | None = None
+    ) -> tuple[Tally, int, float, list[float]]:
         """Route and serve every request; return the tally, failures, seconds taken and route latencies."""
         a = self.args
-        nc = await connect(url, name="kvmesh-up", wait_s=10.0)
-        router = Router(nc, timeout_s=5.0)
+        if nc is None:
+            nc = await connect(url, name="kvmesh-up", wait_s=10.0)
+        router = Router(
+            nc,
+            timeout_s=5.0,
+            subject=self.ns.route_subject,
+            requests_prefix=self.ns.requests_prefix,
+        )
         tally = Tally()
         failures = 0
         latencies: list[float] = []
@@ -249,7 +354,8 @@ class Up:
                         failures += 1
                         self.say(f"\nrequest {i}: worker {reply.worker_id} failed: {result['error']}")
                         continue
-                    tally.add(reply.worker_id, result["prompt_tokens"], result["cached_tokens"])
+                    shown = "sim-" + reply.worker_id.removeprefix(self.ns.worker_prefix)
+                    tally.add(shown, result["prompt_tokens"], result["cached_tokens"])
                     done += 1
                     self.progress(done, len(trace), tally, start)
 
@@ -276,6 +382,59 @@ class Up:
             print("\r" + line, end="\n" if final else "", file=self.out, flush=True)
         elif not final:
             print(line, file=self.out, flush=True)
+
+
+STOP_GRACE_S = 5.0
+"""Seconds the children get, in all, to exit after SIGTERM before they are killed."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How `_run` ended: an exit code to return at once, or the replay's result."""
+
+    code: int | None = None
+    url: str | None = None
+    """The server the run's namespace lives on, once the connection was checked."""
+    result: tuple[Tally, int, float, list[float]] | None = None
+
+
+async def _run(up: Up, url: str | None, trace: list[TraceRequest], outcome: Outcome) -> None:
+    """Check the server, start everything, replay; SIGINT and SIGTERM end it at once (exit 130 and 143)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    got: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        got.append(sig)
+        task.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    nc: Client | None = None
+    try:
+        if url is not None:
+            nc = await up.connect_checked(url)
+            outcome.url = url
+        started = up.start(url)
+        outcome.result = await up.replay(started, trace, nc)
+        up.say("replay done; stopping every process")
+    except asyncio.CancelledError:
+        if not got:
+            raise
+        up.say("\ninterrupted; stopping every process")
+        outcome.code = 128 + got[0]
+    except TransportError as exc:
+        up.say(f"kvmesh up: {exc}", err=True)
+        outcome.code = 1
+    except Exception as exc:
+        up.say(f"\nkvmesh up failed: {exc}", err=True)
+        outcome.code = 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if nc is not None:
+            await close_quietly(nc, timeout_s=1.0)
 
 
 def round_robin(trace: Sequence[TraceRequest], args: argparse.Namespace) -> Tally:
@@ -328,11 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvmesh up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    env = os.environ.get
     p.add_argument(
         "--nats-url",
-        default=env("KVMESH_NATS_URL"),
-        help="use this NATS server (with JetStream) instead of starting one [env KVMESH_NATS_URL]",
+        default=None,
+        help="use this NATS server (with JetStream; a comma-separated list of servers is fine) instead of "
+        "starting one; the run keeps to a stream and subjects of its own there and deletes them at the end "
+        "[env KVMESH_NATS_URL]",
     )
     p.add_argument(
         "--trace",
@@ -385,21 +545,29 @@ def command(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvmesh up: cannot read trace {trace_path}: {exc}", file=sys.stderr)
         return 2
-    up = Up(args)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if args.nats_url:
+        url: str | None = str(args.nats_url)
+        source = "--nats-url"
+    elif os.environ.get("KVMESH_NATS_URL"):
+        url = os.environ["KVMESH_NATS_URL"]
+        source = "KVMESH_NATS_URL in the environment"
+    else:
+        url, source = None, ""
+    up = Up(args, Namespace.unique() if url is not None else None)
+    up.say(f"kvmesh up: {len(trace)} requests from {Path(trace_path).name}, {args.workers} workers")
+    if url is not None:
+        up.say(f"using the NATS server at {redact_url(url)} (from {source}); stream {up.ns.stream}")
+    outcome = Outcome()
     try:
-        up.say(f"kvmesh up: {len(trace)} requests from {Path(trace_path).name}, {args.workers} workers")
-        url = up.start()
-        tally, failures, elapsed, latencies = asyncio.run(up.replay(url, trace))
-        up.say("replay done; stopping every process")
-    except KeyboardInterrupt:
-        up.say("\ninterrupted; stopping every process")
-        return 130
-    except Exception as exc:
-        up.say(f"\nkvmesh up failed: {exc}")
-        return 1
+        asyncio.run(_run(up, url, trace, outcome))
     finally:
         up.stop()
+        if outcome.url is not None:
+            asyncio.run(up.remove_namespace(outcome.url))
+    if outcome.code is not None:
+        return outcome.code
+    assert outcome.result is not None
+    tally, failures, elapsed, latencies = outcome.result
     served = tally.totals().requests
     up.say(f"\nreplayed {served} requests in {elapsed:.1f} s ({failures} failed)")
     if latencies:

@@ -11,6 +11,10 @@ The indexer service and a router with a local index (``kvmesh router --index loc
    cannot be decoded or applied is counted, logged with its sequence and subject, and skipped;
 3. `StreamReplica.wait_caught_up` returns once the stream's last sequence as of `recover` is applied.
 
+A stream deleted and created again under the same name (its creation time changes, or its last sequence
+falls below what was applied) is detected every `RECREATED_CHECK_S` while following: the replica then
+recovers afresh from the new stream (and only its snapshots) and reads it from there (``rebuilds`` counts it).
+
 Two replicas that have applied the stream up to the same sequence hold the same state (`IndexState.digest`).
 """
 
@@ -29,10 +33,12 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 from kvmesh.core.events import decode_message
 from kvmesh.core.state import IndexState
 from kvmesh.runtime import subjects
-from kvmesh.runtime.snapshots import SnapshotStore, plan_recovery
+from kvmesh.runtime.snapshots import SnapshotStore, plan_recovery, stream_id
 
 log = logging.getLogger("kvmesh.replica")
 
+RECREATED_CHECK_S = 2.0
+"""How often a following replica checks that the stream is still the one it recovered from (seconds)."""
 STALL_S = 5.0
 """A consumer that applied nothing for this long while the stream holds more is re-created (seconds)."""
 STOP_TIMEOUT_S = 5.0
@@ -115,6 +121,10 @@ class StreamReplica:
         self.apply_errors = 0
         self.resubscribes = 0
         """Times the consumer stalled and was re-created (NATS restarts)."""
+        self.rebuilds = 0
+        """Times the stream was found deleted and re-created, and the state rebuilt from the new one."""
+        self.stream_id = ""
+        """Identity (`kvmesh.runtime.snapshots.stream_id`) of the stream the state was read from."""
         self.recovery: dict[str, Any] = {}
         """How this replica started: snapshot used, skipped ones, start sequence, gap."""
         self._js = js
@@ -139,9 +149,15 @@ class StreamReplica:
             info: the stream's info as of start-up; its last sequence is the catch-up target.
         """
         self._target_seq = info.state.last_seq
+        identity = stream_id(info)
         plan = await plan_recovery(
-            self._store, first_seq=info.state.first_seq, last_seq=info.state.last_seq, name=self._name
+            self._store,
+            first_seq=info.state.first_seq,
+            last_seq=info.state.last_seq,
+            name=self._name,
+            stream=identity,
         )
+        self.stream_id = identity
         self.state = plan.state()
         self.recovery = {
             "snapshot": plan.snapshot,
@@ -213,7 +229,12 @@ class StreamReplica:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), 1.0)
                 continue
-            tasks = {asyncio.create_task(self._consume(sub)), asyncio.create_task(self._watch_stall())}
+            recreated = asyncio.create_task(self._watch_recreated())
+            tasks = {
+                asyncio.create_task(self._consume(sub)),
+                asyncio.create_task(self._watch_stall()),
+                recreated,
+            }
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
@@ -224,9 +245,50 @@ class StreamReplica:
                 await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(sub.unsubscribe(), STOP_TIMEOUT_S)
+            if recreated in done:
+                info = recreated.result()
+                old_seq, old_id = self.state.applied_seq, self.stream_id
+                start = await retry_start(
+                    lambda info=info: self.recover(info),  # type: ignore[misc]
+                    what="recover from the new stream",
+                    name=self._name,
+                    stop=self._stop,
+                )
+                if start is None:
+                    return
+                start_seq = start
+                self.rebuilds += 1
+                self._caught_up.clear()
+                log.warning(
+                    "%s: stream %s was deleted and re-created (created %s, was %s; applied seq %d, now last seq "
+                    "%d): state rebuilt, reading it from seq %d",
+                    self._name,
+                    self._stream,
+                    self.stream_id,
+                    old_id,
+                    old_seq,
+                    info.state.last_seq,
+                    start_seq,
+                )
+                continue
             start_seq = self.state.applied_seq + 1
             self.resubscribes += 1
             log.warning("%s: consumer stalled; reading again from seq %d", self._name, start_seq)
+
+    async def _watch_recreated(self) -> Any:
+        """Return the stream's info once it is another stream than the one recovered from: its creation time
+        changed, or its last sequence is below what was applied (a missing stream is waited for)."""
+        while True:
+            await asyncio.sleep(RECREATED_CHECK_S)
+            try:
+                info = await self._js.stream_info(self._stream)
+            except Exception:
+                continue  # deleted and not created again yet, or NATS unreachable
+            identity = stream_id(info)
+            if (identity and self.stream_id and identity != self.stream_id) or (
+                info.state.last_seq < self.state.applied_seq
+            ):
+                return info
 
     async def _watch_stall(self) -> None:
         """Return when the stream holds messages past ``applied_seq`` but none was applied for `STALL_S`."""

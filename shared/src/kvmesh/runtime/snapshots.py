@@ -3,6 +3,14 @@
 One bucket per index group (the events stream): `kvmesh.runtime.subjects.snapshot_bucket`. Objects are
 named ``snap-<applied_seq, 20 digits>`` so names sort by stream sequence; the bytes are
 `kvmesh.core.snapshot` encodings (format version + XXH3 checksum, on top of the Object Store's own SHA-256).
+Each snapshot's description, ``kvmesh seq <applied_seq> stream <stream id>``, names the stream it was read
+from (`stream_id`: the stream's creation time, so a deleted and re-created stream of the same name is
+another stream): recovery, prune and purge only use and count snapshots of the stream as it is now, whose
+sequence is within the stream and agrees with the name (recovery also checks the decoded header).
+
+The bucket also holds one ``member-<worker>`` object per worker seen in the worker registry (its model as
+description): the durable record that the worker heartbeats, so a replica started after the worker's key
+and its delete marker are both gone still knows to remove it (`kvmesh.indexer.service`).
 
 The lease (`SnapshotLease`) is one key in a KV bucket whose max age is the lease TTL: ``create`` takes it
 when absent, the holder renews it with ``update(last=revision)``, and an unrenewed lease simply ages out.
@@ -22,6 +30,7 @@ import builtins
 import contextlib
 import io
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +57,7 @@ from kvmesh.runtime import subjects
 log = logging.getLogger(__name__)
 
 PREFIX: Final[str] = "snap-"
+MEMBER_PREFIX: Final[str] = "member-"
 LEASE_KEY: Final[str] = "snapshot-writer"
 
 DEFAULT_SNAPSHOT_EVERY_S: Final[float] = 300.0
@@ -83,14 +93,42 @@ def snapshot_name(applied_seq: int) -> str:
     return f"{PREFIX}{applied_seq:020d}"
 
 
+def stream_id(info: Any) -> str:
+    """The identity of a stream as of ``info`` (a `nats.js.api.StreamInfo`): its creation time, ISO 8601.
+
+    A stream deleted and created again under the same name gets another identity ("" when the server does
+    not report the creation time).
+    """
+    created = getattr(info, "created", None)
+    return created.isoformat() if created is not None else ""
+
+
+_DESCRIPTION = re.compile(r"^kvmesh seq (\d+) stream (\S*)$")
+
+
+def _description(applied_seq: int, stream: str) -> str:
+    return f"kvmesh seq {applied_seq} stream {stream}"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SnapshotEntry:
     """One stored snapshot."""
 
     name: str
     applied_seq: int
+    """The sequence in the name."""
     size_bytes: int
     mtime: str
+    stream_id: str | None = None
+    """The stream it was read from (`stream_id`); None for an object without a kvmesh description (written
+    before snapshots carried it, or not by kvmesh)."""
+    described_seq: int | None = None
+    """The sequence its description states (None without one)."""
+
+    def of_stream(self, stream: str, last_seq: int) -> bool:
+        """True for a snapshot of stream ``stream`` (an identity) whose name and description agree and whose
+        sequence the stream has reached: the only ones prune and purge count."""
+        return self.stream_id == stream and self.described_seq == self.applied_seq <= last_seq
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,9 +195,15 @@ class SnapshotStore:
                 seq = int(info.name[len(PREFIX) :])
             except ValueError:
                 continue
+            described = _DESCRIPTION.match(info.description or "")
             out.append(
                 SnapshotEntry(
-                    name=info.name, applied_seq=seq, size_bytes=info.size or 0, mtime=info.mtime or ""
+                    name=info.name,
+                    applied_seq=seq,
+                    size_bytes=info.size or 0,
+                    mtime=info.mtime or "",
+                    stream_id=(described.group(2) or None) if described else None,
+                    described_seq=int(described.group(1)) if described else None,
                 )
             )
         out.sort(key=lambda e: e.applied_seq, reverse=True)
@@ -177,30 +221,73 @@ class SnapshotStore:
         await asyncio.wait_for(self._obs.get(name, writeinto=buf), timeout_s + (info.size or 0) / 2**20)
         return buf.getvalue()
 
-    async def put(self, applied_seq: int, data: bytes) -> SnapshotEntry:
-        """Store a snapshot under its sequence's name (replacing one of the same name)."""
+    async def put(self, applied_seq: int, data: bytes, *, stream: str = "") -> SnapshotEntry:
+        """Store a snapshot under its sequence's name (replacing one of the same name).
+
+        Args:
+            stream: the identity (`stream_id`) of the stream the state was read from.
+        """
         name = snapshot_name(applied_seq)
         info = await self._obs.put(
-            name, data, meta=ObjectMeta(name=name, description=f"kvmesh seq {applied_seq}")
+            name, data, meta=ObjectMeta(name=name, description=_description(applied_seq, stream))
         )
         return SnapshotEntry(
-            name=name, applied_seq=applied_seq, size_bytes=info.size or len(data), mtime=info.mtime or ""
+            name=name,
+            applied_seq=applied_seq,
+            size_bytes=info.size or len(data),
+            mtime=info.mtime or "",
+            stream_id=stream,
+            described_seq=applied_seq,
         )
 
     async def put_raw(self, name: str, data: bytes) -> None:
         """Store arbitrary bytes under a name (tests use it to corrupt a snapshot)."""
         await self._obs.put(name, data)
 
-    async def prune(self, keep: int) -> builtins.list[str]:
-        """Delete all but the newest ``keep`` snapshots; return the deleted names."""
+    async def prune(self, keep: int, *, stream: str, last_seq: int) -> builtins.list[str]:
+        """Delete all but the newest ``keep`` snapshots of the stream; return the deleted names.
+
+        Only snapshots of ``stream`` (an identity, `stream_id`) within ``last_seq`` whose name and description
+        agree count (`SnapshotEntry.of_stream`). Snapshots of another stream (one deleted since) are deleted
+        too; objects without a kvmesh description or beyond the stream are left alone and never counted.
+        """
         deleted = []
-        for entry in (await self.list())[keep:]:
+        entries = await self.list()
+        ours = [e for e in entries if e.of_stream(stream, last_seq)]
+        others = [e for e in entries if e.stream_id is not None and e.stream_id != stream]
+        for entry in ours[keep:] + others:
             try:
                 await self._obs.delete(entry.name)
                 deleted.append(entry.name)
             except nats.js.errors.NotFoundError:
                 pass
         return deleted
+
+    async def kept(self, *, stream: str, last_seq: int) -> builtins.list[SnapshotEntry]:
+        """The snapshots of ``stream`` within ``last_seq`` (what purge may rely on), newest first."""
+        return [e for e in await self.list() if e.of_stream(stream, last_seq)]
+
+    async def members(self) -> dict[str, str]:
+        """Every worker recorded as a registry member: worker id → model."""
+        try:
+            infos = await self._obs.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return {}
+        return {
+            info.name[len(MEMBER_PREFIX) :]: info.description or ""
+            for info in infos
+            if not info.deleted and info.name.startswith(MEMBER_PREFIX)
+        }
+
+    async def put_member(self, worker_id: str, model: str) -> None:
+        """Record that ``worker_id`` (of ``model``) heartbeats into the worker registry."""
+        name = MEMBER_PREFIX + worker_id
+        await self._obs.put(name, model.encode(), meta=ObjectMeta(name=name, description=model))
+
+    async def delete_member(self, worker_id: str) -> None:
+        """Forget a member (its removal is in the stream and its key is gone)."""
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self._obs.delete(MEMBER_PREFIX + worker_id)
 
     async def load_newest(self, *, max_seq: int | None = None) -> LoadedSnapshot | None:
         """Load the newest snapshot that verifies, skipping corrupt or unreadable ones for older ones.
@@ -348,6 +435,7 @@ async def plan_recovery(
     last_seq: int,
     only_seq: int | None = None,
     name: str = "kvmesh",
+    stream: str | None = None,
 ) -> RecoveryPlan:
     """Choose the snapshot to start from: the newest that verifies and that the stream still continues.
 
@@ -361,14 +449,23 @@ async def plan_recovery(
         last_seq: the stream's last sequence now.
         only_seq: consider only the snapshot at this sequence (``kvmesh replay --from-snapshot SEQ``).
         name: who is recovering (log lines).
+        stream: the stream's identity (`stream_id`): snapshots of another stream are skipped (None: any).
+            One without an identity (written before snapshots carried it) is still considered.
     """
     skipped: list[list[str]] = []
     uncovered: tuple[str, StateExport] | None = None
     for entry in await store.list() if store is not None else []:
         if only_seq is not None and entry.applied_seq != only_seq:
             continue
+        if stream is not None and entry.stream_id is not None and entry.stream_id != stream:
+            skipped.append([entry.name, "of another stream (deleted and re-created since)"])
+            continue
         if entry.applied_seq > last_seq:
             skipped.append([entry.name, "beyond the stream's last sequence"])
+            continue
+        if entry.described_seq is not None and entry.described_seq != entry.applied_seq:
+            log.warning("%s: snapshot %s describes seq %d, skipped", name, entry.name, entry.described_seq)
+            skipped.append([entry.name, "name and description disagree"])
             continue
         try:
             export = decode_snapshot(await store.get(entry.name))  # type: ignore[union-attr]
@@ -379,6 +476,10 @@ async def plan_recovery(
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("%s: snapshot %s unreadable, skipped: %r", name, entry.name, exc)
             skipped.append([entry.name, type(exc).__name__])
+            continue
+        if export.applied_seq != entry.applied_seq:
+            log.warning("%s: snapshot %s holds seq %d, skipped", name, entry.name, export.applied_seq)
+            skipped.append([entry.name, "name and content disagree"])
             continue
         if export.applied_seq + 1 >= first_seq or export.applied_seq >= last_seq:
             return RecoveryPlan(

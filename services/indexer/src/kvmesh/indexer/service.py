@@ -65,6 +65,7 @@ from kvmesh.runtime.snapshots import (
     SnapshotStore,
     default_stream_max_age_s,
     open_kv,
+    stream_id,
 )
 
 log = logging.getLogger("kvmesh.indexer")
@@ -365,13 +366,25 @@ class IndexerService:
             ``{"written": True, "name", "applied_seq", "bytes", "stall_ms", "encode_ms", "store_ms",
             "deleted", "purged_before"}`` or ``{"written": False, "reason"}``.
         """
-        assert self._store is not None and self._lease is not None
+        assert self._store is not None and self._lease is not None and self._replica is not None
         async with self._snapshot_lock:
             if not await self._lease.try_acquire():
                 return {"written": False, "reason": f"lease held by {await self._lease.holder()}"}
             last = self.snapshots["last"]
-            if not force and last is not None and last["applied_seq"] == self.state.applied_seq:
+            if (
+                not force
+                and last is not None
+                and (last["applied_seq"], last.get("stream_id"))
+                == (self.state.applied_seq, self._replica.stream_id)
+            ):
                 return {"written": False, "reason": "nothing new since the last snapshot"}
+            info = await self._js.stream_info(self.settings.stream)
+            identity = stream_id(info)
+            if self._replica.stream_id and identity and identity != self._replica.stream_id:
+                return {
+                    "written": False,
+                    "reason": "the stream was re-created; this replica is rebuilding from it",
+                }
             t0 = time.perf_counter()
             export = self.state.export()
             t1 = time.perf_counter()
@@ -379,15 +392,19 @@ class IndexerService:
             self._last_snapshot_at = time.monotonic()
             data = await asyncio.to_thread(encode_snapshot, export)
             t2 = time.perf_counter()
-            entry = await self._store.put(export.applied_seq, data)
+            entry = await self._store.put(export.applied_seq, data, stream=self._replica.stream_id)
             t3 = time.perf_counter()
-            deleted = await self._store.prune(self.settings.snapshot_keep)
-            purged = await self._purge() if self.settings.purge_after_snapshot else None
+            info = await self._js.stream_info(self.settings.stream)
+            deleted = await self._store.prune(
+                self.settings.snapshot_keep, stream=stream_id(info), last_seq=info.state.last_seq
+            )
+            purged = await self._purge(info) if self.settings.purge_after_snapshot else None
             stall_ms = (t1 - t0) * 1e3
             result = {
                 "written": True,
                 "replica": self.replica,
                 "name": entry.name,
+                "stream_id": self._replica.stream_id,
                 "applied_seq": export.applied_seq,
                 "bytes": len(data),
                 "stall_ms": round(stall_ms, 2),
@@ -411,12 +428,16 @@ class IndexerService:
             )
             return result
 
-    async def _purge(self) -> int | None:
+    async def _purge(self, info: Any) -> int | None:
         """Purge stream messages before the oldest kept snapshot's next one, but never an ingest's last
-        message on a live worker's rank subject (ingest resumes its cursor from it). Returns the cut."""
+        message on a live worker's rank subject (ingest resumes its cursor from it). Returns the cut.
+
+        Only snapshots of the stream as of ``info`` (its identity, within its last sequence) count: objects
+        planted beyond the stream or left from a deleted stream of the same name never allow a cut.
+        """
         assert self._store is not None
         s = self.settings
-        kept = await self._store.list()
+        kept = await self._store.kept(stream=stream_id(info), last_seq=info.state.last_seq)
         if len(kept) < s.snapshot_keep:
             return None  # keep the stream whole until K snapshots exist
         cut = min(e.applied_seq for e in kept) + 1
@@ -600,6 +621,8 @@ class IndexerService:
             "reset_epoch": st.reset_epoch,
             "read_messages": self.read_messages,
             "resubscribes": self.resubscribes,
+            "stream_id": self._replica.stream_id if self._replica is not None else "",
+            "rebuilds": self._replica.rebuilds if self._replica is not None else 0,
             "recovery": self.recovery,
             "snapshots": self.snapshots,
             "snapshot_writer": self._lease is not None and self._lease.held,

@@ -12,6 +12,9 @@ the SUB socket and replayed ones from the engine's replay ROUTER — into an ord
   incarnation number.
 * `ReplayDone(healed)`: the replay is over; ``healed`` is False when it ended in a resync.
 
+`StreamOrder` checks the other end: that the stream stored each holder's messages in engine order (from the
+publish acks' stream sequences).
+
 Rules (from vLLM's publisher, ``vllm/distributed/kv_events.py``, see docs/wire-protocol):
 
 * The live SUB stream of one incarnation only rises. A live sequence at or below the highest live sequence
@@ -219,3 +222,58 @@ class SeqTracker:
         if healed:
             self.stats.healed += 1
         actions.append(ReplayDone(healed))
+
+
+@dataclass(frozen=True, slots=True)
+class Inversion:
+    """Two messages of one holder stored in the stream against their engine order.
+
+    ``earlier`` was published first (engine order) but stored under the higher stream sequence; both are
+    ``(epoch, engine seq, stream seq)``.
+    """
+
+    earlier: tuple[int, int, int]
+    later: tuple[int, int, int]
+
+
+@dataclass(slots=True)
+class StreamOrder:
+    """Checks, per holder (worker, dp_rank), that the stream stored its messages in engine order.
+
+    Feed it the publish acks in engine order (the order the messages were handed to JetStream): a JetStream
+    PubAck carries the message's stream sequence (for a duplicate, the original's), so a holder's stream
+    sequences must rise. One that does not means a message published before it was stored after it (a
+    publish that failed while later ones landed, then re-sent): the stream holds that holder's messages out
+    of order, and only a resync after them repairs the index.
+    """
+
+    high: dict[tuple[str, int], tuple[int, int, int]] = field(default_factory=dict)
+    """Holder → (epoch, engine seq, stream seq) of its message with the highest stream sequence so far."""
+
+    reported: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Holder → stream sequence of the top an inversion was last reported against (reported once)."""
+
+    def on_ack(self, holder: tuple[str, int], epoch: int, seq: int, stream_seq: int) -> Inversion | None:
+        """Take the ack of ``holder``'s next message in engine order; return the inversion it reveals.
+
+        Further messages stored below the same top are the same incident and return None: one resync
+        published after them covers them all.
+        """
+        top = self.high.get(holder)
+        here = (epoch, seq, stream_seq)
+        if top is not None and stream_seq < top[2]:
+            if self.reported.get(holder) == top[2]:
+                return None
+            self.reported[holder] = top[2]
+            return Inversion(earlier=top, later=here)
+        self.high[holder] = here
+        return None
+
+    def holders_to_resync(self, acks: list[tuple[tuple[str, int], int, int, int]]) -> list[tuple[str, int]]:
+        """Take acks ``(holder, epoch, seq, stream_seq)`` in engine order; return the holders found out of
+        order, each once, in the order found."""
+        out: list[tuple[str, int]] = []
+        for holder, epoch, seq, stream_seq in acks:
+            if self.on_ack(holder, epoch, seq, stream_seq) is not None and holder not in out:
+                out.append(holder)
+        return out

@@ -37,7 +37,15 @@ from kvmesh.core.endpoints import offset_endpoint
 from kvmesh.core.errors import WireError
 from kvmesh.core.events import Cleared, Event, EventsMessage, Removed, Stored, decode_message, encode_message
 from kvmesh.core.normalize import BlockSizeMismatchError, Normalizer
-from kvmesh.core.sequencing import Deliver, NewEpoch, ReplayDone, Resync, SeqTracker, StartReplay
+from kvmesh.core.sequencing import (
+    Deliver,
+    NewEpoch,
+    ReplayDone,
+    Resync,
+    SeqTracker,
+    StartReplay,
+    StreamOrder,
+)
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.runtime import subjects
 from kvmesh.runtime.metrics import MetricsLoadPublisher
@@ -62,6 +70,8 @@ _COALESCE_MAX_EVENTS = 1024
 """Live messages read without yielding to the event loop before the publisher gets a turn."""
 _ACK_TIMEOUT_S = 5.0
 """Seconds to wait for a publish's ack on a live connection before re-sending from it on, in order."""
+_SETTLE_S = 2.0
+"""Seconds a failed publish waits for the rest of the window's outcome before the unstored are re-sent."""
 
 
 @dataclass(slots=True)
@@ -72,6 +82,8 @@ class _Outgoing:
     holder: tuple[str, int]
     epoch: int = 0
     seq: int = 0
+    stored_seq: int | None = None
+    """Stream sequence of an earlier send's ack (it is not sent again, only checked in order)."""
 
 
 @dataclass(slots=True)
@@ -136,6 +148,10 @@ class IngestService:
         self._overflowed: dict[tuple[str, int], tuple[int, int]] = {}
         """Holders whose oldest batches were dropped → (epoch, seq) of the last dropped; cleared lazily."""
         self._ranks: dict[int, _Rank] = {}
+        self._order = StreamOrder()
+        """Checks each holder's publish acks rise in engine order (else a resync follows)."""
+        self._sent: dict[tuple[str, int], tuple[int, int]] = {}
+        """Holder → (epoch, engine seq) of its last message handed to JetStream."""
         self._stop = asyncio.Event()
         self._clear_serial = 0
         self._nonce = os.urandom(4).hex()
@@ -655,14 +671,29 @@ class IngestService:
             nc._pending_data_size = sum(len(c) for c in keep)
 
     def _requeue_inflight(self) -> None:
-        """Put every unacknowledged message back at the front of the outbox, in order."""
+        """Put every message of the window back at the front of the outbox, in order.
+
+        Those already acknowledged keep their stream sequence (`_Outgoing.stored_seq`): they are not sent
+        again, only taken in order, so the ack check (`StreamOrder`) sees every holder's stream sequences.
+        """
         inflight = self._inflight
         while inflight:
             out, fut, _ = inflight.pop()
-            fut.cancel()  # frees nats-py's pending-ack slot; a late ack is ignored
+            stored = _ack_seq(fut)
+            if stored is not None:
+                out.stored_seq = stored
+            else:
+                fut.cancel()  # frees nats-py's pending-ack slot; a late ack is ignored
+                self.counters.publish_retries += 1
             self._outbox.appendleft(out)
             self._queued[out.holder] += 1
-            self.counters.publish_retries += 1
+
+    async def _settle_window(self) -> None:
+        """After a failed publish, wait (at most `_SETTLE_S`) for the outcome of the rest of the window, so
+        what was stored is known and only the rest is sent again."""
+        pending = [fut for _, fut, _ in self._inflight if not fut.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=_SETTLE_S)
 
     async def _publish_loop(self) -> None:
         """Publish the outbox in order with a bounded window of outstanding acks; retry in order on failure.
@@ -701,6 +732,13 @@ class IngestService:
                     out = self._next_outgoing()
                     if out is None:
                         break
+                    if out.stored_seq is not None:  # stored by an earlier send: only its ack is taken
+                        self._outbox.popleft()
+                        self._queued[out.holder] -= 1
+                        done: asyncio.Future[Any] = loop.create_future()
+                        done.set_result(out.stored_seq)
+                        inflight.append((out, done, loop.time()))
+                        continue
                     try:
                         fut = await js.publish_async(
                             out.subject, out.data, headers={"Nats-Msg-Id": out.msg_id}, wait_stall=5.0
@@ -727,9 +765,13 @@ class IngestService:
                         break
                     self._outbox.popleft()
                     self._queued[out.holder] -= 1
+                    self._sent[out.holder] = max(
+                        self._sent.get(out.holder, (out.epoch, out.seq)), (out.epoch, out.seq)
+                    )
                     inflight.append((out, fut, loop.time()))
                 if failed:
                     if nc.is_connected:
+                        await self._settle_window()
                         self._requeue_inflight()
                         await asyncio.sleep(backoff)
                         backoff = min(backoff * 2, 2.0)
@@ -771,6 +813,9 @@ class IngestService:
                 return True
             inflight.popleft()
             self.counters.published += 1
+            stream_seq = _ack_seq(fut)
+            if stream_seq is not None:
+                self._check_order(out, stream_seq)
         if inflight and now - inflight[0][2] > _ACK_TIMEOUT_S:
             log.warning(
                 "worker %s: publish of %s not acknowledged in %.0f s; retrying in order",
@@ -780,6 +825,53 @@ class IngestService:
             )
             return True
         return False
+
+    def _check_order(self, out: _Outgoing, stream_seq: int) -> None:
+        """Check a holder's acks rise in engine order; on an inversion, resynchronise the holder.
+
+        An inversion means a message was stored after later ones of its holder (a publish failed, e.g.
+        during a stream leader election, while later ones landed; it was then re-sent). The index refuses
+        the late one; a Cleared("reorder") published after both puts the holder back on a true footing.
+        """
+        inv = self._order.on_ack(out.holder, out.epoch, out.seq, stream_seq)
+        if inv is None:
+            return
+        self.counters.reorders += 1
+        worker, dp_rank = out.holder
+        log.error(
+            "worker %s dp_rank %d: stream stored epoch %d engine seq %d at stream seq %d, after epoch %d engine "
+            "seq %d at stream seq %d (out of engine order, a failed publish re-sent); resynchronising",
+            worker,
+            dp_rank,
+            inv.earlier[0],
+            inv.earlier[1],
+            inv.earlier[2],
+            inv.later[0],
+            inv.later[1],
+            inv.later[2],
+        )
+        # After everything of the holder already handed to JetStream, before what is still queued.
+        epoch, seq = self._sent.get(out.holder, (out.epoch, out.seq))
+        s = self.settings
+        clear = EventsMessage(
+            worker_id=worker,
+            dp_rank=dp_rank,
+            model=s.model,
+            block_size=self._block_size(dp_rank),
+            epoch=epoch,
+            seq=seq,
+            events=[Cleared("reorder")],
+        )
+        self._clear_serial += 1
+        msg_id = f"{worker}:{dp_rank}:{epoch}:{seq}:reorder:{self._nonce}:{self._clear_serial}"
+        subject = subjects.events_subject(s.events_prefix, s.model, worker, dp_rank)
+        # Messages stored by an earlier send still at the front are older: the clear goes after them.
+        at = 0
+        while at < len(self._outbox) and self._outbox[at].stored_seq is not None:
+            at += 1
+        self._outbox.insert(at, _Outgoing(subject, msg_id, encode_message(clear), out.holder, epoch, seq))
+        self._queued[out.holder] += 1
+        self._outbox_ready.set()
 
     async def _flush(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -919,6 +1011,14 @@ class IngestService:
     async def _on_status(self, msg: Any) -> None:
         if msg.reply:
             await msg.respond(msgspec.json.encode(self.status()))
+
+
+def _ack_seq(fut: asyncio.Future[Any]) -> int | None:
+    """Stream sequence of a settled publish (a PubAck, or the int of an earlier send), else None."""
+    if not fut.done() or fut.cancelled() or fut.exception() is not None:
+        return None
+    res = fut.result()
+    return res if isinstance(res, int) else int(res.seq)
 
 
 def _fresh_tracker(has_replay: bool, epoch: int = 0) -> SeqTracker:

@@ -1,0 +1,272 @@
+"""Per-holder stream order: a publish that fails while later ones land is detected from the acks and resynced.
+
+Real nats-server, real ZMQ publisher, real `IngestService`. The single-server test makes the head publish of
+a window fail (as `NoStreamResponseError` does during an R3 leader election) while later ones are stored; the
+cluster test kills the leader of an R3 stream under traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats.js.errors
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
+from tests.pipeline import Pipeline, eventually
+from tests.test_cluster import Cluster
+from tests.test_ingest_faults import BS, blk, clean_pipeline, stored
+
+from kvmesh.core.events import Cleared, EventsMessage, decode_message
+from kvmesh.ingest.config import IngestSettings
+from kvmesh.ingest.service import IngestService
+from kvmesh.runtime import subjects
+from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream
+from kvmesh.sim.publisher import EventPublisher
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+ANY = "tcp://127.0.0.1:*"
+W = "w"
+TOKENS = list(range(1000, 1000 + 4 * 64))
+
+
+async def subject_messages(js: Any, stream: str, subject: str) -> list[EventsMessage]:
+    """Every events message of ``subject``, in stream order (an ephemeral pull consumer, deleted after)."""
+    info = await js.stream_info(stream, subjects_filter=subject)
+    total = int((info.state.subjects or {}).get(subject, 0))
+    sub = await js.pull_subscribe(subject, stream=stream, config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+    out: list[EventsMessage] = []
+    try:
+        while len(out) < total:
+            for raw in await sub.fetch(batch=min(500, total - len(out)), timeout=10):
+                msg = decode_message(raw.data or b"")
+                assert isinstance(msg, EventsMessage)
+                out.append(msg)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return out
+
+
+def order_violations(msgs: list[EventsMessage]) -> list[tuple[int, int]]:
+    """(epoch, seq) pairs of messages that arrive below an earlier one and are not followed by a reorder
+    resync; also any message after the last resync below the top before it."""
+    bad: list[tuple[int, int]] = []
+    top: tuple[int, int] | None = None
+    pending: list[tuple[int, int]] = []
+    for m in msgs:
+        here = (m.epoch, m.seq)
+        if any(isinstance(e, Cleared) and e.reason == "reorder" for e in m.events):
+            pending.clear()  # the resync covers every inversion before it
+            top = here if top is None else max(top, here)
+            continue
+        if top is not None and here < top:
+            pending.append(here)
+        else:
+            top = here
+    bad.extend(pending)
+    return bad
+
+
+async def test_duplicate_publish_ack_carries_the_original_stream_sequence(nats_url: str, uid: str) -> None:
+    """A re-sent message id is acknowledged as a duplicate with the original's stream sequence (3, not 4)."""
+    nc = await connect(nats_url, name="test-dup")
+    js = nc.jetstream()
+    stream = f"KVMESH_T_{uid}"
+    try:
+        await ensure_stream(js, StreamSettings(name=stream, prefix=f"t{uid}", memory=True, max_bytes=2**20))
+        subject = f"t{uid}.x"
+        for i in range(3):
+            await js.publish(subject, b"%d" % i, headers={"Nats-Msg-Id": f"id{i}"})
+        first = await js.publish(subject, b"again", headers={"Nats-Msg-Id": "id2"})
+        assert (first.seq, first.duplicate) == (3, True)
+        fut = await js.publish_async(subject, b"again", headers={"Nats-Msg-Id": "id1"})
+        ack = await fut
+        assert (ack.seq, ack.duplicate) == (2, True)
+    finally:
+        with contextlib.suppress(Exception):
+            await js.delete_stream(stream)
+        await nc.close()
+
+
+def fail_once(ing: IngestService, match: str, delay_s: float) -> list[str]:
+    """Make the first publish whose message id starts with ``match`` fail after ``delay_s`` without reaching
+    the server (what a publish lost in a stream leader election looks like); returns the ids it failed."""
+    js = ing._js
+    assert js is not None
+    real = js.publish_async
+    failed: list[str] = []
+
+    async def publish_async(subject: str, payload: bytes = b"", **kw: Any) -> asyncio.Future[Any]:
+        msg_id = kw.get("headers", {}).get("Nats-Msg-Id", "")
+        if msg_id.startswith(match) and not failed:
+            failed.append(msg_id)
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[Any] = loop.create_future()
+            loop.call_later(delay_s, fut.set_exception, nats.js.errors.NoStreamResponseError())
+            return fut
+        return await real(subject, payload, **kw)
+
+    js.publish_async = publish_async  # type: ignore[method-assign]
+    return failed
+
+
+async def test_head_publish_failing_after_later_ones_landed_is_resynced(nats_url: str, uid: str) -> None:
+    """Engine seq 5 fails while 6-9 land: the stream reads 0-4, 6-9, 5, Cleared("reorder"), 10; reorders == 1."""
+    pub = EventPublisher(ANY)
+    try:
+        async with clean_pipeline(nats_url, uid) as p:
+            ing = await p.start_ingest(W, pub.endpoint, block_size=BS)
+            await pub.wait_for_subscribers(1)
+            await eventually(lambda: asyncio.sleep(0, ing.counters.published), lambda n: n == 1)  # hello
+            failed = fail_once(ing, f"{W}:0:0:5:", delay_s=0.5)
+            for i in range(10):
+                pub.publish([stored([i + 1], blk(TOKENS, i), parent=i or None)])
+            await eventually(lambda: asyncio.sleep(0, ing.counters.reorders), lambda n: n == 1)
+            pub.publish([stored([11], blk(TOKENS, 10), parent=10)])
+            await eventually(lambda: asyncio.sleep(0, ing.counters.published), lambda n: n == 13)
+            assert len(failed) == 1
+            nc = await connect(nats_url, name="test-read")
+            try:
+                msgs = await subject_messages(
+                    nc.jetstream(), p.stream, subjects.events_subject(p.prefix, p.model, W, 0)
+                )
+            finally:
+                await nc.close()
+            kinds = [(m.seq, [type(e).__name__ for e in m.events]) for m in msgs]
+            assert kinds == [
+                (-1, []),
+                *[(i, ["Stored"]) for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 5)],
+                (9, ["Cleared"]),
+                (10, ["Stored"]),
+            ]
+            assert order_violations(msgs) == []
+            c = ing.counters
+            assert (c.reorders, c.published, c.publish_retries) == (1, 13, 1)
+    finally:
+        pub.close()
+
+
+# ---------------------------------------------------------------------------------------------- cluster
+
+
+@pytest.fixture
+def cluster3(tmp_path: Path) -> Iterator[Cluster]:
+    """A 3-node NATS cluster with JetStream (file storage under tmp_path)."""
+    c = Cluster(tmp_path)
+    try:
+        for i in range(3):
+            c.start(i)
+        yield c
+    finally:
+        c.stop()
+
+
+async def _leader(js: Any, stream: str) -> str:
+    return str((await js.stream_info(stream)).cluster.leader)
+
+
+@pytest.mark.slow
+async def test_r3_leader_killed_under_traffic_keeps_every_rank_in_engine_order(
+    cluster3: Cluster, uid: str
+) -> None:
+    """Stream leader killed under 4 ingests' traffic: per rank the stream is in engine order, or a reorder
+    resync follows every inversion; nothing the engines published is missing."""
+    c = cluster3
+    p = Pipeline(c.url(0), uid)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while True:  # the cluster elects its meta leader
+        try:
+            nc = await connect(c.url(0), name="test-cluster")
+            js = nc.jetstream()
+            await ensure_stream(
+                js,
+                StreamSettings(
+                    name=p.stream, prefix=p.prefix, replicas=3, memory=False, max_bytes=256 * 2**20
+                ),
+            )
+            break
+        except Exception:
+            with contextlib.suppress(Exception):
+                await nc.close()
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+    leader = await _leader(js, p.stream)
+    victim = int(leader.removeprefix("n"))
+    home = next(i for i in range(3) if i != victim)  # the ingests stay connected through the kill
+    await nc.close()
+    nc = await connect(c.url(home), name="test-cluster")
+    js = nc.jetstream()
+    pubs = [EventPublisher(ANY) for _ in range(4)]
+    ingests = [
+        IngestService(
+            IngestSettings(
+                worker_id=f"w{i}",
+                model=p.model,
+                zmq_endpoint=pub.endpoint,
+                nats_url=c.url(home),
+                stream=p.stream,
+                events_prefix=p.prefix,
+                stream_replicas=3,
+                max_coalesced_batches=1,
+                block_size=BS,
+            )
+        )
+        for i, pub in enumerate(pubs)
+    ]
+    tasks = [asyncio.create_task(ing.run()) for ing in ingests]
+    per_engine = 1500
+    try:
+        for ing in ingests:
+            await asyncio.wait_for(ing.ready.wait(), 30)
+        for pub in pubs:
+            await pub.wait_for_subscribers(1)
+        stop = threading.Event()
+
+        def engines() -> None:
+            for k in range(per_engine):
+                if stop.is_set():
+                    return
+                for pub in pubs:
+                    pub.publish([stored([k + 1], blk(TOKENS, k % 64), parent=k or None)])
+                time.sleep(0.004)  # about 250 batches/s per engine
+
+        thread = threading.Thread(target=engines, daemon=True)
+        thread.start()
+        await asyncio.sleep(1.5)
+        c.kill(victim)
+        await asyncio.to_thread(thread.join, 60)
+        await eventually(
+            lambda: asyncio.sleep(0, [ing.counters.batches for ing in ingests]),
+            lambda b: b == [per_engine] * 4,
+            timeout_s=60,
+        )
+        await eventually(
+            lambda: asyncio.sleep(0, [len(ing._outbox) + len(ing._inflight) for ing in ingests]),
+            lambda q: q == [0] * 4,
+            timeout_s=60,
+        )
+        bucket = f"KV_{subjects.registry_bucket(p.stream)}"
+        assert (await js.stream_info(bucket)).config.num_replicas == 3  # the stream's replica count
+        for i, ing in enumerate(ingests):
+            msgs = await subject_messages(
+                js, p.stream, subjects.events_subject(p.prefix, p.model, f"w{i}", 0)
+            )
+            assert order_violations(msgs) == [], f"w{i}: reorders counted {ing.counters.reorders}"
+            seqs = {m.seq for m in msgs if m.events and not isinstance(m.events[0], Cleared)}
+            assert seqs == set(range(per_engine)), f"w{i}: {per_engine - len(seqs)} missing, {ing.status()}"
+    finally:
+        for ing in ingests:
+            ing.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for pub in pubs:
+            pub.close()
+        await nc.close()

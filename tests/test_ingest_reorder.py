@@ -113,7 +113,7 @@ def fail_once(ing: IngestService, match: str, delay_s: float) -> list[str]:
             return fut
         return await real(subject, payload, **kw)
 
-    js.publish_async = publish_async  # type: ignore[method-assign]
+    js.publish_async = publish_async  # type: ignore[method-assign,assignment]
     return failed
 
 

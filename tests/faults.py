@@ -369,6 +369,19 @@ class Fleet:
                     out.append({"id": r.get("id"), **((endpoint.get("data") or {}).get("index") or {})})
         return sorted(out, key=lambda r: str(r.get("id")))
 
+    async def ingests_status(self, nc: Any) -> list[dict[str, Any]]:
+        """Return every ingest's status reply, sorted by worker id."""
+        replies = await gather_status(nc, f"{subjects.STATUS_SUBJECT}.ingest", 1.0)
+        return sorted(replies, key=lambda r: str(r.get("worker_id", "")))
+
+    def dead(self) -> list[str]:
+        """Describe every process that is not running although it should (with its exit status and log tail)."""
+        return [
+            f"{p.name} exited with status {p.popen.returncode if p.popen else None}:\n{p.tail(12)}"
+            for p in self.procs()
+            if not p.alive
+        ]
+
     async def replicas(self, nc: Any) -> list[dict[str, Any]]:
         """Return every indexer replica's status reply, sorted by replica id."""
         replies = await gather_status(nc, subjects.STATUS_SUBJECT, 1.0)
@@ -480,6 +493,7 @@ class Fleet:
         order = Order()
         # per holder: epoch, last engine seq (None before the epoch's first engine batch), resync seen since
         cursor: dict[tuple[str, int], tuple[int, int | None, bool]] = {}
+        runs: list[tuple[tuple[str, int], int, int, int, int, int | None, int]] = []
         try:
             seen = 0
             while seen < last_seq:
@@ -515,16 +529,18 @@ class Fleet:
                     continue
                 expected = 0 if last is None else last + 1
                 if lo != expected and not (resync and lo > expected):
-                    order.violations.append(
-                        f"{holder} stream seq {sseq} epoch {epoch}: engine seqs {lo}..{m.seq} "
-                        f"after {last} (expected {expected})"
-                    )
+                    runs.append((holder, epoch, sseq, lo, m.seq, last, expected))
                 if last is None or m.seq > last:
                     last = m.seq
                 cursor[holder] = (epoch, last, False)
         finally:
             await sub.unsubscribe()
         assert order.messages == total, (order.messages, total)
+        order.violations += _merge_runs(runs)
+        for holder in sorted(set(truth.last_seq) - set(cursor)):
+            order.violations.append(
+                f"{holder}: no message in the stream; the engine published up to seq {truth.last_seq[holder]}"
+            )
         for holder, (epoch, last, _) in sorted(cursor.items()):
             order.last[holder] = (epoch, -1 if last is None else last)
             want = truth.last_seq.get(holder)
@@ -533,6 +549,25 @@ class Fleet:
                     f"{holder}: the stream ends at engine seq {last} (epoch {epoch}), the engine at {want}"
                 )
         return order
+
+
+def _merge_runs(runs: list[tuple[tuple[str, int], int, int, int, int, int | None, int]]) -> list[str]:
+    """Describe out-of-order messages, merging a rank's consecutive ones that follow each other in engine order."""
+    merged: list[list[Any]] = []
+    open_run: dict[tuple[str, int], list[Any]] = {}
+    for holder, epoch, sseq, lo, hi, last, expected in runs:
+        run = open_run.get(holder)
+        if run is not None and run[1] == epoch and run[5] + 1 == lo and run[6] == last:
+            run[3], run[5], run[7] = sseq, hi, run[7] + 1
+            continue
+        run = [holder, epoch, sseq, sseq, lo, hi, last, 1, expected]
+        open_run[holder] = run
+        merged.append(run)
+    return [
+        f"{holder} epoch {epoch}: stream seqs {s0}..{s1} ({n} messages) carry engine seqs {lo}..{hi} "
+        f"after engine seq {last} (expected {expected} next)"
+        for holder, epoch, s0, s1, lo, hi, last, n, expected in merged
+    ]
 
 
 async def connect_client(url: str) -> Any:

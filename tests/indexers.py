@@ -38,6 +38,8 @@ class Group:
     replicas: list[IndexerService] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     chains: dict[tuple[str, int], int | None] = field(default_factory=dict)
+    engine_seqs: dict[tuple[str, int], int] = field(default_factory=dict)
+    """Last engine sequence published per holder: each publish continues it (a repeat would be refused)."""
     log_dir: Path | None = None
     """Where spawned replicas write their logs (a test's ``tmp_path``); None discards them."""
     memory: bool = True
@@ -133,11 +135,12 @@ class Group:
                 model=MODEL,
                 block_size=BS,
                 epoch=0,
-                seq=i,
+                seq=self.engine_seqs.get((w, 0), -1) + 1,
                 ts=ts,
                 events=[Stored(engine, parent, local)],
             )
             self.chains[(w, 0)] = engine[-1]
+            self.engine_seqs[(w, 0)] = msg.seq
             ack = await self.js.publish(
                 subjects.events_subject(self.prefix, MODEL, w, 0), encode_message(msg), stream=self.stream
             )

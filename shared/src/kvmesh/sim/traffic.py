@@ -58,11 +58,17 @@ def prompt(rng: random.Random, block_size: int, *, seed: int = 0) -> list[int]:
 
 
 async def drive(
-    worker: SimWorker, *, rps: float, duration_s: float, seed: int, report_path: Path | None
+    worker: SimWorker,
+    *,
+    rps: float,
+    duration_s: float,
+    seed: int,
+    report_path: Path | None,
+    subscriber_wait_s: float = _SUBSCRIBER_WAIT_S,
 ) -> None:
     """Serve made-up requests on ``worker`` at about ``rps`` per second for ``duration_s`` seconds.
 
-    Waits (up to 30 s) for a subscriber on the worker's live socket first, so an ingest that is starting
+    Waits (up to ``subscriber_wait_s``) for a subscriber on the worker's live socket first, so an ingest that is starting
     sees the first batch live. Then writes the report (module docstring) to ``report_path`` when given.
 
     Args:
@@ -71,10 +77,11 @@ async def drive(
         duration_s: seconds of traffic (0: none, only the report).
         seed: seeds the prompt mix and the request sequence.
         report_path: where to write the end-of-run report, or None.
+        subscriber_wait_s: seconds to wait for a subscriber before the traffic starts anyway.
     """
     loop = asyncio.get_running_loop()
     try:
-        await worker.publisher.wait_for_subscribers(1, timeout_s=_SUBSCRIBER_WAIT_S)
+        await worker.publisher.wait_for_subscribers(1, timeout_s=subscriber_wait_s)
     except TimeoutError:
         log.warning(
             "sim worker %s/%d: no subscriber; traffic starts anyway", worker.worker_id, worker.dp_rank

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -182,11 +182,23 @@ class RegistryWatcher:
         js: a JetStream context.
         bucket: the registry bucket (`kvmesh.runtime.subjects.registry_bucket` of the stream by default).
         retry_s: seconds between attempts to open or re-watch the bucket.
+        members: loads the registry members recorded by the indexers (worker id → model; the snapshot
+            bucket's ``member-<worker>`` objects), awaited at each sync; None: only keys seen here count.
     """
 
-    def __init__(self, js: JetStreamContext, bucket: str, *, retry_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        bucket: str,
+        *,
+        retry_s: float = 2.0,
+        members: Callable[[], Awaitable[dict[str, str]]] | None = None,
+    ) -> None:
         self.workers: dict[str, WorkerRecord] = {}
         """Worker id → its last heartbeat record, for every worker whose key exists."""
+        self.known: dict[str, str] = {}
+        """Worker id → model of every worker known to heartbeat (key seen here, or a recorded member)."""
+        self._members = members
         self.synced = False
         """True once the watch has delivered every key that existed when it started."""
         self._js = js
@@ -212,9 +224,10 @@ class RegistryWatcher:
         """Return the live (worker id, dp rank)s registered for ``model``, sorted.
 
         None ("no opinion": use the index's candidates as they are) until the first sync, and when no worker
-        of the model is registered at all: workers that publish without heartbeats (a stream fed directly)
-        stay routable, and a model whose last worker just expired is dropped by the `WorkerRemoved` that
-        follows in the stream.
+        of the model is registered and none ever was (`known`): workers that publish without heartbeats (a
+        stream fed directly) stay routable. An empty list when every known worker of the model has left (its
+        key expired or was deleted, seen here or recorded as a member by an indexer): routing to them would
+        send requests to dead engines.
         """
         if not self.synced:
             return None
@@ -224,7 +237,9 @@ class RegistryWatcher:
             if rec.model == model
             for r in range(max(rec.dp_ranks, 1))
         ]
-        return sorted(out) if out else None
+        if out:
+            return sorted(out)
+        return [] if model in self.known.values() else None
 
     def apply(self, key: str, operation: str | None, value: bytes | None) -> None:
         """Apply one KV entry: a put (``operation`` None) records the worker, a delete or purge drops it."""
@@ -248,6 +263,16 @@ class RegistryWatcher:
             self.workers.pop(worker, None)
             return
         self.workers[worker] = record
+        self.known[worker] = record.model
+
+    async def _load_members(self) -> None:
+        """Add the indexers' recorded registry members to `known` (kept as they are when unreadable)."""
+        if self._members is None:
+            return
+        try:
+            self.known.update(await self._members())
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("registry: cannot read the recorded registry members: %r", exc)
 
     async def run(self) -> None:
         """Watch the bucket until cancelled."""
@@ -269,6 +294,7 @@ class RegistryWatcher:
                 try:
                     async for entry in _until(watcher, check):
                         if entry is None:  # every existing key delivered
+                            await self._load_members()
                             self.synced = True
                             continue
                         self.apply(entry.key, entry.operation, entry.value)

@@ -134,6 +134,8 @@ class IndexerService:
         self._lease: SnapshotLease | None = None
         self._registry_kv: Any = None
         self._registry: dict[str, WorkerRecord] = {}
+        self._members: dict[str, str] = {}
+        """Registry members (worker id → model), mirrored from the snapshot bucket."""
         self._snapshot_lock = asyncio.Lock()
         self._since_snapshot = 0
         self._last_snapshot_at = time.monotonic()
@@ -508,14 +510,29 @@ class IndexerService:
     # ------------------------------------------------------------------ worker registry
 
     async def _watch_registry(self) -> None:
-        """Publish `WorkerRemoved` when a registered worker's key expires or is deleted."""
+        """Publish `WorkerRemoved` when a registered worker's key expires or is deleted, and reconcile once
+        the watch has delivered the keys that exist (see `_reconcile`)."""
         kv = self._registry_kv
         while not self._stop.is_set():
             try:
+                if self._store is not None:
+                    self._members = await self._store.members()
                 watcher = await kv.watchall()
+                registered: set[str] = set()
+                synced = False
                 async for entry in watcher:
-                    if entry is not None:
-                        await self._on_registry(entry)
+                    if entry is None:
+                        if not synced:
+                            synced = True
+                            await self._reconcile(registered)
+                        continue
+                    if not synced:
+                        worker = subjects.from_kv_key(entry.key)
+                        if entry.operation is None and entry.value:
+                            registered.add(worker)
+                        else:
+                            registered.discard(worker)
+                    await self._on_registry(entry)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -524,11 +541,53 @@ class IndexerService:
                 log.warning("indexer %s: registry watch failed (%r); restarting", self.replica, exc)
                 await asyncio.sleep(1.0)
 
+    async def _reconcile(self, registered: set[str]) -> None:
+        """Remove every worker live in the index that is a registry member but has no key now.
+
+        A worker is a registry member once any indexer saw its key (recorded durably as a ``member-<worker>``
+        object in the snapshot bucket, which has no TTL): its heartbeats stopped while no replica watched, and
+        its delete marker may have aged out too, so no delete entry will ever come. A worker that never
+        heartbeated (a stream fed directly, without a registry) is no member and stays. Members that are
+        neither registered nor live in the index are forgotten.
+        """
+        for worker, model in sorted(self._members.items()):
+            if worker in registered:
+                continue
+            live = self.state.live_worker(worker)
+            if live is None:
+                if self._store is not None:
+                    await self._store.delete_member(worker)
+                self._members.pop(worker, None)
+                continue
+            indexed_model, epoch = live
+            seq = await publish_removal(
+                self._js,
+                stream=self.settings.stream,
+                events_prefix=self.settings.events_prefix,
+                worker_id=worker,
+                model=indexed_model or model,
+                incarnation=epoch,
+                reason="not registered",
+            )
+            self.removals_published += 1
+            log.warning(
+                "indexer %s: worker %s (a registry member) has no registry key: published its removal "
+                "(incarnation %d) at seq %d",
+                self.replica,
+                worker,
+                epoch,
+                seq,
+            )
+
     async def _on_registry(self, entry: Any) -> None:
         worker = subjects.from_kv_key(entry.key)
         if entry.operation is None:
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                self._registry[worker] = msgspec.json.decode(entry.value or b"", type=WorkerRecord)
+                put = msgspec.json.decode(entry.value or b"", type=WorkerRecord)
+                self._registry[worker] = put
+                if worker not in self._members and self._store is not None:
+                    await self._store.put_member(worker, put.model)
+                    self._members[worker] = put.model
             return
         record = self._registry.pop(worker, None)
         live = self.state.live_worker(worker)

@@ -161,7 +161,16 @@ class RouterService:
         follow: asyncio.Task[None] | None = None
         watch: asyncio.Task[None] | None = None
         if self.registry is None and s.use_registry:
-            watcher = RegistryWatcher(nc.jetstream(), s.registry_bucket_name())
+            js = nc.jetstream()
+
+            async def members() -> dict[str, str]:
+                try:
+                    store = await SnapshotStore.open(js, s.snapshot_bucket_name(), create=False)
+                except nats.js.errors.BucketNotFoundError:
+                    return {}
+                return await store.members()
+
+            watcher = RegistryWatcher(js, s.registry_bucket_name(), members=members)
             self.registry = watcher
             watch = asyncio.create_task(watcher.run())
         try:
@@ -530,6 +539,11 @@ class RouterService:
 
     async def _route(self, parsed: RouteRequest, body: bytes) -> dict[str, Any]:
         live = self.registry.live(parsed.model) if self.registry is not None else None
+        if live is not None and not live and not parsed.candidates:
+            raise RouteError(
+                "no_workers",
+                f"every worker of model {parsed.model!r} has left the worker registry (heartbeats stopped)",
+            )
         try:
             answer = await self._match(parsed)
         except RouteError as exc:

@@ -153,3 +153,51 @@ def test_status_accepts_a_server_list(nats_url: str, uid: str) -> None:
     proc = kvmesh("status", "--nats-url", url, "--stream", f"LIST_{uid}", "--wait-s", "0.2")
     assert "Traceback" not in proc.stderr
     assert f"LIST_{uid}" in proc.stdout + proc.stderr
+
+
+@pytest.mark.nats
+def test_status_of_a_missing_stream_exits_1(nats_url: str, uid: str) -> None:
+    """`kvmesh status` for a stream that does not exist prints its JSON but exits 1 with one line saying so."""
+    proc = kvmesh("status", "--nats-url", nats_url, "--stream", f"NOPE_{uid}", "--wait-s", "0.2")
+    assert proc.returncode == 1, proc.stderr
+    assert json.loads(proc.stdout)["stream"] == {"name": f"NOPE_{uid}", "error": "stream not found"}
+    assert proc.stderr.strip() == f"kvmesh status: stream NOPE_{uid} does not exist on {nats_url}"
+
+
+@pytest.mark.nats
+def test_snapshot_without_an_indexer_says_none_answered(nats_url: str, uid: str) -> None:
+    """`kvmesh snapshot` with no indexer subscribed exits 1 at once saying no indexer answered."""
+    t0 = time.monotonic()
+    proc = kvmesh("snapshot", "--nats-url", nats_url, "--stream", f"NOPE_{uid}")
+    assert time.monotonic() - t0 < 15
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"kvmesh snapshot: no indexer answered: nothing is subscribed to kvmesh.index.snapshot "
+        f"(is an indexer of stream NOPE_{uid} running?)"
+    )
+
+
+def test_version_flag_prints_the_package_version() -> None:
+    """`kvmesh --version` prints the installed version and exits 0."""
+    from importlib.metadata import version
+
+    proc = kvmesh("--version")
+    assert proc.returncode == 0
+    assert proc.stdout == f"kvmesh {version('kvmesh-shared')}\n"
+
+
+def test_every_service_reports_the_package_version() -> None:
+    """The router and the indexer announce the one package version in their NATS micro service info."""
+    from importlib.metadata import version
+
+    from kvmesh.indexer import service as indexer
+    from kvmesh.router import service as router
+
+    assert router.VERSION == indexer.VERSION == version("kvmesh-shared")
+
+
+def test_a_typo_suggests_the_command() -> None:
+    """`kvmesh stauts` exits 2 and suggests `status`."""
+    proc = kvmesh("stauts")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == "kvmesh: unknown command 'stauts' (did you mean 'status'?)"

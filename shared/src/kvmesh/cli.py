@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import itertools
 import json
 import os
@@ -22,9 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
+import nats.js.errors
 
+from kvmesh.core.errors import KvmeshError
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import DEFAULT_NATS_URL, TransportError, connect
+from kvmesh.runtime.cli import VERSION
+from kvmesh.runtime.nats import DEFAULT_NATS_URL, TransportError, connect, redact_url
 
 USAGE = """\
 usage: kvmesh <command> [options]     (kvmesh <command> --help for each)
@@ -38,12 +43,17 @@ commands:
   indexer   rebuild the prefix index from the stream and answer match queries
   router    answer kvmesh.route requests: which worker holds the longest cached prefix
   route     send one route request and print the reply
+  finish    end routed requests by id at every router (their load stops counting; also --prefill-done)
   status    show the stream, indexer replicas, snapshots, workers and ingests
   snapshot  ask the index group's snapshot writer to write a snapshot now; print its stream sequence
   replay    rebuild an index offline from the stream (optionally from a snapshot): size, digest, time
   reset     start a new index epoch: every replica forgets its index at one point of the stream
   sim       run simulated vLLM workers that publish real KV events
   bench     benchmarks: trace (routing policies on a Mooncake trace), index, ingest, route, recovery
+
+options:
+  -h, --help     show this list
+  --version      print the kvmesh version
 """
 
 
@@ -74,9 +84,13 @@ def _main(argv: Sequence[str] | None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"kvmesh {VERSION}")
+        return 0
     name, rest = args[0], args[1:]
     builtin: dict[str, Callable[..., int]] = {
         "route": route_command,
+        "finish": finish_command,
         "status": status_command,
         "snapshot": snapshot_command,
         "replay": replay_command,
@@ -99,7 +113,10 @@ def _main(argv: Sequence[str] | None) -> int:
     services = _services()
     if name in services:
         return services[name](rest, prog=f"kvmesh {name}")
-    print(f"kvmesh: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
+    known = sorted({*builtin, "sim", "up", "bench", *services})
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    print(f"kvmesh: unknown command {name!r}{hint}\n\n{USAGE}", file=sys.stderr)
     return 2
 
 
@@ -177,6 +194,58 @@ def route_command(argv: Sequence[str]) -> int:
     return 1 if "error" in decoded else 0
 
 
+def finish_command(argv: Sequence[str]) -> int:
+    """``kvmesh finish``: tell every router that requests are over (or their prefill is done)."""
+    parser = argparse.ArgumentParser(
+        prog="kvmesh finish",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="End requests that were routed with a request id (`kvmesh route --request-id`, "
+        "Router.route(request_id=...)): every router stops counting their KV blocks as load on the chosen "
+        "worker at once, instead of after its request TTL (300 s by default). With --prefill-done only their "
+        "prompt tokens stop counting (the first token is out). Prints one line per request id.",
+    )
+    parser.add_argument(
+        "--request-id", action="append", required=True, help="the request id (repeat for several)"
+    )
+    parser.add_argument(
+        "--prefill-done", action="store_true", help="mark the prefill done instead of finishing the request"
+    )
+    parser.add_argument(
+        "--nats-url",
+        default=os.environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL),
+        help="NATS URL [env KVMESH_NATS_URL]",
+    )
+    parser.add_argument(
+        "--requests-prefix", default=subjects.REQUESTS_PREFIX, help="the routers' request lifecycle prefix"
+    )
+    a = parser.parse_args(argv)
+
+    async def go() -> None:
+        from kvmesh.client import Router  # noqa: PLC0415
+
+        nc = await connect(a.nats_url, name="kvmesh-finish", wait_s=3.0)
+        try:
+            router = Router(nc, requests_prefix=a.requests_prefix)
+            for rid in a.request_id:
+                if a.prefill_done:
+                    await router.mark_prefill_done(rid)
+                else:
+                    await router.finish(rid)
+            await nc.flush(timeout=3)
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(go())
+    except (KvmeshError, nats.errors.Error) as exc:  # no connection, or the publish did not get through
+        print(f"kvmesh finish: {exc}", file=sys.stderr)
+        return 1
+    done = "prefill done" if a.prefill_done else "finished"
+    for rid in a.request_id:
+        print(f"{done} {rid}")
+    return 0
+
+
 def _parse_tokens(text: str) -> list[int]:
     text = text.strip()
     values = json.loads(text) if text.startswith("[") else text.replace(",", " ").split()
@@ -249,8 +318,10 @@ def status_command(argv: Sequence[str]) -> int:
                     "first_seq": info.state.first_seq,
                     "last_seq": info.state.last_seq,
                 }
+            except nats.js.errors.NotFoundError:
+                out["stream"] = {"name": a.stream, "error": "stream not found"}
             except Exception as exc:
-                out["stream"] = {"name": a.stream, "error": str(exc)}
+                out["stream"] = {"name": a.stream, "error": str(exc) or type(exc).__name__}
             last = out["stream"].get("last_seq", 0)
             replicas, ingests, routers = await asyncio.gather(
                 gather_status(nc, subjects.STATUS_SUBJECT, a.wait_s),
@@ -282,6 +353,13 @@ def status_command(argv: Sequence[str]) -> int:
         print(f"kvmesh status: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2, default=str))
+    error = result["stream"].get("error")
+    if error == "stream not found":
+        print(f"kvmesh status: stream {a.stream} does not exist on {redact_url(a.nats_url)}", file=sys.stderr)
+        return 1
+    if error:
+        print(f"kvmesh status: cannot read stream {a.stream}: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -436,7 +514,8 @@ def snapshot_command(argv: Sequence[str]) -> int:
     parser.add_argument("--timeout-s", type=float, default=30.0, help="seconds to wait for the snapshot")
     a = parser.parse_args(argv)
 
-    async def go() -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    async def go() -> tuple[dict[str, Any] | None, list[dict[str, Any]] | None]:
+        """Return (the written snapshot, or None; the replicas that declined, or None when none answered)."""
         nc = await connect(a.nats_url, name="kvmesh-snapshot", wait_s=3.0)
         try:
             inbox = nc.new_inbox()
@@ -453,7 +532,7 @@ def snapshot_command(argv: Sequence[str]) -> int:
                 except Exception:
                     break
                 if not msg.data:  # no responders: no replica is subscribed at all
-                    break
+                    return None, None
                 reply = json.loads(msg.data)
                 if reply.get("written"):
                     return reply, declined
@@ -467,8 +546,15 @@ def snapshot_command(argv: Sequence[str]) -> int:
     except TransportError as exc:
         print(f"kvmesh snapshot: {exc}", file=sys.stderr)
         return 1
+    if declined is None:
+        print(
+            f"kvmesh snapshot: no indexer answered: nothing is subscribed to {subjects.SNAPSHOT_SUBJECT} "
+            f"(is an indexer of stream {a.stream} running?)",
+            file=sys.stderr,
+        )
+        return 1
     if written is None:
-        why = "; ".join(f"{d.get('replica')}: {d.get('reason')}" for d in declined) or "no replica answered"
+        why = "; ".join(f"{d.get('replica')}: {d.get('reason')}" for d in declined) or "no indexer answered"
         print(f"kvmesh snapshot: no snapshot written within {a.timeout_s:g} s ({why})", file=sys.stderr)
         return 1
     print(json.dumps(written, indent=2))

@@ -10,12 +10,25 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Final, Protocol, TypeVar
 
 from kvmesh.core.errors import KvmeshError
 from kvmesh.runtime.config import ConfigError, add_arguments, load, to_dict
 
 S = TypeVar("S")
+
+
+def package_version() -> str:
+    """The installed kvmesh version (of the ``kvmesh-shared`` distribution), e.g. ``"0.1.0"``."""
+    try:
+        return version("kvmesh-shared")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+VERSION: Final[str] = package_version()
+"""The one version every kvmesh command and service reports (``kvmesh --version``, NATS micro service info)."""
 
 
 class Service(Protocol):

@@ -1,0 +1,40 @@
+"""`kvmesh finish`: ends a request routed with a request id at every router (its load stops counting)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+from tests.test_router import HOT, fleet, until
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+KVMESH = str(Path(sys.executable).parent / "kvmesh")
+
+
+async def run_kvmesh(*args: str) -> tuple[int, str, str]:
+    """Run the installed `kvmesh ARGS`; return exit status, stdout and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        KVMESH, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_finish_ends_a_routed_request(nats_url: str, uid: str) -> None:
+    """A request routed with an id counts at the router until `kvmesh finish --request-id` ends it."""
+    async with fleet(nats_url, uid) as f:
+        r0 = await f.start_router()
+        await f.client(0).route("m", HOT, request_id="cli-1")
+        await f.client(0).route("m", HOT, request_id="cli-2")
+        assert r0.ledger.stats().active == 2
+        code, out, err = await run_kvmesh(
+            "finish", "--request-id", "cli-1", "--nats-url", nats_url, "--requests-prefix", f"t{uid}.requests"
+        )
+        assert (code, err) == (0, "")
+        assert out.strip() == "finished cli-1"
+        await until(lambda: r0.ledger.stats().active == 1)
+        assert r0.ledger.stats().active == 1

@@ -80,6 +80,7 @@ from kvmesh.core.route import (
 from kvmesh.core.state import MatchResult, UnknownModelError
 from kvmesh.router.config import RouterSettings
 from kvmesh.runtime import subjects
+from kvmesh.runtime.cli import VERSION
 from kvmesh.runtime.nats import ConnectionClosedForGood, connect, wait_closed, wait_for_stream
 from kvmesh.runtime.registry import RegistryWatcher
 from kvmesh.runtime.replica import StreamReplica, retry_start
@@ -87,7 +88,6 @@ from kvmesh.runtime.snapshots import SnapshotStore
 
 log = logging.getLogger("kvmesh.router")
 
-VERSION = "0.2.0"
 MAX_IN_FLIGHT = 256
 """Route requests served at once by one replica (beyond it, requests wait in the subscription's queue)."""
 _STOP_TIMEOUT_S = 5.0

@@ -51,7 +51,6 @@ from kvmesh.core.snapshot import encode_snapshot
 from kvmesh.core.state import IndexState, UnknownModelError
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.runtime import subjects
-from kvmesh.runtime.cli import VERSION
 from kvmesh.runtime.nats import (
     ConnectionClosedForGood,
     close_quietly,
@@ -71,6 +70,7 @@ from kvmesh.runtime.snapshots import (
 
 log = logging.getLogger("kvmesh.indexer")
 
+VERSION = "0.1.0"
 _STOP_TIMEOUT_S = 5.0
 """Bound on each shutdown step, so a stuck call never keeps a stopping replica (and its connection) alive."""
 
@@ -460,6 +460,7 @@ class IndexerService:
 
     async def _snapshot_loop(self) -> None:
         s = self.settings
+        failing = False
         while not self._stop.is_set():
             await asyncio.sleep(0.2)
             due = (s.snapshot_every_messages and self._since_snapshot >= s.snapshot_every_messages) or (
@@ -471,10 +472,15 @@ class IndexerService:
                 continue
             try:
                 await self.snapshot()
-            except Exception:
+                if failing:
+                    log.info("indexer %s: snapshots work again", self.replica)
+                failing = False
+            except Exception as exc:
                 if self._stop.is_set():
                     return
-                log.exception("indexer %s: snapshot failed", self.replica)
+                if not failing:  # one warning per outage (a bucket without a leader fails every attempt)
+                    log.warning("indexer %s: snapshot failed (%r); retrying quietly", self.replica, exc)
+                failing = True
                 self._last_snapshot_at = time.monotonic()
 
     async def _lease_loop(self) -> None:
@@ -499,8 +505,13 @@ class IndexerService:
         try:
             result = await self.snapshot(force=True)
         except Exception as exc:
-            log.exception("indexer %s: requested snapshot failed", self.replica)
-            result = {"written": False, "reason": f"error: {exc!r}"}
+            log.warning("indexer %s: requested snapshot failed: %r", self.replica, exc)
+            result = {
+                "written": False,
+                "reason": f"the snapshot could not be stored or the stream read ({type(exc).__name__}: "
+                f"{exc or 'no detail'}); JetStream may be electing a leader, try again",
+                "error": type(exc).__name__,
+            }
         if msg.reply:
             with contextlib.suppress(nats.errors.Error):
                 await msg.respond(
@@ -622,6 +633,9 @@ class IndexerService:
             query = self._decoder.decode(req.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             await self._error(req, "bad_request", f"bad match request: {exc}", 400)
+            return
+        except RecursionError:  # msgspec gives up on input nested deeper than it can decode
+            await self._error(req, "bad_request", "bad match request: nested too deeply to decode", 400)
             return
         try:
             tokens = query.token_ids

@@ -51,6 +51,7 @@ from kvmesh.core.snapshot import encode_snapshot
 from kvmesh.core.state import IndexState, UnknownModelError
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.runtime import subjects
+from kvmesh.runtime.cli import VERSION
 from kvmesh.runtime.nats import (
     ConnectionClosedForGood,
     close_quietly,
@@ -70,7 +71,6 @@ from kvmesh.runtime.snapshots import (
 
 log = logging.getLogger("kvmesh.indexer")
 
-VERSION = "0.1.0"
 _STOP_TIMEOUT_S = 5.0
 """Bound on each shutdown step, so a stuck call never keeps a stopping replica (and its connection) alive."""
 

@@ -44,6 +44,9 @@ class WorkerRecord(msgspec.Struct, kw_only=True, frozen=True):
     """Highest engine epoch of the worker's ranks when this heartbeat was sent."""
     heartbeat_ts: float = 0.0
     """Wall-clock time of the heartbeat (seconds since the epoch)."""
+    stale_ranks: dict[int, str] = msgspec.field(default_factory=dict)
+    """dp_rank → why its engine is stale (silent and not answering liveness probes; `kvmesh.core.liveness`).
+    Routers do not route to a stale rank; empty when every rank is live."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

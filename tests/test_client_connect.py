@@ -24,7 +24,7 @@ from kvmesh.client import (
     TLSError,
     UnknownHostError,
 )
-from kvmesh.runtime.nats import connect, redact_url
+from kvmesh.runtime.nats import close_quietly, connect, redact_url
 from kvmesh.runtime.server import NatsServer
 
 pytestmark = pytest.mark.anyio
@@ -211,3 +211,15 @@ async def test_a_list_of_dead_servers_names_each(capsys: pytest.CaptureFixture[s
     a, b = free_port(), free_port()
     message = await expect_failure(f"nats://127.0.0.1:{a},nats://127.0.0.1:{b}", ConnectRefusedError, capsys)
     assert f"127.0.0.1:{a}" in message and f"127.0.0.1:{b}" in message
+
+
+@pytest.mark.nats
+async def test_a_clean_close_is_not_logged_as_reconnecting(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Closing a connection logs that it closed, not that it is reconnecting."""
+    caplog.set_level(logging.INFO, logger="kvmesh.runtime.nats")
+    nc = await connect(nats_url, name="closer", wait_s=5)
+    await close_quietly(nc)
+    assert "reconnecting" not in caplog.text
+    assert f"nats: connection to {nats_url} closed (closer)" in caplog.text

@@ -344,8 +344,13 @@ async def connect(
                     servers=shown,
                 )
 
+    current: list[Client] = []
+
     async def _disconnected() -> None:
-        log.info("nats: disconnected from %s (%s); reconnecting", shown, name)
+        if current and (current[0].is_closed or current[0].is_draining):
+            log.info("nats: connection to %s closed (%s)", shown, name)
+        else:
+            log.info("nats: disconnected from %s (%s); reconnecting", shown, name)
         if on_disconnect is not None:
             await on_disconnect()
 
@@ -362,6 +367,7 @@ async def connect(
             break
         attempt = _Attempt(shown=shown, name=name, secrets=secrets, definite=loop.create_future())
         nc = Client()
+        current[:] = [nc]
         task: asyncio.Future[None] = asyncio.ensure_future(
             nc.connect(
                 servers,

@@ -367,6 +367,37 @@ async def test_fresh_ingest_replays_what_the_engine_published_before_it(nats_url
         pub.close()
 
 
+# ---------------------------------------------------------------------------------------------- 15. restart
+
+
+async def test_engine_restarted_while_its_ingest_was_down_is_a_new_epoch(nats_url: str, uid: str) -> None:
+    """An engine restarted (seqs 0-4 again) while its ingest was down: the old blocks go, the new ones index."""
+    pub = EventPublisher(ANY, ANY)
+    v = list(range(300, 308))
+    try:
+        async with clean_pipeline(nats_url, uid) as p:
+            await start(p, W, pub)
+            await pub.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router()
+            pub.publish([stored([1], blk(T, 0))])
+            pub.publish([stored([2], blk(T, 1), parent=1)])
+            await expect(p, [T], [{"w/0": 2}])
+            await stop(p, W, clean=False)  # a crash: the worker stays registered
+            pub.restart()
+            pub.publish([stored([10], blk(U, 0))])  # seq 0 of the new incarnation
+            pub.publish([stored([11], blk(U, 1), parent=10)])  # seq 1: the stream's cursor, another batch
+            pub.publish([stored([20], blk(v, 0))])
+            ing = await start(p, W, pub)
+            await pub.wait_for_subscribers(2)
+            pub.publish([stored([21], blk(v, 1), parent=20)])  # seq 3: a gap after the cursor
+            await expect(p, [T, U, v], [{"w/0": 0}, {"w/0": 2}, {"w/0": 2}])
+            st = ing.status()["ranks"]["0"]
+            assert (st["epoch"], st["last_seq"], st["sequence"]["restarts"]) == (1, 3, 1)
+    finally:
+        pub.close()
+
+
 # ---------------------------------------------------------------------------------------------- 19. topic
 
 

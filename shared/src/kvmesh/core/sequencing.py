@@ -21,6 +21,10 @@ Rules (from vLLM's publisher, ``vllm/distributed/kv_events.py``, see docs/wire-p
   seen is a new incarnation. A live sequence in (highest live, last delivered] was already delivered by a
   replay and is dropped as a duplicate.
 * While a replay runs, live messages wait their turn (bounded by ``max_pending``).
+* An engine that restarted while no ingest read it can continue above the stored cursor: the ingest asks the
+  first replay for the cursor's own batch too, and when its ts differs from the stream's copy it calls
+  `SeqTracker.on_engine_restarted` (new epoch, replay from 0). Without a replay socket, or once the engine's
+  buffer no longer holds the cursor's batch, this cannot be told (a gap still resynchronises).
 * A gap is healed once every missing sequence has arrived, even if the end marker never comes. If the replay
   ends (end marker, timeout) with sequences still missing, or the first replayed sequence is past the one
   asked for (the engine's buffer no longer reaches back), the tracker resynchronises.
@@ -183,6 +187,17 @@ class SeqTracker:
         if self.last_seq is not None and self.last_seq >= self.gap_end:
             self._finish(actions, healed=not any(isinstance(a, Resync) for a in actions))
         return actions
+
+    def on_engine_restarted(self) -> list[Action]:
+        """The replay showed the engine restarted since the cursor (its batch at the cursor is another one):
+        start a new epoch and replay the new incarnation from seq 0; live batches held so far stay held."""
+        self.epoch += 1
+        self.stats.restarts += 1
+        self.last_seq = -1
+        if not self.replaying:
+            self.replaying = True
+            self.gap_end = self.live_high if self.live_high is not None else 0
+        return [NewEpoch(self.epoch, 0), StartReplay(0)]
 
     def on_replay_end(self, reason: str = "replay_incomplete") -> list[Action]:
         """The replay ended (end marker, timeout, or error) — resynchronise if anything is still missing."""

@@ -124,6 +124,9 @@ class _Rank:
     pending_first: int = -1
     pending_last: int = -1
     pending_ts: float = 0.0
+    verify: tuple[int, float] | None = None
+    """(engine seq, batch ts) of the last batch the stream holds from before this ingest started: the first
+    replay asks for it too, and another ts there means the engine restarted while no ingest read it."""
     replay_task: asyncio.Task[None] | None = None
     replay_queue: asyncio.Queue[tuple[str, int, bytes]] = field(default_factory=asyncio.Queue)
 
@@ -158,6 +161,8 @@ class IngestService:
         self._max_payload = 1024 * 1024
         self._registry_kv: Any = None
         self._rejoined = False
+        self._rank_verify: dict[int, tuple[int, float]] = {}
+        """Rank → (engine seq, batch ts) of the last batch in the stream, checked against the engine's replay."""
         self._stream_replicas = settings.stream_replicas
         """Replicas of the events stream as it exists (what the registry bucket is created with)."""
         """True when this ingest started a new incarnation because its worker had been removed."""
@@ -204,11 +209,13 @@ class IngestService:
                 epoch,
             )
             trackers = {r: _fresh_tracker(s.replay_endpoint is not None, epoch) for r in trackers}
+            self._rank_verify.clear()
             self._rejoined = True
         for r, tracker in trackers.items():
             endpoint = offset_endpoint(s.zmq_endpoint, r)
             replay = offset_endpoint(s.replay_endpoint, r) if s.replay_endpoint else None
             self._ranks[r] = _Rank(r, endpoint, replay, tracker, Normalizer(block_size=s.block_size))
+            self._ranks[r].verify = self._rank_verify.get(r)
             # Announce the rank so routers see the worker before it caches anything (a rejoin clears it).
             events: list[Event] = [Cleared("rejoin")] if self._rejoined else []
             self._enqueue_events(
@@ -285,6 +292,10 @@ class IngestService:
             raw.seq,
         )
         # seq -1: this ingest announced the rank but saw no batch of the epoch; the next one due is 0.
+        if has_replay and last.seq >= 0 and last.ts > 0:
+            # The engine's batch `last.seq` carried `last.ts`; a replay that hands back that seq with another
+            # ts comes from a restarted engine (`_replay`).
+            self._rank_verify[rank] = (last.seq, last.ts)
         return SeqTracker(epoch=last.epoch, last_seq=max(last.seq, -1), replay=has_replay), True
 
     # ------------------------------------------------------------------ ZMQ side
@@ -396,8 +407,11 @@ class IngestService:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.replay_timeout_s
         topic = self.settings.topic.encode()
+        verify, rank.verify = rank.verify, None
+        if verify is not None and verify[0] != from_seq - 1:
+            verify = None
         try:
-            await sock.send_multipart(wire.encode_replay_request(from_seq))
+            await sock.send_multipart(wire.encode_replay_request(from_seq if verify is None else verify[0]))
             while rank.tracker.replaying:
                 remaining = deadline - loop.time()
                 if remaining <= 0 or not await sock.poll(timeout=remaining * 1000):
@@ -427,6 +441,23 @@ class IngestService:
                         topic,
                     )
                     continue
+                if verify is not None:
+                    check, verify = verify, None
+                    if reply.seq == check[0]:
+                        ts = _batch_ts(reply.payload)
+                        if ts == check[1]:
+                            continue  # the batch the stream already holds: the same engine incarnation
+                        log.warning(
+                            "worker %s rank %d: the engine's seq %d has ts %s, the stream's has %s: the engine "
+                            "restarted while no ingest read it; new epoch, replaying from 0",
+                            self.settings.worker_id,
+                            rank.rank,
+                            check[0],
+                            ts,
+                            check[1],
+                        )
+                        self._act(rank, rank.tracker.on_engine_restarted())
+                        return
                 self._act(rank, rank.tracker.on_replay(reply.seq, reply.payload))
         except asyncio.CancelledError:
             raise
@@ -1011,6 +1042,14 @@ class IngestService:
     async def _on_status(self, msg: Any) -> None:
         if msg.reply:
             await msg.respond(msgspec.json.encode(self.status()))
+
+
+def _batch_ts(payload: bytes) -> float | None:
+    """The ts of an engine batch payload, or None when it does not decode."""
+    try:
+        return wire.decode_batch(payload).ts
+    except WireError:
+        return None
 
 
 def _ack_seq(fut: asyncio.Future[Any]) -> int | None:

@@ -243,3 +243,12 @@ def test_holders_are_scored_in_their_own_block_size() -> None:
         for c in result.candidates
     ] == [("a", 16, 3, 48, 3), ("b", 16, 4, 64, 4), ("c", 32, 2, 64, 2)]
     assert [c.overlap_tokens for c in state.match(MODEL, prompt[:40]).candidates] == [32, 32, 32]
+
+
+def test_an_empty_batch_after_an_ingest_cleared_may_skip_ahead() -> None:
+    """After an ingest Cleared the first message may skip ahead even when it is empty; the next one is checked."""
+    state = IndexState()
+    _feed(state, [_msg(0, [_store(0)]), _msg(0, [Cleared("gap")]), _msg(5, []), _msg(6, [_store(0)])])
+    assert (_counts(state), state.holder_health(), _overlap(state)) == ((0, 0, 0), {}, 1)
+    _feed(state, [_msg(8, [])])
+    assert (_counts(state), state.holder_health()) == ((0, 0, 1), {("w1", 0): "gap"})

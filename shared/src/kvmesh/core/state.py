@@ -47,12 +47,14 @@ an engine ``Cleared("engine")``; the holder's *cursor* is the position of the la
     content, which can no longer be applied in engine order).
 
   Trailing parts of a split batch that never arrive cannot be seen (a message does not carry the part count).
-* Ingest-made messages always apply, whatever their sequence: a hello (no events, ``seq`` the ingest's cursor,
-  -1 before any batch) changes nothing (an empty message only moves an existing cursor forward, with the same
-  gap rule); an ingest ``Cleared`` (reason other than ``"engine"``, ``seq`` the ingest's cursor, which may be
-  at or past batches that follow it) empties the holder and is a **rebuild**: the cursor stays where it was
-  (the ingest delivers only later batches after it) but the next engine message may skip ahead without being
-  a gap. A rebuild, an engine ``Cleared``, or a new epoch makes the holder exact again.
+* Ingest-made messages always apply, whatever their sequence. A hello (no events, ``seq`` the ingest's
+  cursor, -1 before any batch) changes nothing but the cursor: a message without events at ``seq ≥ 0``
+  moves it forward under the rules above (an engine batch whose events were all skipped is one too, so the
+  batch after it is no gap). An ingest ``Cleared`` (reason other than ``"engine"``, ``seq`` the ingest's
+  cursor, which may be at or past batches that follow it) empties the holder and is a **rebuild**: the
+  cursor stays where it was (the ingest delivers only later batches after it) but the next engine message
+  may skip ahead without being a gap. A rebuild, an engine ``Cleared``, or a new epoch makes the holder
+  exact again.
 
 `holder_health()` lists every live holder that is not exact, with its reason (``"stream_gap"`` for the
 snapshot gap above, ``"gap"``, ``"out_of_order"``); `match` reports it per candidate (`HolderMatch.health`).
@@ -407,9 +409,12 @@ class IndexState:
         first = msg.seq if msg.first_seq is None else msg.first_seq
         if not engine:
             # Hello, ingest Cleared, or an engine batch whose events were all skipped: always applies. Only
-            # an empty message moves an existing cursor (forward), so that it is no gap for the next one.
-            if not msg.events and hs.seq is not None and first > hs.seq:
-                self._advance(hs, msg, first)
+            # an empty message moves the cursor (forward), so that it is no gap for the next one.
+            if not msg.events and msg.seq >= 0 and (hs.seq is None or first > hs.seq):
+                if hs.seq is None or hs.free:
+                    hs.seq, hs.part, hs.free = msg.seq, msg.part, False
+                else:
+                    self._advance(hs, msg, first)
             return True
         if hs.seq is None or hs.free:
             if hs.seq is not None and (msg.seq < hs.seq or (msg.seq == hs.seq and msg.part <= hs.part)):

@@ -946,7 +946,7 @@ class IngestService:
             try:
                 if kv is None:
                     kv = self._registry_kv = await self._open_registry()
-                if registered and not await key_present(kv, s.worker_id):
+                if registered and not await self._key_present_or_unknown(kv):
                     log.warning(
                         "worker %s: registry entry expired; rejoining as a new incarnation", s.worker_id
                     )
@@ -971,6 +971,16 @@ class IngestService:
                 kv = self._registry_kv = None
                 log.warning("worker %s: heartbeat failed (%r); retrying", s.worker_id, exc)
             await asyncio.sleep(s.worker_ttl_s / 3)
+
+    async def _key_present_or_unknown(self, kv: Any) -> bool:
+        """`key_present`, but True when there is no definite answer (the heartbeat is put regardless)."""
+        try:
+            return await key_present(kv, self.settings.worker_id)
+        except Exception as exc:
+            log.info(
+                "worker %s: registry check gave no answer (%r); heartbeating on", self.settings.worker_id, exc
+            )
+            return True
 
     def _rejoin(self, reason: str) -> None:
         """Start a new incarnation on every rank, announced by a Cleared.

@@ -8,7 +8,7 @@ which reports how many prompt tokens it served from its prefix cache. At the end
 worker next to what round-robin routing achieves on the same requests with the same pools (computed
 in-process). Ctrl-C or SIGTERM stops every process it started and removes the temporary directory.
 
-On a server of your own (--nats-url, or KVMESH_NATS_URL from the environment: the first line says which),
+On a server of your own (--nats-url, or KVMESH_NATS_URL from the environment: its start-up lines say which),
 the connection is checked before anything starts, and the run keeps to a namespace of its own: stream
 KVMESH_UP_<run>, subjects kvmesh.up.<run>.*, workers sim-<run>-<i>, so another fleet's router or workers on
 that server never answer it. That stream and its buckets are deleted when the run ends.

@@ -318,7 +318,8 @@ def _batch(dp_rank: int, hashes: list[int], tokens: list[int]) -> bytes:
 
 
 async def test_batches_with_dp_ranks_this_ingest_does_not_read_are_rejected(nats_url: str, uid: str) -> None:
-    """Ranks -5, 2**62 and 7 on a one-rank ingest make no subject; 3 batches and 3 events are counted rejected."""
+    """Ranks -5, 2**62 and 7 on a one-rank ingest make no subject; 3 batches and 3 events are counted rejected,
+    and their seqs are still covered (empty messages), so the index sees no gap in rank 0's sequence."""
     pub = EventPublisher(ANY)
     try:
         async with clean_pipeline(nats_url, uid) as p, js_client(nats_url) as js:
@@ -328,10 +329,14 @@ async def test_batches_with_dp_ranks_this_ingest_does_not_read_are_rejected(nats
                 pub.publish_raw(_batch(rank, [10 + i], blk(U, 0)))
             pub.publish([stored([1], blk(T, 0))])
             rank0 = subjects.events_subject(p.prefix, p.model, W, 0)
-            await eventually(lambda: stream_subjects(js, p.stream), lambda s: s.get(rank0, 0) == 2)
-            assert await stream_subjects(js, p.stream) == {rank0: 2}  # hello + the rank-0 batch
+            await eventually(lambda: stream_subjects(js, p.stream), lambda s: s.get(rank0, 0) == 5)
+            # hello, three empty messages covering seqs 0-2, the rank-0 batch (seq 3)
+            assert await stream_subjects(js, p.stream) == {rank0: 5}
             c = ing.counters
-            assert (c.bad_dp_rank_batches, c.rejected_events, c.batches, c.published) == (3, 3, 4, 2)
+            assert (c.bad_dp_rank_batches, c.rejected_events, c.batches, c.published) == (3, 3, 4, 5)
+            indexer = await p.start_indexer()
+            assert indexer.state.holder_health() == {}
+            assert indexer.state.counters.sequence_gaps == 0
     finally:
         pub.close()
 

@@ -495,6 +495,10 @@ class IngestService:
                 s.data_parallel_size,
                 len(batch.events),
             )
+            # The seq is still this endpoint's: cover it with no events, so its holder's engine sequence
+            # in the stream has no gap (the index would flag one).
+            holder = rank.holder_rank if rank.holder_rank >= 0 else rank.rank
+            self._append_pending(rank, holder, seq, [], batch.ts)
             return
         result = rank.normalizer.normalize(batch)
         for err in batch.errors:
@@ -536,21 +540,28 @@ class IngestService:
                 rank.holder_rank,
             )
         rank.holder_rank = dp_rank
+        self._append_pending(rank, dp_rank, seq, result.events, batch.ts)
+        if result.lost:
+            self._enqueue_clear(rank, "malformed")
+
+    def _append_pending(self, rank: _Rank, dp_rank: int, seq: int, events: list[Event], ts: float) -> None:
+        """Add one delivered batch's events to the rank's coalesced message (flushing it first when full)."""
         key = (dp_rank, rank.tracker.epoch)
         if (
             rank.pending_key != key
             or len(rank.pending) >= _COALESCE_MAX_EVENTS
-            or (rank.pending_key is not None and seq - rank.pending_first >= s.max_coalesced_batches)
+            or (
+                rank.pending_key is not None
+                and seq - rank.pending_first >= self.settings.max_coalesced_batches
+            )
         ):
             self._flush_pending(rank)
         if rank.pending_key is None:
             rank.pending_key = key
             rank.pending_first = seq
-        rank.pending.extend(result.events)
+        rank.pending.extend(events)
         rank.pending_last = seq
-        rank.pending_ts = batch.ts
-        if result.lost:
-            self._enqueue_clear(rank, "malformed")
+        rank.pending_ts = ts
 
     def _flush_pending(self, rank: _Rank) -> None:
         """Enqueue the coalesced batches of a rank as one stream message (in order, before anything newer)."""

@@ -8,6 +8,7 @@ stream ends with exactly the published messages, and every replica applies all o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import socket
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from tests.indexers import BS, MODEL, Group, group, wait_for
 
 from kvmesh.core.events import EventsMessage, Stored, encode_message
 from kvmesh.core.state import IndexState
+from kvmesh.indexer.service import IndexerService
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
 from kvmesh.runtime.server import NatsServer
@@ -220,3 +222,28 @@ async def test_nats_restart_with_file_storage_while_events_flow_loses_nothing(
             assert a.state.block_total() == b.state.block_total() == n * BLOCKS
     finally:
         server.stop()
+
+
+async def test_indexer_creates_its_buckets_with_the_streams_replica_count(cluster: Cluster, uid: str) -> None:
+    """With --buckets-replicas left at its default, an indexer on an R3 stream creates R3 snapshot, lease and
+    registry buckets (an R1 registry would stop worker departures when its one node is lost)."""
+    await _until_js_ready(cluster.url(0))
+    async with group(cluster.url(0), uid, memory=False, replicas=3) as g:
+        await feed(g, 0, 4)
+        base = g.settings("r-default")
+        svc = IndexerService(dataclasses.replace(base, buckets_replicas=0))
+        task = asyncio.create_task(svc.run())
+        try:
+            await asyncio.wait_for(svc.ready.wait(), 60)
+            got = [
+                (await g.js.stream_info(name)).config.num_replicas
+                for name in (
+                    f"OBJ_{base.snapshot_bucket_name()}",
+                    f"KV_{base.lease_bucket_name()}",
+                    f"KV_{base.registry_bucket_name()}",
+                )
+            ]
+            assert got == [3, 3, 3]
+        finally:
+            svc.stop()
+            await asyncio.wait_for(task, 30)

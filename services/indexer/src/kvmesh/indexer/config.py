@@ -41,7 +41,9 @@ class IndexerSettings:
     buckets_memory: bool = setting(
         False, "create snapshot, lease and registry buckets in memory (tests, demos)"
     )
-    buckets_replicas: int = setting(1, "replicas of the buckets this replica creates (3 on a cluster)")
+    buckets_replicas: int = setting(
+        0, "replicas of the snapshot, lease and registry buckets it creates (0: the events stream's)"
+    )
     buckets_max_bytes: int = setting(-1, "size bound of the snapshot bucket in bytes (-1: none)")
     log_level: str = setting("INFO", "log level")
 

@@ -207,13 +207,18 @@ class IndexerService:
                 lambda: _true(wait_for_stream(js, s.stream, stop=self._stop)), f"wait for stream {s.stream}"
             )
             self._js = js
+            # Buckets as durable as the stream they index (0: the stream's own replica count).
+            stream_config = (
+                await step(lambda: js.stream_info(s.stream), f"read stream info of {s.stream}")
+            ).config
+            replicas = s.buckets_replicas or max(1, stream_config.num_replicas or 1)
             self._store = await step(
                 lambda: SnapshotStore.open(
                     js,
                     s.snapshot_bucket_name(),
                     memory=s.buckets_memory,
                     max_bytes=s.buckets_max_bytes,
-                    replicas=s.buckets_replicas,
+                    replicas=replicas,
                 ),
                 f"open snapshot bucket {s.snapshot_bucket_name()}",
             )
@@ -223,7 +228,7 @@ class IndexerService:
                     s.lease_bucket_name(),
                     ttl_s=s.lease_ttl_s,
                     memory=s.buckets_memory,
-                    replicas=s.buckets_replicas,
+                    replicas=replicas,
                 ),
                 f"open lease bucket {s.lease_bucket_name()}",
             )
@@ -235,7 +240,7 @@ class IndexerService:
                         bucket=s.registry_bucket_name(),
                         ttl_s=s.worker_ttl_s,
                         memory=s.buckets_memory,
-                        replicas=s.buckets_replicas,
+                        replicas=replicas,
                     ),
                 ),
                 f"open registry bucket {s.registry_bucket_name()}",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,11 @@ async def test_finish_ends_a_routed_request(nats_url: str, uid: str) -> None:
         assert out.strip() == "finished cli-1"
         await until(lambda: r0.ledger.stats().active == 1)
         assert r0.ledger.stats().active == 1
+
+
+async def test_the_router_announces_the_package_version(nats_url: str, uid: str) -> None:
+    """A running router's $SRV.INFO names the one package version, as `kvmesh --version` does."""
+    async with fleet(nats_url, uid) as f:
+        await f.start_router()
+        msg = await f.nc.request("$SRV.INFO.kvmesh-router", b"", timeout=3)
+        assert json.loads(msg.data)["version"] == version("kvmesh-shared")

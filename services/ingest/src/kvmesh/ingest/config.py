@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.core.liveness import (
+    DEFAULT_PROBE_AFTER_S,
+    DEFAULT_PROBE_EVERY_S,
+    DEFAULT_REMOVE_AFTER_S,
+    DEFAULT_STALE_AFTER_FAILURES,
+    LivenessPolicy,
+)
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
@@ -55,7 +62,35 @@ class IngestSettings:
     metrics_url: str | None = setting(
         None, "engine's Prometheus /metrics URL: its load is published on kvmesh.load.<worker> every second"
     )
+    engine_probe_after_s: float = setting(
+        DEFAULT_PROBE_AFTER_S,
+        "seconds a rank may be silent before its engine is probed (replay socket, else --health-url); 0: never",
+    )
+    engine_probe_every_s: float = setting(DEFAULT_PROBE_EVERY_S, "seconds between probes of a silent engine")
+    engine_probe_timeout_s: float = setting(2.0, "seconds one liveness probe may take")
+    engine_stale_after_failures: int = setting(
+        DEFAULT_STALE_AFTER_FAILURES,
+        "unanswered probes in a row after which the rank is stale (routers skip it)",
+    )
+    engine_remove_after_s: float = setting(
+        DEFAULT_REMOVE_AFTER_S,
+        "seconds stale before the engine counts as gone: once every rank is, the worker leaves the registry "
+        "(it rejoins as a new incarnation when the engine answers); 0: never",
+    )
+    health_url: str | None = setting(
+        None,
+        "engine HTTP URL probed for liveness when there is no replay socket (vLLM's /health; none: not probed)",
+    )
     log_level: str = setting("INFO", "log level")
+
+    def liveness_policy(self) -> LivenessPolicy:
+        """The engine liveness bounds these settings give."""
+        return LivenessPolicy(
+            probe_after_s=self.engine_probe_after_s,
+            probe_every_s=self.engine_probe_every_s,
+            stale_after_failures=self.engine_stale_after_failures,
+            remove_after_s=self.engine_remove_after_s,
+        )
 
     def validate(self) -> list[str]:
         """Return every problem with these settings."""
@@ -75,4 +110,18 @@ class IngestSettings:
             problems.append("--max-pending-acks must be ≥ 1")
         if self.replay_timeout_s <= 0:
             problems.append("--replay-timeout-s must be > 0")
+        if self.engine_probe_after_s < 0:
+            problems.append("--engine-probe-after-s must be ≥ 0 (0: never probe)")
+        elif self.engine_probe_after_s > 0:
+            flags = {
+                "probe_after_s": "--engine-probe-after-s",
+                "probe_every_s": "--engine-probe-every-s",
+                "stale_after_failures": "--engine-stale-after-failures",
+                "remove_after_s": "--engine-remove-after-s",
+            }
+            for problem in self.liveness_policy().problems():
+                field = problem.split(" ", 1)[0]
+                problems.append(problem.replace(field, flags.get(field, field), 1))
+            if self.engine_probe_timeout_s <= 0:
+                problems.append("--engine-probe-timeout-s must be > 0")
         return problems

@@ -47,6 +47,7 @@ from kvmesh.core.sequencing import (
     StreamOrder,
 )
 from kvmesh.ingest.config import IngestSettings
+from kvmesh.ingest.liveness import EngineWatch, ProbeTarget
 from kvmesh.runtime import subjects
 from kvmesh.runtime.metrics import MetricsLoadPublisher
 from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, ensure_stream
@@ -161,11 +162,17 @@ class IngestService:
         self._max_payload = 1024 * 1024
         self._registry_kv: Any = None
         self._rejoined = False
+        """True when this ingest started a new incarnation because its worker had been removed."""
         self._rank_verify: dict[int, tuple[int, float]] = {}
         """Rank → (engine seq, batch ts) of the last batch in the stream, checked against the engine's replay."""
         self._stream_replicas = settings.stream_replicas
         """Replicas of the events stream as it exists (what the registry bucket is created with)."""
-        """True when this ingest started a new incarnation because its worker had been removed."""
+        self._watch: EngineWatch | None = None
+        """Engine liveness per rank (None with probing off)."""
+        self._beat_now = asyncio.Event()
+        """Set to send a heartbeat at once (an engine rank changed liveness)."""
+        self._left_for_dead = False
+        """True while every engine rank is gone and this ingest took the worker out of the registry."""
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -224,6 +231,19 @@ class IngestService:
         tasks = [asyncio.create_task(self._read_rank(rank)) for rank in self._ranks.values()]
         tasks.append(asyncio.create_task(self._publish_loop()))
         tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        if s.engine_probe_after_s > 0:
+            self._watch = EngineWatch(
+                self._ctx,
+                worker_id=s.worker_id,
+                targets={
+                    r.rank: ProbeTarget(r.replay_endpoint, None if r.replay_endpoint else s.health_url)
+                    for r in self._ranks.values()
+                },
+                policy=s.liveness_policy(),
+                probe_timeout_s=s.engine_probe_timeout_s,
+                on_change=lambda _rank, _change: self._beat_now.set(),
+            )
+            tasks.append(asyncio.create_task(self._watch.run()))
         if s.metrics_url:  # engine load for the routers (vLLM's Prometheus page)
             scraper = MetricsLoadPublisher(self._nc, url=s.metrics_url, worker_id=s.worker_id)
             tasks.append(asyncio.create_task(scraper.run()))
@@ -312,6 +332,8 @@ class IngestService:
         try:
             while True:
                 self._on_frames(rank, await sock.recv_multipart())
+                if self._watch is not None:
+                    self._watch.heard(rank.rank)
                 for _ in range(_DRAIN_BATCH):
                     try:
                         frames = raw.recv_multipart(zmq.NOBLOCK)
@@ -418,6 +440,8 @@ class IngestService:
                     self._act(rank, rank.tracker.on_replay_end("replay_timeout"))
                     return
                 frames = await sock.recv_multipart()
+                if self._watch is not None:
+                    self._watch.heard(rank.rank)
                 try:
                     reply = wire.decode_replay_reply(frames)
                 except WireError as exc:
@@ -957,7 +981,25 @@ class IngestService:
             try:
                 if kv is None:
                     kv = self._registry_kv = await self._open_registry()
-                if registered and not await self._key_present_or_unknown(kv):
+                if self._watch is not None and self._watch.all_gone():
+                    if not self._left_for_dead:
+                        # Routes to it would fail: leave now (watchers publish the removal) and rejoin as a
+                        # new incarnation once the engine answers again.
+                        self._left_for_dead = True
+                        log.error(
+                            "worker %s: every engine rank is gone; leaving the registry until it answers",
+                            s.worker_id,
+                        )
+                        await deregister(kv, s.worker_id)
+                    await self._wait_beat()
+                    continue
+                if self._left_for_dead:
+                    self._left_for_dead = False
+                    log.warning(
+                        "worker %s: engine answers again; rejoining as a new incarnation", s.worker_id
+                    )
+                    self._rejoin("rejoin")
+                elif registered and not await self._key_present_or_unknown(kv):
                     log.warning(
                         "worker %s: registry entry expired; rejoining as a new incarnation", s.worker_id
                     )
@@ -972,6 +1014,7 @@ class IngestService:
                         block_size=s.block_size,
                         incarnation=max(epochs, default=0),
                         heartbeat_ts=time.time(),
+                        stale_ranks=self._stale_ranks(),
                     ),
                 )
                 registered = True
@@ -981,7 +1024,23 @@ class IngestService:
                 # Open (re-creating if needed) the bucket again next time: it may have been deleted.
                 kv = self._registry_kv = None
                 log.warning("worker %s: heartbeat failed (%r); retrying", s.worker_id, exc)
-            await asyncio.sleep(s.worker_ttl_s / 3)
+            await self._wait_beat()
+
+    async def _wait_beat(self) -> None:
+        """Sleep until the next heartbeat is due (TTL/3), or an engine rank changed liveness."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._beat_now.wait(), self.settings.worker_ttl_s / 3)
+        self._beat_now.clear()
+
+    def _stale_ranks(self) -> dict[int, str]:
+        """dp_rank → why its engine is stale, for the registry record (routers skip those ranks)."""
+        if self._watch is None:
+            return {}
+        out = {}
+        for r, reason in self._watch.stale_ranks().items():
+            rank = self._ranks.get(r)
+            out[rank.holder_rank if rank is not None and rank.holder_rank >= 0 else r] = reason
+        return out
 
     async def _key_present_or_unknown(self, kv: Any) -> bool:
         """`key_present`, but True when there is no definite answer (the heartbeat is put regardless)."""
@@ -1055,10 +1114,18 @@ class IngestService:
                     "block_size": r.normalizer.block_size,
                     "sequence": asdict(r.tracker.stats),
                     "events": asdict(r.normalizer.stats),
+                    "engine": self._engine_status(r.rank),
                 }
                 for r in self._ranks.values()
             },
         }
+
+    def _engine_status(self, rank: int) -> dict[str, Any]:
+        """The rank's engine liveness: state (live, stale, gone or unprobed), why, probes sent."""
+        live = self._watch.ranks.get(rank) if self._watch is not None else None
+        if live is None:
+            return {"state": "unprobed", "reason": "", "probes": 0}
+        return {"state": live.state, "reason": live.reason, "probes": live.probes}
 
     async def _on_status(self, msg: Any) -> None:
         if msg.reply:

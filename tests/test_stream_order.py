@@ -56,5 +56,6 @@ async def test_reordered_and_repeated_messages_are_refused_by_a_replica(nats_url
         reply: dict[str, Any] = await g.match(f"r{uid}.match", TOKENS)
         assert reply["candidates"] == [["d", 0, 2, 2], ["r", 0, 1, 1]]
         assert a.state.holder_health() == {("r", 0): "out_of_order"}
+        assert a.status()["holder_health"] == {"r/0": "out_of_order"}
         c = a.state.counters
         assert (c.out_of_order, c.duplicate_messages, c.sequence_gaps) == (1, 1, 1)

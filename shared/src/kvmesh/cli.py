@@ -647,6 +647,7 @@ def replay_command(argv: Sequence[str]) -> int:
                 "complete": state.gap_seq is None,
                 "gap": plan.gap,
                 "incomplete": [f"{w}/{r}" for w, r in state.incomplete()],
+                "holder_health": {f"{w}/{r}": why for (w, r), why in state.holder_health().items()},
                 "seconds": round(time.perf_counter() - t0, 3),
                 "restore_s": round(restore_s, 3),
                 "replay_s": round(stats.seconds, 3),

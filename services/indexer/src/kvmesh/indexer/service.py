@@ -696,6 +696,7 @@ class IndexerService:
             "workers": st.workers(),
             "complete": st.gap_seq is None,
             "incomplete": [f"{w}/{r}" for w, r in st.incomplete()],
+            "holder_health": {f"{w}/{r}": why for (w, r), why in st.holder_health().items()},
             "reset_epoch": st.reset_epoch,
             "read_messages": self.read_messages,
             "resubscribes": self.resubscribes,

@@ -140,6 +140,15 @@ class RouteReply:
     block_size: int
     index_seq: int
     scores: list[dict[str, Any]] | None = field(default=None)
+    mode: str = "exact"
+    """``"exact"``; ``"degraded"`` (the router's index lags the stream beyond its bound, or the chosen holder's
+    index is stale or incomplete: see `degraded_reason`); ``"load_only"`` (no trustworthy index: routed on load
+    alone). Replies of routers that predate it decode as ``"exact"``."""
+    degraded_reason: str | None = None
+    """Why the mode is not ``"exact"`` (None when it is)."""
+    selection: dict[str, Any] | None = None
+    """With ``explain``: candidates ``total``, ``considered``, ``cut``, ``bounded`` and the stale ranks
+    ``skipped`` (``worker_id``, ``dp_rank``, ``reason``; ``skipped_total`` counts them all)."""
 
 
 def reply_from_json(data: bytes) -> RouteReply:
@@ -161,6 +170,9 @@ def reply_from_json(data: bytes) -> RouteReply:
         block_size=body["block_size"],
         index_seq=body["index_seq"],
         scores=body.get("scores"),
+        mode=body.get("mode", "exact"),
+        degraded_reason=body.get("degraded_reason"),
+        selection=body.get("selection"),
     )
 
 

@@ -47,10 +47,11 @@ Cost: O(candidates) per decision (plus a sort of the candidates); nothing here t
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Final
 
@@ -245,6 +246,9 @@ class Candidate:
     """All blocks indexed for this candidate (its cache size)."""
     tiers: Mapping[str, int] | None = None
     """Overlap blocks per storage medium (sum = ``overlap_blocks``), or None: all on GPU."""
+    health: str | None = None
+    """None when the index's picture of this holder is exact, else why not (``"out_of_order"``, ``"gap"``,
+    ``"stream_gap"``: history lost, `kvmesh.core.state.IndexState.holder_health`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -428,3 +432,227 @@ def merge_candidates(indexed: Sequence[Candidate], live: Sequence[tuple[str, int
 def error_body(code: str, message: str) -> dict[str, Any]:
     """Return the JSON error reply of the route API."""
     return {"error": {"code": code, "message": message}}
+
+
+# ---------------------------------------------------------------------------------------- candidates
+
+
+DEFAULT_MAX_CANDIDATES: Final[int] = 1024
+"""Default bound on the candidates one route scores (`select_candidates`)."""
+IDLE_CANDIDATES: Final[int] = 16
+"""Registered ranks the index does not know (nothing cached) and with no load that one route scores at most.
+
+They all cost the same (the whole prompt, nothing in flight), so a few stand for all of them; which few
+depends on the request's seed, so replicas agree and different requests spread over them."""
+MAX_SKIPPED_LISTED: Final[int] = 64
+"""Skipped candidates listed by name in a selection (`Selection.skipped`); the rest are only counted."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredWorker:
+    """One registered worker of a model as the router sees it (one object per worker, not per rank)."""
+
+    worker_id: str
+    dp_ranks: int
+    """Ranks 0 … dp_ranks − 1 are registered."""
+    stale: Mapping[int, str]
+    """dp_rank → why its engine is stale (those ranks are not candidates)."""
+    heartbeat_ts: float = 0.0
+    """Wall-clock seconds of its last heartbeat (0: unknown)."""
+
+
+class RankSet:
+    """The registered (worker, dp rank)s of one model, held per worker (never a Python object per rank).
+
+    Args:
+        workers: the model's registered workers (any order; kept sorted by worker id).
+
+    Cost: `contains` and `stale_reason` are O(1); `walk` yields ranks lazily; building is O(workers +
+    stale ranks).
+    """
+
+    __slots__ = ("_by_id", "_live", "_starts", "live_count", "stale_count", "workers")
+
+    def __init__(self, workers: Sequence[RegisteredWorker]) -> None:
+        self.workers: tuple[RegisteredWorker, ...] = tuple(sorted(workers, key=lambda w: w.worker_id))
+        self._by_id = {w.worker_id: w for w in self.workers}
+        starts = []
+        live = []
+        total = 0
+        stale = 0
+        for w in self.workers:
+            starts.append(total)
+            total += w.dp_ranks
+            n = sum(1 for r in w.stale if 0 <= r < w.dp_ranks)
+            stale += n
+            live.append(w.dp_ranks - n)
+        self._starts = starts
+        self._live = live
+        self.stale_count: int = stale
+        """Registered ranks whose engine is stale."""
+        self.live_count: int = total - stale
+        """Registered ranks that are candidates (not stale)."""
+
+    @classmethod
+    def from_pairs(cls, live: Sequence[tuple[str, int]]) -> RankSet:
+        """Build from a list of live (worker id, dp rank)s (a registry that lists ranks one by one)."""
+        ranks: dict[str, set[int]] = {}
+        for w, r in live:
+            ranks.setdefault(w, set()).add(r)
+        workers = []
+        for w, rs in ranks.items():
+            n = max(rs) + 1
+            workers.append(RegisteredWorker(w, n, {r: "not registered" for r in range(n) if r not in rs}))
+        return cls(workers)
+
+    def worker(self, worker_id: str) -> RegisteredWorker | None:
+        """Return a registered worker of the model, or None."""
+        return self._by_id.get(worker_id)
+
+    def registered(self, worker_id: str, dp_rank: int) -> bool:
+        """Whether (worker, rank) is registered for the model (stale or not)."""
+        w = self._by_id.get(worker_id)
+        return w is not None and 0 <= dp_rank < w.dp_ranks
+
+    def contains(self, worker_id: str, dp_rank: int) -> bool:
+        """Whether (worker, rank) is registered and not stale."""
+        w = self._by_id.get(worker_id)
+        return w is not None and 0 <= dp_rank < w.dp_ranks and dp_rank not in w.stale
+
+    def stale_reason(self, worker_id: str, dp_rank: int) -> str | None:
+        """Why a registered rank is stale, or None (live, or not registered)."""
+        w = self._by_id.get(worker_id)
+        return w.stale.get(dp_rank) if w is not None and 0 <= dp_rank < w.dp_ranks else None
+
+    def walk(self, seed: int) -> Iterator[tuple[str, int]]:
+        """Yield every live (not stale) registered rank once, from a position derived from ``seed``, wrapping.
+
+        Workers whose every rank is stale are skipped whole.
+        """
+        total = sum(w.dp_ranks for w in self.workers)
+        if total == 0 or self.live_count == 0:
+            return
+        pos = seed % total
+        i = bisect.bisect_right(self._starts, pos) - 1
+        first = pos - self._starts[i]
+        n = len(self.workers)
+        for k in range(n + 1):
+            w = self.workers[(i + k) % n]
+            if self._live[(i + k) % n] == 0:
+                continue
+            if k == 0:
+                ranks: range = range(first, w.dp_ranks)
+            elif k == n:
+                ranks = range(0, first)
+            else:
+                ranks = range(w.dp_ranks)
+            for r in ranks:
+                if r not in w.stale:
+                    yield w.worker_id, r
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Selection:
+    """The candidates one route scores (`select_candidates`)."""
+
+    candidates: list[Candidate]
+    total: int
+    """Live candidates of the model: index holders kept by the registry plus registered ranks it lacks."""
+    cut: int
+    """Live candidates not scored (``total − len(candidates)``): beyond the bound, or idle registered ranks
+    not drawn."""
+    bounded: bool
+    """True when the candidates worth scoring (all but the idle registered ranks) exceeded the bound."""
+    skipped: list[tuple[str, int, str]]
+    """Up to `MAX_SKIPPED_LISTED` (worker, rank, reason) left out as stale, index holders first."""
+    skipped_total: int
+    """Every stale registered rank of the model (held in the index or not)."""
+
+
+def select_candidates(
+    indexed: Sequence[Candidate],
+    ranks: RankSet | None,
+    *,
+    max_candidates: int = DEFAULT_MAX_CANDIDATES,
+    seed: int = 0,
+    loaded: Callable[[str, int], bool] = lambda w, r: False,
+    idle_candidates: int = IDLE_CANDIDATES,
+) -> Selection:
+    """Choose, deterministically and at most ``max_candidates``, the candidates a route scores.
+
+    Args:
+        indexed: the index's holders of the model with their overlaps.
+        ranks: the model's registered ranks, or None (no registry opinion: the index's holders as they are).
+        max_candidates: the bound (≥ 1).
+        seed: the request's seed (`route_seed`): which idle registered ranks are drawn.
+        loaded: whether a (worker, rank) has load on the router (in-flight requests or an engine report).
+        idle_candidates: idle registered ranks unknown to the index scored at most.
+
+    Order of preference under the bound: holders with overlap (most first), then holders without
+    (fewest cached blocks first, as ties go), then registered ranks the index lacks: up to
+    ``idle_candidates`` without load, drawn by `RankSet.walk` from the seed, then ones with load. A rank
+    with nothing cached is therefore never kept over a holder with overlap.
+
+    Cost: O(indexed + idle_candidates + loaded ranks met) per call; independent of how many registered
+    ranks hold nothing.
+    """
+    skipped: list[tuple[str, int, str]] = []
+    if ranks is None:
+        kept = list(indexed)
+    else:
+        kept = []
+        for c in indexed:
+            if ranks.contains(c.worker_id, c.dp_rank):
+                kept.append(c)
+                continue
+            reason = ranks.stale_reason(c.worker_id, c.dp_rank)
+            if reason is not None and len(skipped) < MAX_SKIPPED_LISTED:
+                skipped.append((c.worker_id, c.dp_rank, reason))
+    keyed = {(c.worker_id, c.dp_rank) for c in kept}
+    with_overlap = sorted(
+        (c for c in kept if c.overlap_blocks > 0),
+        key=lambda c: (-c.overlap_blocks, c.cached_blocks, c.worker_id, c.dp_rank),
+    )
+    without = sorted(
+        (c for c in kept if c.overlap_blocks <= 0),
+        key=lambda c: (c.cached_blocks, _tiebreak(seed, c.worker_id, c.dp_rank)),
+    )
+    chosen = (with_overlap + without)[:max_candidates]
+    unindexed = 0
+    if ranks is not None:
+        unindexed = ranks.live_count - len(keyed)
+        for w in ranks.workers:
+            for r, reason in sorted(w.stale.items()):
+                if len(skipped) >= MAX_SKIPPED_LISTED:
+                    break
+                if 0 <= r < w.dp_ranks and not any(s[0] == w.worker_id and s[1] == r for s in skipped):
+                    skipped.append((w.worker_id, r, reason))
+            if len(skipped) >= MAX_SKIPPED_LISTED:
+                break
+    room = max_candidates - len(chosen)
+    bounded = len(kept) + min(unindexed, idle_candidates) > max_candidates
+    if ranks is not None and room > 0 and unindexed > 0:
+        idle: list[Candidate] = []
+        busy: list[Candidate] = []
+        want_idle = min(room, idle_candidates)
+        for wid, r in ranks.walk(seed):
+            if (wid, r) in keyed:
+                continue
+            c = Candidate(worker_id=wid, dp_rank=r, overlap_blocks=0, cached_blocks=0)
+            if loaded(wid, r):
+                if len(busy) < room:
+                    busy.append(c)
+            else:
+                idle.append(c)
+                if len(idle) >= want_idle:
+                    break
+        chosen.extend((idle + busy)[:room])
+    total = len(kept) + unindexed
+    return Selection(
+        candidates=chosen,
+        total=total,
+        cut=total - len(chosen),
+        bounded=bounded,
+        skipped=skipped,
+        skipped_total=ranks.stale_count if ranks is not None else 0,
+    )

@@ -26,6 +26,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from kvmesh.core.events import WorkerRemoved, encode_message
+from kvmesh.core.route import RankSet, RegisteredWorker
 from kvmesh.runtime import subjects
 from kvmesh.runtime.snapshots import open_kv
 
@@ -207,6 +208,10 @@ class RegistryWatcher:
         self._js = js
         self._bucket = bucket
         self._retry_s = retry_s
+        self._ranks: dict[str, RankSet | None] = {}
+        self._ranks_of: tuple[int, int, int] = (0, 0, 0)
+        self.changes = 0
+        """Entries applied (puts, deletes, resets): a change invalidates the per-model `ranks` views."""
 
     async def _until_bucket_gone(self, created: Any) -> None:
         """Return once the bucket no longer exists, or was deleted and created again (its stream's creation
@@ -244,9 +249,34 @@ class RegistryWatcher:
             return sorted(out)
         return [] if model in self.known.values() else None
 
+    def ranks(self, model: str) -> RankSet | None:
+        """Return the registered ranks of ``model`` with their stale ranks (`WorkerRecord.stale_ranks`).
+
+        None exactly when `live` is None (no opinion). Built once per change of the registry (O(workers)),
+        not per call: a route looks ranks up in it without a Python object per rank.
+        """
+        if not self.synced:
+            return None
+        version = (self.changes, len(self.workers), len(self.known))
+        if version != self._ranks_of:
+            self._ranks.clear()
+            self._ranks_of = version
+        if model in self._ranks:
+            return self._ranks[model]
+        workers = [
+            RegisteredWorker(w, max(rec.dp_ranks, 1), dict(rec.stale_ranks), rec.heartbeat_ts)
+            for w, rec in self.workers.items()
+            if rec.model == model
+        ]
+        known = model in self.known.values()
+        out = RankSet(workers) if workers or known else None
+        self._ranks[model] = out
+        return out
+
     def apply(self, key: str, operation: str | None, value: bytes | None) -> None:
         """Apply one KV entry: a put (``operation`` None) records the worker, a delete or purge drops it."""
         worker = subjects.from_kv_key(key)
+        self.changes += 1
         if operation is not None:
             self.workers.pop(worker, None)
             return
@@ -274,6 +304,7 @@ class RegistryWatcher:
             return
         try:
             self.known.update(await self._members())
+            self.changes += 1
         except (nats.errors.Error, TimeoutError) as exc:
             log.warning("registry: cannot read the recorded registry members: %r", exc)
 
@@ -293,6 +324,7 @@ class RegistryWatcher:
                 created = (await self._js.stream_info(f"KV_{self._bucket}")).created
                 watcher = await kv.watchall()
                 self.workers.clear()
+                self.changes += 1
                 check = asyncio.create_task(self._until_bucket_gone(created))
                 try:
                     async for entry in _until(watcher, check):
@@ -308,6 +340,7 @@ class RegistryWatcher:
                 # The bucket was deleted: what it said is void (its workers are not known to be live).
                 log.warning("registry: bucket %s was deleted; watching it again once it exists", self._bucket)
                 self.workers.clear()
+                self.changes += 1
                 self.synced = False
             except asyncio.CancelledError:
                 raise

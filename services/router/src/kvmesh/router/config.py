@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.core.load import DEFAULT_LOAD_TTL_S, DEFAULT_REQUEST_TTL_S
-from kvmesh.core.route import DEFAULT_MAX_TOKENS, Policy
+from kvmesh.core.route import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_TOKENS, IDLE_CANDIDATES, Policy
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
@@ -73,6 +73,27 @@ class RouterSettings:
         "from its routed -> prefill_done intervals (experimental; docs/benchmarks.md section 1)",
     )
     sync_timeout_s: float = setting(0.5, "seconds to wait for a peer's accounting snapshot at start-up")
+    max_candidates: int = setting(
+        DEFAULT_MAX_CANDIDATES,
+        "most candidates one route scores per model: holders with overlap first, then holders without "
+        f"(fewest cached blocks first), then at most {IDLE_CANDIDATES} registered ranks the index lacks and "
+        "with no load, drawn by the request's seed; the rest are cut (warned once per model)",
+    )
+    max_lag_messages: int = setting(
+        10_000,
+        "stream messages the local index replica may lag behind the stream before route replies say "
+        "mode 'degraded' (--index local)",
+    )
+    max_lag_s: float = setting(
+        2.0,
+        "seconds the local index replica may stay behind a stream message before route replies say mode "
+        "'degraded' (--index local)",
+    )
+    heartbeat_late_s: float = setting(
+        10.0,
+        "seconds after a worker's last registry heartbeat (wall clock of its ingest) at which its holders "
+        "count as stale in explain and status, and a reply choosing one says mode 'degraded' (0: off)",
+    )
     log_level: str = setting("INFO", "log level")
 
     def registry_bucket_name(self) -> str:
@@ -109,6 +130,14 @@ class RouterSettings:
             problems.append("--load-ttl-s must be > 0")
         if self.sync_timeout_s < 0:
             problems.append("--sync-timeout-s must be ≥ 0")
+        if self.max_candidates < 1:
+            problems.append("--max-candidates must be ≥ 1")
+        if self.max_lag_messages < 0:
+            problems.append("--max-lag-messages must be ≥ 0")
+        if not self.max_lag_s >= 0:
+            problems.append("--max-lag-s must be ≥ 0")
+        if not self.heartbeat_late_s >= 0:
+            problems.append("--heartbeat-late-s must be ≥ 0")
         for p in self.policy().problems():
             flag = p.split(" ", 1)[0].split(".", 1)[0].replace("_", "-")
             problems.append(f"--{flag}: {p}")

@@ -39,6 +39,7 @@ Where the overlaps come from (``--index``):
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import logging
@@ -70,12 +71,14 @@ from kvmesh.core.route import (
     ERROR_STATUS,
     Candidate,
     Decision,
+    RankSet,
     RouteRequest,
+    Selection,
     decide,
     error_body,
-    merge_candidates,
     parse_route_request,
     route_seed,
+    select_candidates,
 )
 from kvmesh.core.state import MatchResult, UnknownModelError
 from kvmesh.router.config import RouterSettings
@@ -88,6 +91,10 @@ from kvmesh.runtime.snapshots import SnapshotStore
 
 log = logging.getLogger("kvmesh.router")
 
+LAG_CHECK_S = 0.5
+"""Seconds between two reads of the stream's last sequence (the local replica's lag, ``--index local``)."""
+MAX_HOLDERS_LISTED = 100
+"""Non-exact holders listed by name in the router's status (the rest are counted)."""
 MAX_IN_FLIGHT = 256
 """Route requests served at once by one replica (beyond it, requests wait in the subscription's queue)."""
 _STOP_TIMEOUT_S = 5.0
@@ -151,6 +158,13 @@ class RouterService:
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         self.replica: StreamReplica | None = None
         """The in-process index (``--index local``), else None."""
+        self.stream_last_seq = 0
+        """The stream's last sequence as last read (``--index local``; every `LAG_CHECK_S`)."""
+        self._lag_polls: collections.deque[tuple[float, int]] = collections.deque(maxlen=1024)
+        self.bounded: dict[str, int] = {}
+        """Model → live candidates cut from its last route beyond ``--max-candidates`` (warned once each)."""
+        self.modes: dict[str, int] = {"exact": 0, "degraded": 0, "load_only": 0}
+        """Route replies per mode."""
 
     async def run(self) -> None:
         """Join the shared accounting, then serve route requests until `stop()`."""
@@ -160,6 +174,7 @@ class RouterService:
         self._nc = nc = await connect(s.nats_url, name="kvmesh-router", no_echo=True)
         follow: asyncio.Task[None] | None = None
         watch: asyncio.Task[None] | None = None
+        lag: asyncio.Task[None] | None = None
         if self.registry is None and s.use_registry:
             js = nc.jetstream()
 
@@ -178,9 +193,10 @@ class RouterService:
                 follow = await self._start_replica(nc)
                 if follow is None:
                     return  # stopped while catching up
+                lag = asyncio.create_task(self._watch_lag(nc))
             await self._serve(nc, follow)
         finally:
-            background = {t for t in (follow, watch) if t is not None}
+            background = {t for t in (follow, watch, lag) if t is not None}
             for t in background:
                 t.cancel()
             if background:
@@ -310,6 +326,108 @@ class RouterService:
         """Ask `run()` to finish."""
         self._stop.set()
 
+    # ------------------------------------------------------------------ degraded modes
+
+    async def _watch_lag(self, nc: Client) -> None:
+        """Read the stream's last sequence every `LAG_CHECK_S` (what `lag` measures the replica against)."""
+        js = nc.jetstream()
+        while True:
+            try:
+                info = await js.stream_info(self.settings.stream)
+            except Exception as exc:  # NATS unreachable or the stream re-created: the replica handles it
+                log.debug("router: cannot read stream %s: %r", self.settings.stream, exc)
+            else:
+                self.note_stream_seq(int(info.state.last_seq), self._clock())
+            await asyncio.sleep(LAG_CHECK_S)
+
+    def note_stream_seq(self, last_seq: int, now: float) -> None:
+        """Record that the stream's last sequence was ``last_seq`` at monotonic time ``now``."""
+        self.stream_last_seq = last_seq
+        if not self._lag_polls or self._lag_polls[-1][1] < last_seq:
+            self._lag_polls.append((now, last_seq))
+
+    def lag(self, now: float) -> tuple[int, float]:
+        """Return how far the local replica is behind the stream: (messages, seconds).
+
+        Messages: the stream's last sequence as last read minus the applied sequence (0 when ahead, e.g. a
+        re-created stream being rebuilt). Seconds: how long ago the stream was first seen holding a message
+        the replica has still not applied (0 when none; precise to `LAG_CHECK_S`). (0, 0.0) without a
+        local replica.
+        """
+        if self.replica is None:
+            return 0, 0.0
+        applied = self.replica.state.applied_seq
+        polls = self._lag_polls
+        while polls and polls[0][1] <= applied:
+            polls.popleft()
+        seconds = max(0.0, now - polls[0][0]) if polls else 0.0
+        return max(0, self.stream_last_seq - applied), seconds
+
+    def _index_mode(self, now: float) -> tuple[str, str | None]:
+        """The router's own mode before any holder is chosen: ``exact``, ``degraded`` (lag) or ``load_only``."""
+        if self.replica is None:
+            return "exact", None
+        if not self.replica.caught_up:
+            why = (
+                "rebuilding the index (the stream was re-created)" if self.replica.rebuilds else "catching up"
+            )
+            return "load_only", f"no trustworthy index: the local replica is {why}; routing on load alone"
+        messages, seconds = self.lag(now)
+        s = self.settings
+        if messages > s.max_lag_messages or seconds > s.max_lag_s:
+            return "degraded", (
+                f"replica_lag: the local index lags the stream by {messages} messages and {seconds:.1f} s "
+                f"(bounds {s.max_lag_messages} messages, {s.max_lag_s:g} s)"
+            )
+        return "exact", None
+
+    def holder_state(
+        self, c: Candidate, ranks: RankSet | None, lagging: bool, wall: float
+    ) -> tuple[str, str | None]:
+        """One holder's state: ``("exact", None)``, ``("incomplete", reason)`` (history lost) or
+        ``("stale", reason)`` (events late: the replica lags, the worker's heartbeat is late)."""
+        if c.health is not None:
+            return "incomplete", c.health
+        if lagging:
+            return "stale", "replica_lag"
+        late = self.settings.heartbeat_late_s
+        if late > 0 and ranks is not None:
+            w = ranks.worker(c.worker_id)
+            if w is not None and w.heartbeat_ts > 0 and wall - w.heartbeat_ts > late:
+                return "stale", f"heartbeat_late: last heartbeat {wall - w.heartbeat_ts:.1f} s ago"
+        return "exact", None
+
+    def _holders_status(self) -> dict[str, Any]:
+        """Every holder that is not exact, ``"worker/rank"`` → ``{"state", "reason"}`` (at most
+        `MAX_HOLDERS_LISTED`), and how many there are in all."""
+        out: dict[str, dict[str, str]] = {}
+        total = 0
+
+        def add(worker: str, rank: int | str, state: str, reason: str) -> None:
+            nonlocal total
+            key = f"{worker}/{rank}"
+            if key in out:
+                return
+            total += 1
+            if len(out) < MAX_HOLDERS_LISTED:
+                out[key] = {"state": state, "reason": reason}
+
+        if self.replica is not None:
+            for (w, r), reason in self.replica.state.holder_health().items():
+                add(w, r, "incomplete", reason)
+        if isinstance(self.registry, RegistryWatcher):
+            wall = time.time()
+            late = self.settings.heartbeat_late_s
+            for w, rec in sorted(self.registry.workers.items()):
+                for r, reason in sorted(rec.stale_ranks.items()):
+                    if 0 <= r < rec.dp_ranks:
+                        add(w, r, "stale", f"engine_silent: {reason}")
+                if late > 0 and rec.heartbeat_ts > 0 and wall - rec.heartbeat_ts > late:
+                    add(
+                        w, "*", "stale", f"heartbeat_late: last heartbeat {wall - rec.heartbeat_ts:.1f} s ago"
+                    )
+        return {"holders": out, "holders_not_exact": total}
+
     # ------------------------------------------------------------------ shared accounting
 
     async def _sync_from_peers(self) -> None:
@@ -375,18 +493,30 @@ class RouterService:
                 "unknown": st.unknown,
             },
             "engine_reports": len(self.engine_loads),
+            "modes": dict(self.modes),
+            "candidates_cut": dict(self.bounded),
             "index": self._index_stats(),
         }
 
     def _index_stats(self) -> dict[str, Any]:
+        now = self._clock()
+        route_mode, reason = self._index_mode(now)
+        health: dict[str, Any] = {"route_mode": route_mode, **self._holders_status()}
+        if reason is not None:
+            health["degraded_reason"] = reason
         if self.replica is None:
             return {
                 "mode": "remote",
                 "match_subject": self.settings.match_subject,
                 "route_subject": self.settings.route_subject,
+                **health,
             }
         st = self.replica.state
+        messages, seconds = self.lag(now)
         return {
+            **health,
+            "lag_messages": messages,
+            "lag_s": round(seconds, 3),
             "mode": "local",
             "route_subject": self.settings.route_subject,
             "stream": self.settings.stream,
@@ -489,6 +619,7 @@ class RouterService:
                     overlap_blocks=c.overlap_blocks,
                     cached_blocks=c.cached_blocks,
                     tiers=c.tiers,
+                    health=c.health,
                 )
                 for c in result.candidates
             ],
@@ -537,9 +668,28 @@ class RouterService:
         ]
         return answer
 
+    def _ranks(self, model: str) -> RankSet | None:
+        """The model's registered ranks (None: no registry opinion)."""
+        if self.registry is None:
+            return None
+        ranks = getattr(self.registry, "ranks", None)
+        if ranks is not None:
+            out: RankSet | None = ranks(model)
+            return out
+        live = self.registry.live(model)
+        return None if live is None else RankSet.from_pairs(live)
+
     async def _route(self, parsed: RouteRequest, body: bytes) -> dict[str, Any]:
-        live = self.registry.live(parsed.model) if self.registry is not None else None
-        if live is not None and not live and not parsed.candidates:
+        ranks = self._ranks(parsed.model)
+        if ranks is not None and ranks.live_count == 0 and not parsed.candidates:
+            if ranks.stale_count:
+                sw = next(x for x in ranks.workers if x.stale)
+                sr, why = min(sw.stale.items())
+                raise RouteError(
+                    "no_workers",
+                    f"no live workers: every registered rank of model {parsed.model!r} "
+                    f"({ranks.stale_count}) has a stale engine (e.g. {sw.worker_id}/{sr}: {why})",
+                )
             raise RouteError(
                 "no_workers",
                 f"every worker of model {parsed.model!r} has left the worker registry (heartbeats stopped)",
@@ -547,7 +697,7 @@ class RouterService:
         try:
             answer = await self._match(parsed)
         except RouteError as exc:
-            if exc.code != "unknown_model" or not live:
+            if exc.code != "unknown_model" or ranks is None or ranks.live_count == 0:
                 raise
             # Registered (heartbeating) but not in the index, e.g. after `kvmesh reset` forgot every worker:
             # route among them with nothing cached rather than refuse the model until an engine stores again.
@@ -556,13 +706,31 @@ class RouterService:
                 "block_size": self._registered_block_size(parsed.model),
                 "candidates": [],
             }
-        indexed: list[Candidate] = answer["candidates"]
-        candidates = merge_candidates(indexed, live)
         now = self._clock()
+        mode, mode_reason = self._index_mode(now)
+        indexed: list[Candidate] = answer["candidates"]
+        if mode == "load_only":
+            indexed = [
+                Candidate(worker_id=c.worker_id, dp_rank=c.dp_rank, overlap_blocks=0, cached_blocks=0)
+                for c in indexed
+            ]
         self.ledger.expire(now)
         if now - self._pruned_s > self.settings.load_ttl_s:
             self.engine_loads.prune(now)
             self._pruned_s = now
+        seed = route_seed(parsed.request_id, body)
+
+        def loaded(worker_id: str, dp_rank: int) -> bool:
+            return (
+                self.ledger.load(worker_id, dp_rank, now_s=now).requests > 0
+                or self.engine_loads.get(worker_id, dp_rank, now) is not None
+            )
+
+        selection = select_candidates(
+            indexed, ranks, max_candidates=self.settings.max_candidates, seed=seed, loaded=loaded
+        )
+        self._note_bound(parsed.model, selection)
+        candidates = selection.candidates
         active: dict[tuple[str, int], ActiveLoad] = {}
         engine: dict[tuple[str, int], WorkerLoad] = {}
         for c in candidates:
@@ -581,7 +749,7 @@ class RouterService:
             policy=parsed.policy.apply(self.policy) if parsed.policy is not None else self.policy,
             active=active,
             engine=engine,
-            seed=route_seed(parsed.request_id, body),
+            seed=seed,
             allowed=parsed.candidates,
         )
         if decision is None:
@@ -590,9 +758,50 @@ class RouterService:
                     "no_workers", f"none of the candidates {parsed.candidates} serves {parsed.model!r}"
                 )
             raise RouteError("no_workers", f"no worker serves model {parsed.model!r}")
+        wall = time.time()
+        lagging = mode == "degraded"
+        states = {(c.worker_id, c.dp_rank): self.holder_state(c, ranks, lagging, wall) for c in candidates}
+        w = decision.winner
+        state, holder_why = states[(w.worker_id, w.dp_rank)]
+        if mode == "exact" and state != "exact":
+            mode = "degraded"
+            mode_reason = f"the chosen holder {w.worker_id}/{w.dp_rank} is {state}: {holder_why}"
+        self.modes[mode] = self.modes.get(mode, 0) + 1
         if parsed.request_id is not None:
             await self._account(parsed.request_id, decision, prompt_tokens, block_size)
-        return _reply(parsed, decision, answer)
+        out = _reply(parsed, decision, answer, states)
+        out["mode"] = mode
+        if mode_reason is not None:
+            out["degraded_reason"] = mode_reason
+        if parsed.explain:
+            out["selection"] = {
+                "total": selection.total,
+                "considered": len(selection.candidates),
+                "cut": selection.cut,
+                "bounded": selection.bounded,
+                "skipped": [
+                    {"worker_id": sw, "dp_rank": sr, "reason": f"stale: {sreason}"}
+                    for sw, sr, sreason in selection.skipped
+                ],
+                "skipped_total": selection.skipped_total,
+            }
+        return out
+
+    def _note_bound(self, model: str, selection: Selection) -> None:
+        """Warn once per model whose candidates worth scoring exceed ``--max-candidates``."""
+        if not selection.bounded:
+            return
+        if model not in self.bounded:
+            log.warning(
+                "router: model %r has %d live candidates, more than --max-candidates %d: each route scores "
+                "at most %d (holders with overlap first), %d cut from this one (warned once per model)",
+                model,
+                selection.total,
+                self.settings.max_candidates,
+                self.settings.max_candidates,
+                selection.cut,
+            )
+        self.bounded[model] = selection.cut
 
     def _registered_block_size(self, model: str) -> int:
         """Block size the registry's workers of ``model`` report (0 when none does)."""
@@ -628,7 +837,12 @@ def _match_overhead(parsed: RouteRequest) -> int:
     return 128 + sum(4 * len(x) for x in strings)
 
 
-def _reply(parsed: RouteRequest, decision: Decision, answer: dict[str, Any]) -> dict[str, Any]:
+def _reply(
+    parsed: RouteRequest,
+    decision: Decision,
+    answer: dict[str, Any],
+    states: dict[tuple[str, int], tuple[str, str | None]],
+) -> dict[str, Any]:
     w = decision.winner
     block_size = answer["block_size"]
     out: dict[str, Any] = {
@@ -641,11 +855,14 @@ def _reply(parsed: RouteRequest, decision: Decision, answer: dict[str, Any]) -> 
         "index_seq": answer["index_seq"],
     }
     if parsed.explain:
-        out["scores"] = [_explain(s, block_size) for s in decision.scores]
+        out["scores"] = [
+            _explain(s, block_size, states.get((s.worker_id, s.dp_rank), ("exact", None)))
+            for s in decision.scores
+        ]
     return out
 
 
-def _explain(s: Any, block_size: int) -> dict[str, Any]:
+def _explain(s: Any, block_size: int, state: tuple[str, str | None]) -> dict[str, Any]:
     e = s.engine
     load: dict[str, Any] = {
         "active_prefill_tokens": s.active.prefill_tokens,
@@ -670,6 +887,7 @@ def _explain(s: Any, block_size: int) -> dict[str, Any]:
         "decode_blocks": s.decode_blocks,
         "busy": s.busy,
         "cost": s.cost,
+        "health": {"state": state[0]} if state[1] is None else {"state": state[0], "reason": state[1]},
     }
     if s.probability is not None:
         entry["probability"] = s.probability

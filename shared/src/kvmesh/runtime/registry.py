@@ -212,6 +212,8 @@ class RegistryWatcher:
         self._ranks_of: tuple[int, int, int] = (0, 0, 0)
         self.changes = 0
         """Entries applied (puts, deletes, resets): a change invalidates the per-model `ranks` views."""
+        self.ttl_s: float | None = None
+        """The bucket's max age (the worker TTL: ingests heartbeat every third of it), once opened."""
 
     async def _until_bucket_gone(self, created: Any) -> None:
         """Return once the bucket no longer exists, or was deleted and created again (its stream's creation
@@ -321,7 +323,9 @@ class RegistryWatcher:
                 await asyncio.sleep(self._retry_s)
                 continue
             try:
-                created = (await self._js.stream_info(f"KV_{self._bucket}")).created
+                info = await self._js.stream_info(f"KV_{self._bucket}")
+                created = info.created
+                self.ttl_s = info.config.max_age or None
                 watcher = await kv.watchall()
                 self.workers.clear()
                 self.changes += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvmesh.core.load import DEFAULT_LOAD_TTL_S, DEFAULT_REQUEST_TTL_S
@@ -90,9 +91,10 @@ class RouterSettings:
         "'degraded' (--index local)",
     )
     heartbeat_late_s: float = setting(
-        10.0,
+        0.0,
         "seconds after a worker's last registry heartbeat (wall clock of its ingest) at which its holders "
-        "count as stale in explain and status, and a reply choosing one says mode 'degraded' (0: off)",
+        "count as stale in explain and status, and a reply choosing one says mode 'degraded' (0: two "
+        "heartbeat intervals, 2/3 of the registry bucket's TTL; < 0: off)",
     )
     log_level: str = setting("INFO", "log level")
 
@@ -136,8 +138,8 @@ class RouterSettings:
             problems.append("--max-lag-messages must be ≥ 0")
         if not self.max_lag_s >= 0:
             problems.append("--max-lag-s must be ≥ 0")
-        if not self.heartbeat_late_s >= 0:
-            problems.append("--heartbeat-late-s must be ≥ 0")
+        if not math.isfinite(self.heartbeat_late_s):
+            problems.append("--heartbeat-late-s must be a finite number")
         for p in self.policy().problems():
             flag = p.split(" ", 1)[0].split(".", 1)[0].replace("_", "-")
             problems.append(f"--{flag}: {p}")

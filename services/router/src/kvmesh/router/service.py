@@ -381,6 +381,14 @@ class RouterService:
             )
         return "exact", None
 
+    def _heartbeat_late_s(self) -> float:
+        """Seconds after which a worker's heartbeat is late (0: off or not known yet)."""
+        late = self.settings.heartbeat_late_s
+        if late != 0:
+            return max(late, 0.0)
+        ttl = getattr(self.registry, "ttl_s", None)
+        return 2 * ttl / 3 if isinstance(ttl, float | int) and ttl > 0 else 0.0
+
     def holder_state(
         self, c: Candidate, ranks: RankSet | None, lagging: bool, wall: float
     ) -> tuple[str, str | None]:
@@ -390,7 +398,7 @@ class RouterService:
             return "incomplete", c.health
         if lagging:
             return "stale", "replica_lag"
-        late = self.settings.heartbeat_late_s
+        late = self._heartbeat_late_s()
         if late > 0 and ranks is not None:
             w = ranks.worker(c.worker_id)
             if w is not None and w.heartbeat_ts > 0 and wall - w.heartbeat_ts > late:
@@ -417,7 +425,7 @@ class RouterService:
                 add(w, r, "incomplete", reason)
         if isinstance(self.registry, RegistryWatcher):
             wall = time.time()
-            late = self.settings.heartbeat_late_s
+            late = self._heartbeat_late_s()
             for w, rec in sorted(self.registry.workers.items()):
                 for r, reason in sorted(rec.stale_ranks.items()):
                     if 0 <= r < rec.dp_ranks:

@@ -23,7 +23,16 @@ included, until the registry's `WorkerRemoved` reaches the stream), narrowed and
 registry (``--use-registry``, on by default): a `kvmesh.runtime.registry.RegistryWatcher` follows the
 registry bucket, so a worker whose heartbeats stopped leaves the candidates at once, and a registered
 worker the index does not know yet joins them with zero overlap. A model with no registered worker at all
-(workers fed without heartbeats) keeps the index's candidates.
+(workers fed without heartbeats) keeps the index's candidates. A rank its worker's record lists in
+``stale_ranks`` (engine silent) is no candidate; a model whose every rank is stale answers ``no_workers``.
+Each route scores at most ``--max-candidates`` (`kvmesh.core.route.select_candidates`: holders with overlap
+first, and only a few idle registered ranks the index lacks), so its cost does not grow with empty ranks.
+
+Every reply carries ``mode``: ``exact``; ``degraded`` with ``degraded_reason`` (the local replica lags the
+stream beyond ``--max-lag-messages`` / ``--max-lag-s``, measured against the stream's last sequence read
+every `LAG_CHECK_S`, or the chosen holder is incomplete, its history lost, or stale, its heartbeat late);
+``load_only`` (the local replica is rebuilding: overlaps are ignored). Explain gives each scored holder's
+``health``; the endpoint's stats carry the non-exact holders and the lag (``kvmesh status``).
 
 Where the overlaps come from (``--index``):
 

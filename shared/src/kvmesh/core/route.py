@@ -505,6 +505,10 @@ class RankSet:
             workers.append(RegisteredWorker(w, n, {r: "not registered" for r in range(n) if r not in rs}))
         return cls(workers)
 
+    def only(self, worker_ids: Sequence[str]) -> RankSet:
+        """Return the registered ranks of ``worker_ids`` only (a request's ``candidates``); O(len(worker_ids))."""
+        return RankSet([w for w in (self._by_id.get(i) for i in set(worker_ids)) if w is not None])
+
     def worker(self, worker_id: str) -> RegisteredWorker | None:
         """Return a registered worker of the model, or None."""
         return self._by_id.get(worker_id)

@@ -743,6 +743,11 @@ class RouterService:
                 or self.engine_loads.get(worker_id, dp_rank, now) is not None
             )
 
+        offered = bool(indexed) or (ranks is not None and ranks.live_count > 0)
+        if parsed.candidates is not None:  # narrowed before the bound, so a requested worker is never cut
+            allow = set(parsed.candidates)
+            indexed = [c for c in indexed if c.worker_id in allow]
+            ranks = ranks.only(parsed.candidates) if ranks is not None else None
         selection = select_candidates(
             indexed, ranks, max_candidates=self.settings.max_candidates, seed=seed, loaded=loaded
         )
@@ -770,7 +775,7 @@ class RouterService:
             allowed=parsed.candidates,
         )
         if decision is None:
-            if parsed.candidates is not None and candidates:
+            if parsed.candidates is not None and offered:
                 raise RouteError(
                     "no_workers", f"none of the candidates {parsed.candidates} serves {parsed.model!r}"
                 )

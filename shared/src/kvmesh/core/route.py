@@ -595,7 +595,8 @@ def select_candidates(
     Order of preference under the bound: holders with overlap (most first), then holders without
     (fewest cached blocks first, as ties go), then registered ranks the index lacks: up to
     ``idle_candidates`` without load, drawn by `RankSet.walk` from the seed, then ones with load. A rank
-    with nothing cached is therefore never kept over a holder with overlap.
+    with nothing cached is therefore never kept over a holder with overlap; one with load (it costs more
+    than an idle one) only stands in for idle ones that are missing.
 
     Cost: O(indexed + idle_candidates + loaded ranks met) per call; independent of how many registered
     ranks hold nothing.
@@ -644,13 +645,13 @@ def select_candidates(
                 continue
             c = Candidate(worker_id=wid, dp_rank=r, overlap_blocks=0, cached_blocks=0)
             if loaded(wid, r):
-                if len(busy) < room:
+                if len(busy) < want_idle:
                     busy.append(c)
             else:
                 idle.append(c)
                 if len(idle) >= want_idle:
                     break
-        chosen.extend((idle + busy)[:room])
+        chosen.extend(idle + busy[: max(0, want_idle - len(idle))])
     total = len(kept) + unindexed
     return Selection(
         candidates=chosen,

@@ -4,6 +4,7 @@ stream messages are put directly where that is the simplest real input."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import msgspec
@@ -220,5 +221,31 @@ async def test_a_router_whose_replica_lags_the_stream_says_degraded(nats_url: st
             back = await eventually(lambda: p.route(P1), lambda r: r.mode == "exact")
             assert (back.worker_id, back.degraded_reason) == ("d", None)
             assert svc.replica.state.applied_seq == applied + 3
+    finally:
+        pub.close()
+
+
+async def test_a_holder_whose_heartbeat_is_late_is_stale(nats_url: str, uid: str) -> None:
+    """A holder whose last registry heartbeat is older than two heartbeat intervals (2/3 of the bucket's
+    TTL, here 200 s) is stale: a reply choosing it says "degraded", explain and the status name it."""
+    pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    try:
+        async with pipeline(nats_url, uid) as p:
+            await p.start_ingest("w", pub.endpoint, pub.replay_endpoint, block_size=BS, worker_ttl_s=300.0)
+            await pub.wait_for_subscribers(1)
+            await start_router(p)
+            await put_record(p, "d", heartbeat_ts=time.time() - 1000.0)
+            await publish_batch(p, "d", 0, P1)
+            r = await eventually(lambda: p.route(P1, explain=True), lambda r: r.overlap_blocks == 4)
+            assert (r.worker_id, r.mode) == ("d", "degraded")
+            assert r.degraded_reason is not None
+            assert r.degraded_reason.startswith(
+                "the chosen holder d/0 is stale: heartbeat_late: last heartbeat 1"
+            )
+            assert health(r)["d/0"]["state"] == "stale"
+            assert health(r)["w/0"] == {"state": "exact"}
+            status = await status_of(p)
+            assert list(status["holders"]) == ["d/*"]
+            assert status["holders"]["d/*"]["reason"].startswith("heartbeat_late: last heartbeat 1")
     finally:
         pub.close()

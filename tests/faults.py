@@ -43,7 +43,7 @@ from kvmesh.core.normalize import Normalizer
 from kvmesh.core.state import IndexState
 from kvmesh.core.wire import decode_batch
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import connect
+from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream
 from kvmesh.runtime.server import NatsServer
 from kvmesh.sim.publisher import read_record
 
@@ -93,11 +93,13 @@ async def wait_for(
     last: Any = None
     while True:
         try:
-            last = await probe()
-            if ok(last):
-                return last  # type: ignore[no-any-return]
-        except Exception as exc:
+            value = await probe()
+        except Exception as exc:  # a probe may fail while the fleet starts or a node is down
             last = exc
+        else:
+            last = value
+            if ok(value):
+                return value
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last: {last!r}")
         await asyncio.sleep(0.2)
@@ -296,24 +298,20 @@ class Fleet:
             f"--nats-url={self.cluster.url(i % NODES)}",
         )
 
-    def start(self) -> None:
-        """Start the cluster, the ingests, the indexers and the routers (engines: `start_engines`)."""
+    async def start(self, *, provision: bool = True) -> None:
+        """Start the cluster, wait for its JetStream meta leader, then the ingests, the indexers and the routers.
+
+        With ``provision`` the harness creates the R3 events stream first, as an operator would, and waits
+        until it has a leader; without, the ingests create it as they start. Engines start with
+        `start_engines`.
+        """
         for i in range(NODES):
             self.cluster.start(i)
+        await self.until_js_ready()
+        if provision:
+            await self.provision_stream()
         for i in range(ENGINES):
-            port = self.engine_ports[i]
-            argv = self._kvmesh(
-                "ingest",
-                f"--worker-id={self.worker_id(i)}",
-                f"--model={MODEL}",
-                f"--zmq-endpoint=tcp://127.0.0.1:{port}",
-                f"--replay-endpoint=tcp://127.0.0.1:{port + 10}",
-                f"--data-parallel-size={RANKS}",
-                f"--block-size={BS}",
-                "--stream-replicas=3",
-                f"--nats-url={self.cluster.url(i % NODES)}",
-            )
-            self.ingests.append(Proc(f"ingest-{i}", argv, self.logs).start())
+            self.add_ingest(self.worker_id(i), self.engine_ports[i], i % NODES).start()
         for j in range(2):
             argv = self._kvmesh(
                 "indexer",
@@ -325,6 +323,62 @@ class Fleet:
         for j in range(2):
             argv = self._kvmesh("router", f"--nats-url={self.cluster.url((j + 1) % NODES)}")
             self.routers.append(Proc(f"router-{j}", argv, self.logs).start())
+
+    def add_ingest(self, worker_id: str, port: int, node: int) -> Proc:
+        """Add (not start) an ingest of ``worker_id`` reading the engine on ``port`` (replay ``port + 10``)."""
+        argv = self._kvmesh(
+            "ingest",
+            f"--worker-id={worker_id}",
+            f"--model={MODEL}",
+            f"--zmq-endpoint=tcp://127.0.0.1:{port}",
+            f"--replay-endpoint=tcp://127.0.0.1:{port + 10}",
+            f"--data-parallel-size={RANKS}",
+            f"--block-size={BS}",
+            "--stream-replicas=3",
+            f"--nats-url={self.cluster.url(node)}",
+        )
+        proc = Proc(f"ingest-{len(self.ingests)}", argv, self.logs)
+        self.ingests.append(proc)
+        return proc
+
+    async def until_ingests_ready(self, nc: Any, timeout_s: float = 60.0) -> None:
+        """Wait until every ingest answers status with every rank's cursor recovered; fail if one died."""
+        await wait_for(
+            lambda: self.ingests_status(nc),
+            lambda r: (
+                (len(r) == len(self.ingests) and all(len(x.get("ranks") or {}) == RANKS for x in r))
+                or bool(self.dead())
+            ),
+            timeout_s=timeout_s,
+            what=f"{len(self.ingests)} ingests with their ranks' cursors recovered",
+        )
+        assert self.dead() == [], "a process died at start:\n" + "\n".join(self.dead())
+
+    async def provision_stream(self, timeout_s: float = 30.0) -> None:
+        """Create the R3 events stream with the ingest's settings and wait until it has a leader."""
+        nc = await connect_client(self.cluster.url(0))
+        try:
+            js = nc.jetstream()
+            await ensure_stream(js, StreamSettings(replicas=3))
+
+            async def leader() -> str | None:
+                info = await js.stream_info(subjects.STREAM)
+                return None if info.cluster is None else info.cluster.leader
+
+            await wait_for(leader, lambda name: name is not None, timeout_s=timeout_s, what="a stream leader")
+        finally:
+            await nc.close()
+
+    async def until_js_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait until the cluster answers JetStream API requests (a meta leader is elected)."""
+        nc = await connect_client(self.cluster.url(0))
+        try:
+            js = nc.jetstream()
+            await wait_for(
+                js.account_info, lambda _: True, timeout_s=timeout_s, what="a JetStream meta leader"
+            )
+        finally:
+            await nc.close()
 
     def start_engines(self) -> None:
         """Start every engine with ``traffic_s`` of traffic."""
@@ -379,7 +433,7 @@ class Fleet:
         return [
             f"{p.name} exited with status {p.popen.returncode if p.popen else None}:\n{p.tail(12)}"
             for p in self.procs()
-            if not p.alive
+            if p.starts and not p.alive
         ]
 
     async def replicas(self, nc: Any) -> list[dict[str, Any]]:

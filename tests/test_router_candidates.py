@@ -20,7 +20,7 @@ from kvmesh.router.config import RouterSettings
 from kvmesh.router.service import RouterService
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
-from kvmesh.runtime.registry import MAX_DP_RANKS, WorkerRecord
+from kvmesh.runtime.registry import MAX_DP_RANKS, RegistryWatcher, WorkerRecord
 from kvmesh.sim.engine import SimWorker
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -183,3 +183,29 @@ async def test_a_requested_candidate_among_many_empty_ranks_is_always_considered
                 assert (r.selection["total"], r.selection["considered"]) == (512, IDLE_CANDIDATES)
     finally:
         worker.close()
+
+
+def test_registry_ranks_view_is_rebuilt_only_when_ranks_change() -> None:
+    """`RegistryWatcher.ranks` keeps one view per model across plain heartbeats (a route never rebuilds it
+    per request) and rebuilds it when a record's ranks or stale ranks change, or a worker leaves."""
+    w = RegistryWatcher(js=None, bucket="B")  # type: ignore[arg-type]
+
+    def put(ts: float, **kw: Any) -> None:
+        rec = WorkerRecord(worker_id="a", model="m", block_size=BS, incarnation=0, heartbeat_ts=ts, **kw)
+        w.apply(subjects.kv_key("a"), None, msgspec.json.encode(rec))
+
+    put(1.0, dp_ranks=4096)
+    assert w.ranks("m") is None  # not synced: no opinion
+    w.synced = True
+    view = w.ranks("m")
+    assert view is not None and (view.live_count, view.stale_count) == (4096, 0)
+    put(2.0, dp_ranks=4096)  # a heartbeat
+    assert w.ranks("m") is view
+    put(3.0, dp_ranks=4096, stale_ranks={5: "silent"})
+    stale = w.ranks("m")
+    assert stale is not view and stale is not None
+    assert (stale.live_count, stale.stale_count, stale.stale_listed) == (4095, 1, (("a", 5, "silent"),))
+    w.apply(subjects.kv_key("a"), "DEL", None)
+    gone = w.ranks("m")
+    assert gone is not None and (gone.live_count, gone.stale_count) == (0, 0)  # left: no candidates
+    assert w.ranks("other") is None

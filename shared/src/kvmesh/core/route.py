@@ -457,8 +457,6 @@ class RegisteredWorker:
     """Ranks 0 … dp_ranks − 1 are registered."""
     stale: Mapping[int, str]
     """dp_rank → why its engine is stale (those ranks are not candidates)."""
-    heartbeat_ts: float = 0.0
-    """Wall-clock seconds of its last heartbeat (0: unknown)."""
 
 
 class RankSet:
@@ -468,10 +466,19 @@ class RankSet:
         workers: the model's registered workers (any order; kept sorted by worker id).
 
     Cost: `contains` and `stale_reason` are O(1); `walk` yields ranks lazily; building is O(workers +
-    stale ranks).
+    stale ranks), once per change of the registry.
     """
 
-    __slots__ = ("_by_id", "_live", "_starts", "live_count", "stale_count", "workers")
+    __slots__ = (
+        "_by_id",
+        "_live",
+        "_starts",
+        "_total",
+        "live_count",
+        "stale_count",
+        "stale_listed",
+        "workers",
+    )
 
     def __init__(self, workers: Sequence[RegisteredWorker]) -> None:
         self.workers: tuple[RegisteredWorker, ...] = tuple(sorted(workers, key=lambda w: w.worker_id))
@@ -488,6 +495,14 @@ class RankSet:
             live.append(w.dp_ranks - n)
         self._starts = starts
         self._live = live
+        self._total = total
+        listed: list[tuple[str, int, str]] = []
+        for w in self.workers:
+            for r, reason in sorted(w.stale.items()):
+                if len(listed) < MAX_SKIPPED_LISTED and 0 <= r < w.dp_ranks:
+                    listed.append((w.worker_id, r, reason))
+        self.stale_listed: tuple[tuple[str, int, str], ...] = tuple(listed)
+        """The first `MAX_SKIPPED_LISTED` stale ranks (worker, rank, reason), by worker then rank."""
         self.stale_count: int = stale
         """Registered ranks whose engine is stale."""
         self.live_count: int = total - stale
@@ -533,7 +548,7 @@ class RankSet:
 
         Workers whose every rank is stale are skipped whole.
         """
-        total = sum(w.dp_ranks for w in self.workers)
+        total = self._total
         if total == 0 or self.live_count == 0:
             return
         pos = seed % total
@@ -626,14 +641,9 @@ def select_candidates(
     unindexed = 0
     if ranks is not None:
         unindexed = ranks.live_count - len(keyed)
-        for w in ranks.workers:
-            for r, reason in sorted(w.stale.items()):
-                if len(skipped) >= MAX_SKIPPED_LISTED:
-                    break
-                if 0 <= r < w.dp_ranks and not any(s[0] == w.worker_id and s[1] == r for s in skipped):
-                    skipped.append((w.worker_id, r, reason))
-            if len(skipped) >= MAX_SKIPPED_LISTED:
-                break
+        held = {(w, r) for w, r, _ in skipped}
+        skipped.extend(x for x in ranks.stale_listed if (x[0], x[1]) not in held)
+        del skipped[MAX_SKIPPED_LISTED:]
     room = max_candidates - len(chosen)
     bounded = len(kept) + min(unindexed, idle_candidates) > max_candidates
     if ranks is not None and room > 0 and unindexed > 0:

@@ -211,7 +211,8 @@ class RegistryWatcher:
         self._ranks: dict[str, RankSet | None] = {}
         self._ranks_of: tuple[int, int, int] = (0, 0, 0)
         self.changes = 0
-        """Entries applied (puts, deletes, resets): a change invalidates the per-model `ranks` views."""
+        """Changes of the registered ranks (puts that change a record's model, ranks or stale ranks, deletes,
+        resets): each invalidates the per-model `ranks` views; a plain heartbeat does not."""
         self.ttl_s: float | None = None
         """The bucket's max age (the worker TTL: ingests heartbeat every third of it), once opened."""
 
@@ -266,7 +267,7 @@ class RegistryWatcher:
         if model in self._ranks:
             return self._ranks[model]
         workers = [
-            RegisteredWorker(w, max(rec.dp_ranks, 1), dict(rec.stale_ranks), rec.heartbeat_ts)
+            RegisteredWorker(w, max(rec.dp_ranks, 1), dict(rec.stale_ranks))
             for w, rec in self.workers.items()
             if rec.model == model
         ]
@@ -278,6 +279,7 @@ class RegistryWatcher:
     def apply(self, key: str, operation: str | None, value: bytes | None) -> None:
         """Apply one KV entry: a put (``operation`` None) records the worker, a delete or purge drops it."""
         worker = subjects.from_kv_key(key)
+        before = self.workers.get(worker)
         self.changes += 1
         if operation is not None:
             self.workers.pop(worker, None)
@@ -297,6 +299,12 @@ class RegistryWatcher:
             )
             self.workers.pop(worker, None)
             return
+        if before is not None and (before.model, before.dp_ranks, before.stale_ranks) == (
+            record.model,
+            record.dp_ranks,
+            record.stale_ranks,
+        ):
+            self.changes -= 1  # a plain heartbeat: the per-model views stay valid
         self.workers[worker] = record
         self.known[worker] = record.model
 

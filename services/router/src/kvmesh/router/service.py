@@ -408,10 +408,10 @@ class RouterService:
         if lagging:
             return "stale", "replica_lag"
         late = self._heartbeat_late_s()
-        if late > 0 and ranks is not None:
-            w = ranks.worker(c.worker_id)
-            if w is not None and w.heartbeat_ts > 0 and wall - w.heartbeat_ts > late:
-                return "stale", f"heartbeat_late: last heartbeat {wall - w.heartbeat_ts:.1f} s ago"
+        if late > 0 and ranks is not None and isinstance(self.registry, RegistryWatcher):
+            rec = self.registry.workers.get(c.worker_id)
+            if rec is not None and rec.heartbeat_ts > 0 and wall - rec.heartbeat_ts > late:
+                return "stale", f"heartbeat_late: last heartbeat {wall - rec.heartbeat_ts:.1f} s ago"
         return "exact", None
 
     def _holders_status(self) -> dict[str, Any]:

@@ -208,12 +208,6 @@ async def test_kill_during_traffic_index_equals_engines_truth(tmp_path: Path, ki
     await _run(tmp_path, kind)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ingest exits at start (status 1) on a nats TimeoutError from its first JetStream calls: "
-    "kvmesh.runtime.nats.ensure_stream's stream_info, or get_last_msg in Ingest._recover on a fresh R3 "
-    "stream still electing its leader; neither is retried",
-)
 async def test_ingest_started_while_the_stream_has_no_leader_comes_up_when_it_gets_one(
     tmp_path: Path,
 ) -> None:

@@ -21,6 +21,7 @@ import math
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -59,6 +60,7 @@ from kvmesh.runtime.registry import (
     key_present,
     open_registry,
 )
+from kvmesh.runtime.replica import retry_start
 
 log = logging.getLogger("kvmesh.ingest")
 
@@ -184,18 +186,30 @@ class IngestService:
             s.nats_url, name=f"kvmesh-ingest-{s.worker_id}", on_disconnect=self._on_disconnect
         )
         self._max_payload = self._nc.max_payload or self._max_payload
-        self._js = self._nc.jetstream()
-        await ensure_stream(
-            self._js,
-            StreamSettings(
-                name=s.stream,
-                prefix=s.events_prefix,
-                replicas=s.stream_replicas,
-                memory=s.stream_memory,
-                max_bytes=s.stream_max_bytes,
-                max_age_s=s.stream_max_age_s,
-            ),
+        self._js = js = self._nc.jetstream()
+        name = f"ingest {s.worker_id}"
+        settings = StreamSettings(
+            name=s.stream,
+            prefix=s.events_prefix,
+            replicas=s.stream_replicas,
+            memory=s.stream_memory,
+            max_bytes=s.stream_max_bytes,
+            max_age_s=s.stream_max_age_s,
         )
+        # Start-up calls ride out a stream or cluster without a JetStream leader (an R3 stream electing one,
+        # a lost quorum) instead of exiting; stop() interrupts the wait.
+        if (
+            await retry_start(
+                lambda: _true(ensure_stream(js, settings)),
+                what=f"ensure stream {s.stream}",
+                name=name,
+                stop=self._stop,
+            )
+            is None
+        ):
+            await close_quietly(self._nc)
+            self._ctx.destroy(linger=0)
+            return
         with contextlib.suppress(Exception):  # the registry gets the stream's replica count (3 on a cluster)
             info = await self._js.stream_info(s.stream)
             self._stream_replicas = info.config.num_replicas or s.stream_replicas
@@ -293,9 +307,17 @@ class IngestService:
         assert self._js is not None
         s = self.settings
         subject = subjects.events_subject(s.events_prefix, s.model, s.worker_id, rank)
+        js = self._js
         try:
-            raw = await self._js.get_last_msg(s.stream, subject)
+            raw = await retry_start(
+                lambda: js.get_last_msg(s.stream, subject),
+                what=f"read the last message on {subject}",
+                name=f"ingest {s.worker_id}",
+                stop=self._stop,
+            )
         except nats.js.errors.NotFoundError:
+            return _fresh_tracker(has_replay), False
+        if raw is None:  # stopping
             return _fresh_tracker(has_replay), False
         try:
             last = decode_message(raw.data or b"")
@@ -1205,3 +1227,9 @@ def _split_events(events: list[Event], parts: int) -> list[list[Event]]:
         else:
             add(e)
     return out
+
+
+async def _true(op: Awaitable[Any]) -> bool:
+    """Await ``op`` and return True (`retry_start` takes None for "stopped")."""
+    await op
+    return True

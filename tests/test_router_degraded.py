@@ -181,10 +181,15 @@ async def _pause_consumers(p: Pipeline, until: str | None) -> int:
     return len(consumers)
 
 
-async def test_a_router_whose_replica_lags_the_stream_says_degraded(nats_url: str, uid: str) -> None:
+async def test_a_router_whose_replica_lags_the_stream_says_degraded(
+    nats_url: str, uid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With its replica's consumer paused while 3 messages arrive (bound: 1 message), the router answers mode
     "degraded" naming the lag, every holder shows stale (replica_lag), and its status says so; resumed, the
     replies are "exact" again."""
+    # The replica re-subscribes when nothing was applied for STALL_S while the stream has more: that would
+    # replace the paused consumer, at any moment within STALL_S of the pause.
+    monkeypatch.setattr("kvmesh.runtime.replica.STALL_S", 60.0)
     pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
     try:
         async with pipeline(nats_url, uid) as p:
@@ -218,7 +223,8 @@ async def test_a_router_whose_replica_lags_the_stream_says_degraded(nats_url: st
             assert (status["route_mode"], status["lag_messages"], status["lag"]) == ("degraded", 3, 3)
 
             await _pause_consumers(p, None)
-            back = await eventually(lambda: p.route(P1), lambda r: r.mode == "exact")
+            # The server resumes delivery within a heartbeat interval (about 5 s).
+            back = await eventually(lambda: p.route(P1), lambda r: r.mode == "exact", timeout_s=20.0)
             assert (back.worker_id, back.degraded_reason) == ("d", None)
             assert svc.replica.state.applied_seq == applied + 3
     finally:

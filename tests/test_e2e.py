@@ -198,7 +198,7 @@ async def test_match_accepts_packed_and_listed_token_ids_alike(nats_url: str, ui
 
             packed = await match(array("I", P1).tobytes())
             listed = await match(P1)
-            assert packed["candidates"] == listed["candidates"] == [["worker-m", 0, 4, 4]]
+            assert packed["candidates"] == listed["candidates"] == [["worker-m", 0, 4, 4, None, BS]]
             ragged = await match(array("I", P1).tobytes()[:-1])
             assert ragged["error"]["code"] == "bad_request"  # type: ignore[index]
             assert "4 bytes each" in ragged["error"]["message"]  # type: ignore[index]

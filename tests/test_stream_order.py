@@ -54,7 +54,7 @@ async def test_reordered_and_repeated_messages_are_refused_by_a_replica(nats_url
 
         await wait_for(applied, lambda s: s == len(stream))
         reply: dict[str, Any] = await g.match(f"r{uid}.match", TOKENS)
-        assert reply["candidates"] == [["d", 0, 2, 2], ["r", 0, 1, 1]]
+        assert reply["candidates"] == [["d", 0, 2, 2, None, 4], ["r", 0, 1, 1, None, 4, "out_of_order"]]
         assert a.state.holder_health() == {("r", 0): "out_of_order"}
         assert a.status()["holder_health"] == {"r/0": "out_of_order"}
         c = a.state.counters

@@ -249,6 +249,8 @@ class Candidate:
     health: str | None = None
     """None when the index's picture of this holder is exact, else why not (``"out_of_order"``, ``"gap"``,
     ``"stream_gap"``: history lost, `kvmesh.core.state.IndexState.holder_health`)."""
+    block_size: int = 0
+    """Tokens per block of this candidate's own blocks (its engine's block size; 0: the model's)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -271,6 +273,8 @@ class Score:
     cost: float
     probability: float | None = None
     """Chance of being sampled (only with temperature > 0 and when eligible)."""
+    overlap_tokens: int = 0
+    """Leading prompt tokens cached, unweighted: ``overlap_blocks`` × the candidate's own block size."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -299,12 +303,13 @@ def score(
     A ``block_size`` of 0 (the model's block size is not known yet, so nothing is cached) counts in tokens.
     """
     block_size = max(block_size, 1)
+    own = c.block_size if c.block_size > 0 else block_size  # a holder counts in its own blocks
     if c.tiers is None:
-        tier_tokens = {GPU_TIER: c.overlap_blocks * block_size} if c.overlap_blocks else {}
-        cached = float(c.overlap_blocks * block_size) * policy.tier_weight(None)
+        tier_tokens = {GPU_TIER: c.overlap_blocks * own} if c.overlap_blocks else {}
+        cached = float(c.overlap_blocks * own) * policy.tier_weight(None)
     else:
-        tier_tokens = {m: n * block_size for m, n in c.tiers.items() if n}
-        cached = float(sum(n * block_size * policy.tier_weight(m) for m, n in c.tiers.items()))
+        tier_tokens = {m: n * own for m, n in c.tiers.items() if n}
+        cached = float(sum(n * own * policy.tier_weight(m) for m, n in c.tiers.items()))
     prefill = (prompt_tokens - cached + active.prefill_tokens) / block_size
     decode = float(active.blocks)
     busy = engine is not None and (
@@ -324,6 +329,7 @@ def score(
         engine=engine,
         busy=busy,
         cost=policy.overlap_weight * prefill + policy.decode_weight * decode,
+        overlap_tokens=c.overlap_blocks * own,
     )
 
 

@@ -20,8 +20,9 @@ Match protocol (msgpack): request ``{"model", "token_ids", "lora_name", "cache_s
 the token ids packed as little-endian uint32 (msgpack bin: what the router sends, no per-token work on either
 side) or a msgpack array of ints; reply
 ``{"index_seq", "block_size", "prompt_blocks", "candidates": [[worker_id, dp_rank, overlap_blocks,
-cached_blocks(, tiers)], ...]}`` (``tiers``: overlap blocks per storage medium, present only when some are
-not on GPU) or ``{"error": {"code", "message"}}`` with codes ``bad_request`` and
+cached_blocks, tiers, block_size(, health)], ...]}`` (``tiers``: overlap blocks per storage medium, nil when
+all are on GPU; ``block_size``: the holder's own block size, which its blocks count in; ``health``: why the
+holder's index is not exact, present only then) or ``{"error": {"code", "message"}}`` with codes ``bad_request`` and
 ``unknown_model``.
 """
 
@@ -664,8 +665,8 @@ class IndexerService:
                     "prompt_blocks": result.prompt_blocks,
                     "replica": self.replica,
                     "candidates": [
-                        [c.worker_id, c.dp_rank, c.overlap_blocks, c.cached_blocks]
-                        + ([c.tiers] if c.tiers is not None else [])
+                        [c.worker_id, c.dp_rank, c.overlap_blocks, c.cached_blocks, c.tiers, c.block_size]
+                        + ([c.health] if c.health is not None else [])
                         for c in result.candidates
                     ],
                 }

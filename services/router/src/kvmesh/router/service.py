@@ -637,6 +637,7 @@ class RouterService:
                     cached_blocks=c.cached_blocks,
                     tiers=c.tiers,
                     health=c.health,
+                    block_size=c.block_size,
                 )
                 for c in result.candidates
             ],
@@ -680,6 +681,8 @@ class RouterService:
                 overlap_blocks=c[2],
                 cached_blocks=c[3],
                 tiers=c[4] if len(c) > 4 else None,
+                block_size=c[5] if len(c) > 5 else 0,
+                health=c[6] if len(c) > 6 else None,
             )
             for c in answer["candidates"]
         ]
@@ -843,7 +846,7 @@ class RouterService:
             request_id=request_id,
             worker_id=w.worker_id,
             dp_rank=w.dp_rank,
-            prefill_tokens=max(prompt_tokens - w.overlap_blocks * block_size, 0),
+            prefill_tokens=max(prompt_tokens - w.overlap_tokens, 0),
             blocks=-(-prompt_tokens // max(block_size, 1)),
         )
         self.ledger.routed(event, self._clock())
@@ -872,7 +875,7 @@ def _reply(
         "worker_id": w.worker_id,
         "dp_rank": w.dp_rank,
         "overlap_blocks": w.overlap_blocks,
-        "cached_tokens": w.overlap_blocks * block_size,
+        "cached_tokens": w.overlap_tokens,
         "block_size": block_size,
         "index_seq": answer["index_seq"],
     }
@@ -900,7 +903,7 @@ def _explain(s: Any, block_size: int, state: tuple[str, str | None]) -> dict[str
         "worker_id": s.worker_id,
         "dp_rank": s.dp_rank,
         "overlap_blocks": s.overlap_blocks,
-        "cached_tokens": s.overlap_blocks * block_size,
+        "cached_tokens": s.overlap_tokens,
         "cached_tokens_by_tier": dict(s.tier_tokens),
         "weighted_cached_tokens": s.cached_tokens,
         "cached_blocks": s.cached_blocks,

@@ -349,6 +349,14 @@ async def test_router_is_a_discoverable_micro_service(nats_url: str, uid: str) -
         stats = json.loads((await f.nc.request("$SRV.STATS.kvmesh-router", b"", timeout=2)).data)
         ep = stats["endpoints"][0]
         assert (ep["num_requests"], ep["data"]["routed"], ep["data"]["in_flight"]) == (1, 1, 1)
+        assert (ep["num_errors"], ep["last_error"]) == (0, "")
+        for _ in range(3):
+            with pytest.raises(BadRequestError):
+                await f.client(0).route("m", HOT, policy={"temperature": -1})
+        stats = json.loads((await f.nc.request("$SRV.STATS.kvmesh-router", b"", timeout=2)).data)
+        ep = stats["endpoints"][0]
+        assert ep["num_errors"] == 3  # the error replies the router answers itself count too
+        assert ep["last_error"].startswith("bad_request: ")
 
 
 async def test_tiers_reported_by_the_index_are_weighted(nats_url: str, uid: str) -> None:

@@ -163,6 +163,8 @@ class RouterService:
         self.ready = asyncio.Event()
         self.routed = 0
         self.errors: dict[str, int] = {}
+        self._route_endpoint: Any = None
+        """The micro service's route endpoint, whose error count `$SRV.STATS` reports."""
         self._in_flight: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         self.replica: StreamReplica | None = None
@@ -299,6 +301,8 @@ class RouterService:
         await service.add_endpoint(
             EndpointConfig(name="route", subject=s.route_subject, handler=self._on_route)
         )
+        # nats.micro counts an error only when a handler raises; the router answers its errors itself.
+        self._route_endpoint = service._endpoints[-1]  # private: nats-py has no public way to count them
         # The server must know every subscription before anyone is told we are ready. nats-py writes PING
         # straight to the socket but SUB through its pending buffer, so one flush can overtake the SUB.
         await nc.flush()
@@ -612,6 +616,10 @@ class RouterService:
         if request_id is not None and len(request_id) <= MAX_ECHO_CHARS:
             body["request_id"] = request_id
         log.info("route %s: %s: %s", clip_echo(request_id or "-", 64), code, message)
+        endpoint = self._route_endpoint
+        if endpoint is not None:  # so $SRV.STATS counts what the router counted
+            endpoint._num_errors += 1
+            endpoint._last_error = f"{code}: {message}"
         await req.respond_error(str(ERROR_STATUS[code]), f"{code}: {message}", self._json.encode(body))
 
     def _match_local(self, parsed: RouteRequest) -> dict[str, Any]:

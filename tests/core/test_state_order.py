@@ -221,6 +221,20 @@ def test_worker_id_reused_under_another_model_is_a_new_incarnation() -> None:
     assert [(c.worker_id, c.overlap_blocks) for c in state.match("qwen", TOKENS).candidates] == [("w1", 1)]
 
 
+def test_a_removal_of_the_earlier_incarnation_under_another_model_keeps_the_live_one() -> None:
+    """A WorkerRemoved naming the model of an earlier incarnation (its key expired after the id was re-used
+    under another model) leaves the live incarnation and its blocks alone, and is counted."""
+    state = IndexState()
+    _feed(state, [_msg(0, [_store(0)], epoch=0)])
+    _feed(state, [_msg(-1, [], model="qwen"), _msg(0, [_store(0)], model="qwen")])
+    state.apply(state.applied_seq + 1, WorkerRemoved(worker_id="w1", model=MODEL, epoch=0))
+    assert (state.counters.stale_removals, state.counters.workers_removed) == (1, 0)
+    assert state.live_worker("w1") == ("qwen", 0)
+    assert [(c.worker_id, c.overlap_blocks) for c in state.match("qwen", TOKENS).candidates] == [("w1", 1)]
+    state.apply(state.applied_seq + 1, WorkerRemoved(worker_id="w1", model="qwen", epoch=0))
+    assert state.live_worker("w1") is None
+
+
 def test_holders_are_scored_in_their_own_block_size() -> None:
     """Workers of one model with block sizes 16 and 32 each get their exact overlap in their own blocks and in
     tokens; the result's block size stays the majority one (16)."""

@@ -18,7 +18,9 @@ Rules applied here, besides the index's own:
 * A worker id seen under another model than its current incarnation's is a **new incarnation** (a new
   ingest, whose epochs start again at 0 on new subjects): its old entries and bookkeeping are dropped and its
   epochs count afresh. A WorkerRemoved's ``stale_through`` applies only to messages of the removed
-  incarnation's model, so a re-used id under another model is never dropped as stale.
+  incarnation's model, so a re-used id under another model is never dropped as stale; and a WorkerRemoved
+  naming another model than the live incarnation's (the earlier incarnation's key expiring late) is ignored
+  and counted (``stale_removals``).
 
 Engine order per holder
 -----------------------
@@ -134,6 +136,8 @@ class _Counters:
     stale_messages: int = 0
     clears: int = 0
     workers_removed: int = 0
+    stale_removals: int = 0
+    """WorkerRemoved messages ignored: they named another model than the worker's live incarnation."""
     duplicate_messages: int = 0
     """Engine messages refused as repeats of what a holder already applied."""
     out_of_order: int = 0
@@ -458,6 +462,11 @@ class IndexState:
 
     def _remove_worker(self, msg: WorkerRemoved) -> None:
         info = self._workers.get(msg.worker_id)
+        if info is not None and msg.model and msg.model != info.model:
+            # The removal of an earlier incarnation under another model (its key expired after the worker id
+            # was re-used): the live incarnation is not the one that left.
+            self.counters.stale_removals += 1
+            return
         for by_size in self._indexes.values():
             for index in by_size.values():
                 index.remove_worker(msg.worker_id)

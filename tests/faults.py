@@ -253,7 +253,7 @@ class Fleet:
     """
 
     def __init__(
-        self, root: Path, *, traffic_s: float = 14.0, rps: float = 15.0, num_blocks: int = 160
+        self, root: Path, *, traffic_s: float = 20.0, rps: float = 15.0, num_blocks: int = 160
     ) -> None:
         self.root = root
         self.logs = root / "logs"
@@ -302,14 +302,15 @@ class Fleet:
         """Start the cluster, wait for its JetStream meta leader, then the ingests, the indexers and the routers.
 
         With ``provision`` the harness creates the R3 events stream first, as an operator would, and waits
-        until it has a leader; without, the ingests create it as they start. Engines start with
-        `start_engines`.
+        until it has a leader; without, the ingests create it as they start. The engines start first; their
+        traffic begins once their ingest subscribed.
         """
         for i in range(NODES):
             self.cluster.start(i)
         await self.until_js_ready()
         if provision:
             await self.provision_stream()
+        self.start_engines()  # engines first, as a deployment starts vLLM before its ingest
         for i in range(ENGINES):
             self.add_ingest(self.worker_id(i), self.engine_ports[i], i % NODES).start()
         for j in range(2):

@@ -150,13 +150,13 @@ async def _run(tmp_path: Path, kind: str) -> None:
             timeout_s=60,
             what="a first route",
         )
-        fleet.start_engines()
         stop = asyncio.Event()
         routes = Routes()
         router_task = asyncio.create_task(_route_loop(client, stop, routes))
         await wait_for(
             lambda: _stream_messages(js), lambda n: n >= 150, timeout_s=30, what="traffic in the stream"
         )
+        assert not fleet.engines_done(), "the traffic ended before the fault: the fleet started too slowly"
         done = await _inject(fleet, js, kind)
         last, reps = await fleet.quiesce(nc)
         stop.set()

@@ -1,23 +1,27 @@
 """A whole kvmesh fleet as real OS processes on a 3-node NATS cluster, with kill -9 and the engines' truth.
 
-`Fleet` starts, each as its own process: three clustered ``nats-server`` nodes (JetStream, file storage),
-``ENGINES`` simulated vLLM engines (``kvmesh sim``, one worker of ``RANKS`` data-parallel ranks each, making
-up their own traffic and recording every batch they publish), one ``kvmesh ingest`` per engine (R3 events
-stream), two ``kvmesh indexer`` replicas (R3 buckets) and two ``kvmesh router`` replicas. Any of them can be
-killed with SIGKILL and started again with the same arguments; `Fleet.stream_leader` names the node that
-leads the events stream.
+`Fleet` starts, each as its own process: three clustered ``nats-server`` nodes (JetStream, file storage;
+`Cluster`), ``ENGINES`` simulated vLLM engines (``kvmesh sim``, one worker of ``RANKS`` data-parallel ranks
+each, making up their own traffic and recording every batch they publish), one ``kvmesh ingest`` per engine
+(R3 events stream, provisioned first by `Fleet.provision_stream`), two ``kvmesh indexer`` replicas (R3
+buckets) and two ``kvmesh router`` replicas. Every process is a `Proc`: ``kill()`` is SIGKILL, ``start()``
+starts it again with the same arguments (`Fleet.restart_engine` starts a new engine incarnation with the
+traffic time left); `Cluster.kill`/`Cluster.start` do the same for a node, on the same port and store, and
+`Fleet.stream_leader` names the node that leads the events stream. `Fleet.dead` lists processes that exited.
 
-The checks a fault test makes at quiescence:
+The checks a fault test makes at quiescence (`Fleet.quiesce`: every engine reported the end of its traffic,
+the stream stopped growing, every replica applied all of it):
 
 * `Fleet.truth` — the engines' truth: each engine rank's recorded batches (latest incarnation), decoded,
   normalized and applied in engine order to a fresh `IndexState`, and each rank's final cache content (its
   end-of-traffic report); `Truth.problems` says where the two disagree (then the simulator is wrong, not
   kvmesh);
-* `Fleet.replicas` — every indexer replica's status (digest, applied sequence, completeness);
+* `Fleet.replicas` / `Fleet.routers_status` / `Fleet.ingests_status` — the services' status replies
+  (an indexer's digest, applied sequence and completeness; a router's local index sequence);
 * `Fleet.stream_order` — per (worker, dp_rank), the engine sequences of the stream's messages in stream
   order: within an epoch every engine batch must follow the previous one (seq + 1) unless an ingest resync
-  (a Cleared it made) came in between, an epoch starts at engine seq 0, and the last epoch ends at the
-  engine's last batch.
+  (a Cleared it made) came in between, an epoch starts at engine seq 0, every engine rank is in the stream,
+  and the last epoch ends at the engine's last batch.
 """
 
 from __future__ import annotations

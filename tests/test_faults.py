@@ -9,7 +9,8 @@ every replica applied it all. Then:
 (a) every indexer replica's digest equals the digest of an index built from what the engines published
     (their recorded batches, in engine order), and that truth matches the engines' final cache content;
 (b) per (worker, dp_rank), stream order equals engine order (`tests.faults.Fleet.stream_order`);
-(c) every route was answered (a route that timed out is sent again, up to 20 s; an error answer fails).
+(c) every route was answered (a route that timed out is sent again, up to 20 s; an error answer fails);
+(d) routes at rest (with ``explain``) give every candidate the overlap and cache size of the truth's index.
 
 Run them with ``make test-faults`` (or ``pytest tests/test_faults.py``); about 30–40 s each.
 """
@@ -106,6 +107,31 @@ async def _inject(fleet: Fleet, js: Any, kind: str) -> str:
     return f"killed {proc.name} for {DOWN_S} s"
 
 
+async def _route_mismatches(client: Router, truth: Truth, n: int = 20) -> list[str]:
+    """Route ``n`` prompts of the traffic mix with ``explain``; list every candidate whose overlap or cache size
+    differs from the truth's index."""
+    rng = random.Random(11)
+    out = []
+    overlaps = 0
+    for i in range(n):
+        tokens = prompt(rng, BS, seed=rng.randrange(ENGINES))
+        want = {
+            (c.worker_id, c.dp_rank): (c.overlap_blocks, c.cached_blocks)
+            for c in truth.state.match(MODEL, tokens).candidates
+        }
+        overlaps += sum(o for o, _ in want.values())
+        reply = await client.route(MODEL, tokens, explain=True)
+        got = {
+            (s["worker_id"], s["dp_rank"]): (s["overlap_blocks"], s["cached_blocks"])
+            for s in reply.scores or []
+        }
+        if got != want:
+            out.append(
+                f"prompt {i} (index seq {reply.index_seq}): (overlap, cached) router {got}, truth {want}"
+            )
+    return out
+
+
 def _digest_report(reps: list[dict[str, Any]], truth: Truth) -> str:
     lines = [
         f"truth digest {truth.state.digest():016x}, {truth.state.block_total()} blocks, {truth.batches} batches"
@@ -188,6 +214,10 @@ async def _run(tmp_path: Path, kind: str) -> None:
         # (b) per-rank stream order equals engine order
         if order.violations:
             failures.append("(b) stream order != engine order:\n" + "\n".join(order.violations))
+        # (d) routes at rest see the engines' truth: every candidate's overlap and cache size
+        mismatches = await _route_mismatches(client, truth)
+        if mismatches:
+            failures.append("(d) routes at rest != the engines' truth:\n" + "\n".join(mismatches[:20]))
         # (c) every route answered
         if routes.failures or routes.answered != routes.sent or routes.sent == 0:
             failures.append("(c) routes not answered:\n" + "\n".join(routes.failures[:20]))

@@ -22,13 +22,14 @@ BS = 4
 LOCAL = local_block_hashes(list(range(32)), BS)  # 8 blocks
 
 
-_SEQ = itertools.count()
+_SEQ: dict[tuple[str, int, int], itertools.count[int]] = {}
 
 
 def _msg(worker: str, rank: int, events: list[Event], *, epoch: int = 1) -> EventsMessage:
-    """An engine message; engine sequences rise across all messages, so each holder's rise too."""
+    """An engine message; each holder's engine sequence continues from its last message (no gaps)."""
+    seq = next(_SEQ.setdefault((worker, rank, epoch), itertools.count()))
     return EventsMessage(
-        worker_id=worker, dp_rank=rank, model="m", block_size=BS, epoch=epoch, seq=next(_SEQ), events=events
+        worker_id=worker, dp_rank=rank, model="m", block_size=BS, epoch=epoch, seq=seq, events=events
     )
 
 
@@ -88,8 +89,9 @@ def test_restored_state_continues_exactly_like_the_original() -> None:
     """A restored state applying the same later messages ends equal to the never-stopped one."""
     original = _state(_history())
     restored = IndexState.from_export(decode_snapshot(encode_snapshot(original.export())))
-    _state(_continuation(), 10, original)
-    _state(_continuation(), 10, restored)
+    later = _continuation()
+    _state(later, 10, original)
+    _state(later, 10, restored)
     assert restored.digest() == original.digest()
     assert restored.block_total() == original.block_total() == 11
     assert restored.counters == original.counters

@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvmesh.core.events import Cleared, Event, EventsMessage, Removed, Stored, WorkerRemoved
 from kvmesh.core.hashing import local_block_hashes
 from kvmesh.core.snapshot import decode_snapshot, encode_snapshot
-from kvmesh.core.state import HolderMatch, IndexState
+from kvmesh.core.state import HOLD_MAX_STREAM_SEQS, IndexState
 
 MODEL = "llama"
 BS = 4
@@ -58,47 +58,73 @@ def _counts(state: IndexState) -> tuple[int, int, int]:
     return c.duplicate_messages, c.out_of_order, c.sequence_gaps
 
 
-def test_reordered_batches_are_refused_and_the_holder_is_out_of_order_until_cleared() -> None:
-    """Batches that land after later ones of their holder are refused and counted, the holder reads
-    "out_of_order" in holder_health and match, and an ingest Cleared makes it exact again."""
+def test_reordered_batches_are_held_and_applied_in_engine_order() -> None:
+    """Batches that land before earlier ones of their holder (the head of a publish window re-sent after a
+    leader election) are held, the holder reads "held", and once the late ones arrive everything applies in
+    engine order: the state equals one fed in order, and the holder is exact."""
+    in_order = [
+        _msg(0, [_store(0)]),
+        _msg(1, [_store(1)]),
+        _msg(3, [_store(2), _store(3)], first_seq=2),
+        _msg(5, [_store(4), Removed([100])], first_seq=4),
+        _msg(6, [_store(5)]),
+    ]
+    expected = IndexState()
+    _feed(expected, in_order)
     state = IndexState()
-    _feed(state, [_msg(0, [_store(0)]), _msg(1, [_store(1)])])
-    # Engine seqs 4..5 land before 2..3 (the head of the publish window re-sent after an election).
-    _feed(state, [_msg(5, [_store(4), _store(5)], first_seq=4)])
-    assert _counts(state) == (0, 0, 1)
-    assert state.holder_health() == {("w1", 0): "gap"}
-    _feed(state, [_msg(3, [_store(2), _store(3)], first_seq=2), _msg(2, [Removed([100])])])
-    assert _counts(state) == (0, 2, 1)
-    assert state.holder_health() == {("w1", 0): "out_of_order"}
-    assert state.workers()["w1"]["last_seq"] == {0: 5}
-    assert state.workers()["w1"]["blocks"] == 2  # blocks 0, 1 (4, 5 are held orphans); nothing of 2..3
-    assert _overlap(state) == 2
+    _feed(state, in_order[:2])
+    _feed(state, [in_order[3], in_order[4]])  # engine seqs 4..6 land before 2..3
+    assert state.counters.held_messages == 2
+    assert state.holder_health() == {("w1", 0): "held"}
+    assert _overlap(state) == 2  # the held blocks are not applied yet
     (cand,) = state.match(MODEL, TOKENS).candidates
-    assert cand == HolderMatch(
-        worker_id="w1",
-        dp_rank=0,
-        overlap_blocks=2,
-        cached_blocks=2,
-        block_size=BS,
-        overlap_tokens=2 * BS,
-        health="out_of_order",
-    )
-    _feed(state, [_msg(5, [Cleared("reorder")])])
+    assert cand.health == "held"
+    _feed(state, [in_order[2]])
     assert state.holder_health() == {}
-    assert state.workers()["w1"]["blocks"] == 0
-    _feed(state, [_msg(6, [_store(0)]), _msg(7, [_store(1)])])
-    assert state.holder_health() == {}
-    assert _overlap(state) == 2
-    assert _counts(state) == (0, 2, 1)
+    assert state.block_total() == expected.block_total() == 5
+    assert state.digest() == expected.digest()
+    assert state.workers()["w1"]["last_seq"] == {0: 6}
+    assert _counts(state) == (0, 0, 0)
+    # A repeat of a message that was held and applied is a duplicate.
+    _feed(state, [in_order[3]])
+    assert _counts(state) == (1, 0, 0)
 
 
-def test_a_gap_in_the_engine_sequence_marks_the_holder_until_a_new_epoch() -> None:
-    """A batch that skips engine sequences is applied and counted, the holder reads "gap", and a new epoch
-    rebuilds it exact."""
+def test_a_hold_survives_a_snapshot() -> None:
+    """Held messages are part of the state: a restored replica applies them when the late message comes."""
+    state = IndexState()
+    _feed(state, [_msg(0, [_store(0)]), _msg(2, [_store(2)])])
+    restored = IndexState.from_export(decode_snapshot(encode_snapshot(state.export())))
+    assert restored.holder_health() == {("w1", 0): "held"}
+    for s in (state, restored):
+        s.apply(s.applied_seq + 1, _msg(1, [_store(1)]))
+    assert restored.digest() == state.digest()
+    assert restored.block_total() == state.block_total() == 3
+    assert restored.holder_health() == state.holder_health() == {}
+
+
+def test_an_ingest_cleared_voids_the_held_messages_before_it() -> None:
+    """An ingest Cleared at seq X drops held messages up to X and applies the held ones after it."""
+    state = IndexState()
+    _feed(state, [_msg(0, [_store(0)]), _msg(3, [_store(1)]), _msg(6, [_store(0)])])
+    assert state.counters.held_messages == 2
+    _feed(state, [_msg(4, [Cleared("resync")])])
+    assert state.holder_health() == {}
+    assert state.workers()["w1"]["blocks"] == 1  # seq 6 re-stored block 0 after the clear; seq 3 void
+    assert state.workers()["w1"]["last_seq"] == {0: 6}
+
+
+def test_a_gap_that_never_fills_is_given_up_and_flagged() -> None:
+    """When the missing messages do not come within the hold bounds, the held ones apply with the gap
+    counted and the holder reads "gap" until a new epoch rebuilds it."""
     state = IndexState()
     _feed(state, [_msg(0, [_store(0)]), _msg(2, [_store(1)])])
+    assert state.holder_health() == {("w1", 0): "held"}
+    assert _overlap(state) == 1
+    state.apply(state.applied_seq + HOLD_MAX_STREAM_SEQS + 1, _msg(3, [_store(2)]))
+    assert state.counters.released_holds == 1
     assert _counts(state) == (0, 0, 1)
-    assert _overlap(state) == 2
+    assert _overlap(state) == 3
     assert state.holder_health() == {("w1", 0): "gap"}
     assert state.match(MODEL, TOKENS).candidates[0].health == "gap"
     _feed(state, [_msg(0, [_store(0)], epoch=1)])
@@ -123,19 +149,17 @@ def test_repeats_of_applied_messages_are_ignored_as_duplicates() -> None:
 
 
 def test_parts_of_a_split_batch_apply_in_order_and_their_repeats_are_duplicates() -> None:
-    """Parts 0, 1 of one seq apply; a repeated part is a duplicate; a skipped part marks a gap."""
+    """Parts 0, 1 of one seq apply; a repeated part is a duplicate; a part past a skipped one waits for it."""
     state = IndexState()
     _feed(state, [_msg(7, [_store(0)], part=0), _msg(7, [_store(1)], part=1)])
     assert (_counts(state), _overlap(state)) == ((0, 0, 0), 2)
     _feed(state, [_msg(7, [_store(1)], part=1), _msg(7, [_store(0)], part=0)])
     assert _counts(state) == (2, 0, 0)
     _feed(state, [_msg(7, [_store(3)], part=3)])
-    assert _counts(state) == (2, 0, 1)
-    assert state.holder_health() == {("w1", 0): "gap"}
+    assert (_counts(state), state.counters.held_messages) == ((2, 0, 0), 1)
+    assert state.holder_health() == {("w1", 0): "held"}
     _feed(state, [_msg(7, [_store(2)], part=2)])
-    assert _counts(state) == (2, 1, 1)
-    assert state.holder_health() == {("w1", 0): "out_of_order"}
-    assert _overlap(state) == 2
+    assert (_counts(state), state.holder_health(), _overlap(state)) == ((2, 0, 0), {}, 4)
 
 
 def test_ingest_made_messages_apply_whatever_their_sequence() -> None:
@@ -160,34 +184,36 @@ def test_an_empty_batch_moves_the_cursor_so_the_next_is_no_gap() -> None:
     _feed(state, [_msg(0, [_store(0)]), _msg(1, []), _msg(2, [_store(1)])])
     assert (_counts(state), state.holder_health()) == ((0, 0, 0), {})
     _feed(state, [_msg(4, [])])
-    assert (_counts(state), state.holder_health()) == ((0, 0, 1), {("w1", 0): "gap"})
+    assert (_counts(state), state.holder_health()) == ((0, 0, 0), {("w1", 0): "held"})
+    _feed(state, [_msg(3, [])])
+    assert (_counts(state), state.holder_health()) == ((0, 0, 0), {})
 
 
 def test_engine_cleared_is_ordered_and_makes_the_holder_exact() -> None:
-    """An engine AllBlocksCleared is an engine message (a late one is refused) and rebuilds the holder."""
+    """An engine AllBlocksCleared is an engine message, ordered like the others (one that lands late is held
+    for), and rebuilds the holder."""
     state = IndexState()
     _feed(state, [_msg(0, [_store(0)]), _msg(2, [_store(1)])])
-    assert state.holder_health() == {("w1", 0): "gap"}
+    assert state.holder_health() == {("w1", 0): "held"}
     _feed(state, [_msg(1, [Cleared("engine")])])
-    assert _counts(state) == (0, 1, 1)
-    assert _overlap(state) == 2
+    assert _counts(state) == (0, 0, 0)
+    assert (_overlap(state), state.holder_health()) == (0, {})  # block 1's parent was cleared before it
     _feed(state, [_msg(3, [Cleared("engine")]), _msg(4, [_store(0)])])
     assert (state.holder_health(), _overlap(state)) == ({}, 1)
 
 
 def test_engine_order_survives_a_snapshot() -> None:
-    """A restored state keeps each holder's cursor and health: it refuses the same repeat and re-ordered
-    message as the original and reports the same health."""
+    """A restored state keeps each holder's cursor: it ignores the same repeats as the original and applies
+    the same next message."""
     state = IndexState()
     _feed(state, [_msg(0, [_store(0)]), _msg(1, [_store(1)]), _msg(3, [_store(3)], worker="w2")])
     _feed(state, [_msg(5, [_store(3)], worker="w2"), _msg(4, [_store(2)], worker="w2")])
     restored = IndexState.from_export(decode_snapshot(encode_snapshot(state.export())))
-    assert restored.holder_health() == state.holder_health() == {("w2", 0): "out_of_order"}
+    assert restored.holder_health() == state.holder_health() == {}
     for s in (state, restored):
         _feed(s, [_msg(1, [_store(1)]), _msg(2, [_store(2)], worker="w2"), _msg(2, [_store(2)])])
-    assert _counts(restored) == _counts(state) == (2, 1, 1)
+    assert _counts(restored) == _counts(state) == (2, 0, 0)
     assert restored.digest() == state.digest()
-    assert restored.holder_health() == {("w2", 0): "out_of_order"}
     assert _overlap(restored) == 3
 
 
@@ -265,4 +291,4 @@ def test_an_empty_batch_after_an_ingest_cleared_may_skip_ahead() -> None:
     _feed(state, [_msg(0, [_store(0)]), _msg(0, [Cleared("gap")]), _msg(5, []), _msg(6, [_store(0)])])
     assert (_counts(state), state.holder_health(), _overlap(state)) == ((0, 0, 0), {}, 1)
     _feed(state, [_msg(8, [])])
-    assert (_counts(state), state.holder_health()) == ((0, 0, 1), {("w1", 0): "gap"})
+    assert (_counts(state), state.holder_health()) == ((0, 0, 0), {("w1", 0): "held"})

@@ -125,6 +125,8 @@ class _Worker(msgspec.Struct, array_like=True):
     stale_through: int | None
     stale_model: str | None
     seqs: dict[int, tuple[int | None, int, bool, int | None, str | None]]
+    held: dict[int, tuple[int, list[bytes]]] = {}
+    """dp_rank → (stream seq the hold began, held messages): absent in snapshots written before holds."""
 
 
 class _Body(msgspec.Struct, array_like=True):
@@ -183,6 +185,7 @@ def encode_snapshot(export: StateExport) -> bytes:
                 w.stale_through,
                 w.stale_model,
                 w.seqs,
+                {r: (since, list(held)) for r, (since, held) in w.held.items()},
             )
             for w in export.workers
         ],
@@ -289,6 +292,7 @@ def decode_snapshot(data: bytes) -> StateExport:
                 stale_through=w.stale_through,
                 stale_model=w.stale_model,
                 seqs=w.seqs,
+                held={r: (since, tuple(held)) for r, (since, held) in w.held.items()},
             )
             for w in body.workers
         ),

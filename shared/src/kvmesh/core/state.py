@@ -32,11 +32,19 @@ an engine ``Cleared("engine")``; the holder's *cursor* is the position of the la
 
 * The first engine message of an epoch is applied whatever its sequence (an ingest may attach to an engine
   that already counted past 0).
-* An engine message that comes after the cursor is applied: ``first_seq > cursor`` (a new batch, part 0) or
-  the same ``seq`` with the next ``part``. When it does not continue the cursor (``first_seq > cursor + 1``,
-  a part skipped, or a new batch starting at a part above 0) some message is missing or re-ordered (the
-  ingest clears before it delivers past a gap it cannot heal, so a gap in the stream is never meant): it is
-  applied, counted in ``sequence_gaps``, and the holder becomes incomplete with reason ``"gap"``.
+* An engine message that continues the cursor is applied: ``first_seq == cursor + 1`` (a new batch, part 0)
+  or the same ``seq`` with the next ``part``.
+* An engine message past the cursor that does not continue it (``first_seq > cursor + 1``, a part skipped,
+  or a new batch starting at a part above 0) means an earlier message is still to come: the ingest clears
+  before it delivers past a gap it cannot heal, so a gap in the stream is a **re-ordered stream** (a publish
+  that failed during a stream leader election and was re-sent after later ones landed). The message is
+  **held** (``held_messages``; the holder reads ``"held"``) and applied, with everything held after it, as
+  soon as the message it waits for arrives: the index ends exactly as if the stream were in engine order.
+  An ingest Cleared voids the held messages up to its seq and releases the rest. When the missing message
+  does not come within `HOLD_MAX_MESSAGES` held messages or `HOLD_MAX_STREAM_SEQS` stream messages (it was
+  lost with a crashed ingest), the hold is given up (``released_holds``): the held messages apply in engine
+  order, each skip counted in ``sequence_gaps``, and the holder reads ``"gap"``. Held messages are part of
+  the state (snapshots keep them), so every replica holds and releases at the same stream sequence.
 * An engine message at or before the cursor is **refused** (nothing of it applies):
 
   - a repeat of exactly the cursor's ``(seq, part)``, or an older message while the holder has no gap since
@@ -59,7 +67,7 @@ an engine ``Cleared("engine")``; the holder's *cursor* is the position of the la
   exact again.
 
 `holder_health()` lists every live holder that is not exact, with its reason (``"stream_gap"`` for the
-snapshot gap above, ``"gap"``, ``"out_of_order"``); `match` reports it per candidate (`HolderMatch.health`).
+snapshot gap above, ``"held"``, ``"gap"``, ``"out_of_order"``); `match` reports it per candidate (`HolderMatch.health`).
 
 Block sizes
 -----------
@@ -76,10 +84,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Final
 
 import xxhash
 
-from kvmesh.core.events import Cleared, EventsMessage, IndexReset, Message, Removed, Stored, WorkerRemoved
+from kvmesh.core.events import (
+    Cleared,
+    EventsMessage,
+    IndexReset,
+    Message,
+    Removed,
+    Stored,
+    WorkerRemoved,
+    decode_message,
+    encode_message,
+)
 from kvmesh.core.hashing import SEED, iter_prompt_prefix_keys, pack_tokens
 from kvmesh.core.index import Holder, IndexExport, PrefixIndex
 
@@ -143,7 +162,11 @@ class _Counters:
     out_of_order: int = 0
     """Engine messages refused because they came after later ones of their holder."""
     sequence_gaps: int = 0
-    """Engine messages applied after a holder's engine sequence skipped ahead."""
+    """Engine messages applied after a holder's engine sequence skipped ahead (given up waiting)."""
+    held_messages: int = 0
+    """Engine messages held because they came before earlier ones of their holder (a re-ordered stream)."""
+    released_holds: int = 0
+    """Holds given up (the missing messages did not come within the bounds): applied with a gap."""
     incarnations: int = 0
     """Workers seen again under another model (a new incarnation)."""
 
@@ -178,6 +201,10 @@ class HolderSeq:
     """First engine sequence missing since the last rebuild, or None."""
     health: str | None = None
     """Why the holder is not exact (``"gap"``, ``"out_of_order"``), or None."""
+    held: list[EventsMessage] = field(default_factory=list)
+    """Messages that came past a gap in the engine sequence, in engine order, waiting for the missing ones."""
+    held_since: int = 0
+    """Stream sequence at which the oldest held message arrived."""
 
     def rebuilt(self) -> None:
         """The holder was emptied: it is exact again."""
@@ -207,6 +234,8 @@ class WorkerExport:
     stale_model: str | None = None
     seqs: dict[int, tuple[int | None, int, bool, int | None, str | None]] = field(default_factory=dict)
     """dp_rank → engine order ``(seq, part, free, gap_from, health)`` (`HolderSeq`)."""
+    held: dict[int, tuple[int, tuple[bytes, ...]]] = field(default_factory=dict)
+    """dp_rank → (stream seq the hold began, held messages encoded with `encode_message`), held ranks only."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,6 +336,8 @@ class IndexState:
 
     def _health(self, worker_id: str, info: _WorkerInfo, rank: int) -> str | None:
         hs = info.seqs.get(rank)
+        if hs is not None and hs.held:
+            return "held"
         if hs is not None and hs.health is not None:
             return hs.health
         if self.gap_seq is not None and Holder(worker_id, rank) not in self._healed:
@@ -328,6 +359,39 @@ class IndexState:
         return index
 
     def _apply_events(self, msg: EventsMessage) -> None:
+        self._apply_one(msg, held=False)
+        # The message may be the one a re-ordered stream delivered late: apply what waited for it.
+        while True:
+            info = self._workers.get(msg.worker_id)
+            hs = info.seqs.get(msg.dp_rank) if info is not None else None
+            if hs is None or not hs.held:
+                return
+            over = len(hs.held) > HOLD_MAX_MESSAGES or self.applied_seq - hs.held_since > HOLD_MAX_STREAM_SEQS
+            if over:
+                # The missing messages are not coming (lost with a crashed ingest): apply the held ones in
+                # engine order, each gap counted and the holder flagged.
+                self.counters.released_holds += 1
+                held, hs.held = hs.held, []
+                for m in held:
+                    self._apply_one(m, held=True)
+                return
+            if not (hs.free or _continues(hs, hs.held[0])):
+                return
+            self._apply_one(hs.held.pop(0), held=True)
+
+    def _hold(self, hs: HolderSeq, msg: EventsMessage) -> None:
+        """Keep ``msg`` until the engine sequence before it arrives (sorted, one copy per position)."""
+        key = (_first(msg), msg.part)
+        if any((_first(m), m.part) == key for m in hs.held):
+            self.counters.duplicate_messages += 1
+            return
+        if not hs.held:
+            hs.held_since = self.applied_seq
+        hs.held.append(msg)
+        hs.held.sort(key=lambda m: (_first(m), m.part))
+        self.counters.held_messages += 1
+
+    def _apply_one(self, msg: EventsMessage, *, held: bool) -> None:
         info = self._workers.get(msg.worker_id)
         if info is None:
             info = self._workers[msg.worker_id] = _WorkerInfo(msg.model, msg.block_size)
@@ -363,7 +427,11 @@ class IndexState:
         hs = info.seqs.get(msg.dp_rank)
         if hs is None or new_epoch:
             hs = info.seqs[msg.dp_rank] = HolderSeq()
-        if not self._in_engine_order(hs, msg):
+        verdict = self._in_engine_order(hs, msg, held=held)
+        if verdict == "hold":
+            self._hold(hs, msg)
+            return
+        if verdict == "refuse":
             return
         info.removed_epoch = None
         index = self._index(msg.model, block_size)
@@ -401,45 +469,53 @@ class IndexState:
                 hs.rebuilt()
                 if event.reason != "engine":
                     hs.free = True
+                    # Held messages the ingest's clear comes after are void; later ones apply next.
+                    hs.held = [m for m in hs.held if _first(m) > msg.seq]
                 if self.gap_seq is not None:
                     self._healed.add(holder)
 
-    def _in_engine_order(self, hs: HolderSeq, msg: EventsMessage) -> bool:
+    def _in_engine_order(self, hs: HolderSeq, msg: EventsMessage, *, held: bool) -> str:
         """Check ``msg`` against its holder's engine cursor (same epoch); move the cursor when it applies.
 
-        Returns False for a refused message (a duplicate or out of order, counted); see the module docstring.
+        Returns ``"apply"``, ``"hold"`` (it comes past a gap: kept until the missing messages arrive) or
+        ``"refuse"`` (a duplicate or out of order, counted); see the module docstring. A message taken from
+        the hold (``held``) past a gap is applied with the gap counted (the hold was given up).
         """
         engine = any(not isinstance(e, Cleared) or e.reason == "engine" for e in msg.events)
-        first = msg.seq if msg.first_seq is None else msg.first_seq
+        first = _first(msg)
         if not engine:
             # Hello, ingest Cleared, or an engine batch whose events were all skipped: always applies. Only
             # an empty message moves the cursor (forward), so that it is no gap for the next one.
             if not msg.events and msg.seq >= 0 and (hs.seq is None or first > hs.seq):
                 if hs.seq is None or hs.free:
                     hs.seq, hs.part, hs.free = msg.seq, msg.part, False
-                else:
+                elif _continues(hs, msg) or held:
                     self._advance(hs, msg, first)
-            return True
+                else:
+                    return "hold"
+            return "apply"
         if hs.seq is None or hs.free:
             if hs.seq is not None and (msg.seq < hs.seq or (msg.seq == hs.seq and msg.part <= hs.part)):
                 self.counters.duplicate_messages += 1  # voided by the Cleared that came after it
-                return False
+                return "refuse"
             hs.seq, hs.part, hs.free = msg.seq, msg.part, False
-            return True
+            return "apply"
         if first > hs.seq or (msg.seq == hs.seq and msg.part > hs.part):
+            if not (_continues(hs, msg) or held):
+                return "hold"  # some earlier message of this holder is still to come
             self._advance(hs, msg, first)  # a later batch, or a later part of the cursor's batch
-            return True
+            return "apply"
         if first <= hs.seq < msg.seq:
             self._refuse_out_of_order(hs)  # straddles the cursor: partly applied, partly not
-            return False
+            return "refuse"
         if (msg.seq, msg.part) == (hs.seq, hs.part):
             self.counters.duplicate_messages += 1
-            return False
+            return "refuse"
         if hs.gap_from is not None and msg.seq >= hs.gap_from:
             self._refuse_out_of_order(hs)
-            return False
+            return "refuse"
         self.counters.duplicate_messages += 1
-        return False
+        return "refuse"
 
     def _advance(self, hs: HolderSeq, msg: EventsMessage, first: int) -> None:
         assert hs.seq is not None
@@ -649,6 +725,11 @@ class IndexState:
                     stale_through=i.stale_through,
                     stale_model=i.stale_model,
                     seqs={r: (h.seq, h.part, h.free, h.gap_from, h.health) for r, h in i.seqs.items()},
+                    held={
+                        r: (h.held_since, tuple(encode_message(m) for m in h.held))
+                        for r, h in i.seqs.items()
+                        if h.held
+                    },
                 )
                 for w, i in self._workers.items()
             ),
@@ -680,8 +761,32 @@ class IndexState:
                 w.stale_model,
                 {r: HolderSeq(*t) for r, t in w.seqs.items()},
             )
+            for r, (since, held) in w.held.items():
+                hs = state._workers[w.worker_id].seqs.setdefault(r, HolderSeq())
+                hs.held_since = since
+                hs.held = [m for m in map(decode_message, held) if isinstance(m, EventsMessage)]
         for model, bs, ix in export.indexes:
             state._indexes.setdefault(model, {})[bs] = PrefixIndex.from_export(ix)
         state.gap_seq = export.gap_seq
         state._healed = {Holder(w, r) for w, r in export.healed}
         return state
+
+
+HOLD_MAX_MESSAGES: Final[int] = 4096
+"""Messages one holder may hold while waiting for an earlier one; past it the hold is given up."""
+HOLD_MAX_STREAM_SEQS: Final[int] = 100_000
+"""Stream messages a hold may wait for the missing ones; past it the hold is given up."""
+
+
+def _first(msg: EventsMessage) -> int:
+    """First engine sequence a message covers."""
+    return msg.seq if msg.first_seq is None else msg.first_seq
+
+
+def _continues(hs: HolderSeq, msg: EventsMessage) -> bool:
+    """Whether ``msg`` comes right after the holder's cursor: the next batch (part 0) or the next part."""
+    if hs.seq is None:
+        return True
+    if msg.seq == hs.seq:
+        return msg.part == hs.part + 1
+    return _first(msg) == hs.seq + 1 and msg.part == 0

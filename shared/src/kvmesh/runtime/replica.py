@@ -11,8 +11,8 @@ The indexer service and a router with a local index (``kvmesh router --index loc
    cannot be decoded or applied is counted, logged with its sequence and subject, and skipped;
 3. `StreamReplica.wait_caught_up` returns once the stream's last sequence as of `recover` is applied.
 
-A stream deleted and created again under the same name (its creation time changes, or its last sequence
-falls below what was applied) is detected every `RECREATED_CHECK_S` while following: the replica then
+A stream deleted and created again under the same name (its creation time changes; without one, its last
+sequence stays below what was applied) is detected every `RECREATED_CHECK_S` while following: the replica then
 recovers afresh from the new stream (and only its snapshots) and reads it from there (``rebuilds`` counts it).
 
 Two replicas that have applied the stream up to the same sequence hold the same state (`IndexState.digest`).
@@ -39,6 +39,8 @@ log = logging.getLogger("kvmesh.replica")
 
 RECREATED_CHECK_S = 2.0
 """How often a following replica checks that the stream is still the one it recovered from (seconds)."""
+RECREATED_CONFIRM = 3
+"""Checks in a row that must see the stream behind the applied sequence (when its identity is unknown)."""
 STALL_S = 5.0
 """A consumer that applied nothing for this long while the stream holds more is re-created (seconds)."""
 STOP_TIMEOUT_S = 5.0
@@ -277,7 +279,14 @@ class StreamReplica:
 
     async def _watch_recreated(self) -> Any:
         """Return the stream's info once it is another stream than the one recovered from: its creation time
-        changed, or its last sequence is below what was applied (a missing stream is waited for)."""
+        changed (a missing stream is waited for).
+
+        The last sequence falling below what was applied is no proof on its own: right after a cluster
+        failover the new leader can answer with a last sequence behind the one its consumers already
+        delivered. It counts only when the stream's creation time is unknown, and only when it lasts
+        `RECREATED_CONFIRM` checks in a row.
+        """
+        behind = 0
         while True:
             await asyncio.sleep(RECREATED_CHECK_S)
             try:
@@ -285,9 +294,12 @@ class StreamReplica:
             except Exception:
                 continue  # deleted and not created again yet, or NATS unreachable
             identity = stream_id(info)
-            if (identity and self.stream_id and identity != self.stream_id) or (
-                info.state.last_seq < self.state.applied_seq
-            ):
+            if identity and self.stream_id:
+                if identity != self.stream_id:
+                    return info
+                continue
+            behind = behind + 1 if info.state.last_seq < self.state.applied_seq else 0
+            if behind >= RECREATED_CONFIRM:
                 return info
 
     async def _watch_stall(self) -> None:

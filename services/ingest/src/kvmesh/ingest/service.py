@@ -915,20 +915,22 @@ class IngestService:
         return False
 
     def _check_order(self, out: _Outgoing, stream_seq: int) -> None:
-        """Check a holder's acks rise in engine order; on an inversion, resynchronise the holder.
+        """Check a holder's acks rise in engine order; count and log an inversion.
 
         An inversion means a message was stored after later ones of its holder (a publish failed, e.g.
-        during a stream leader election, while later ones landed; it was then re-sent). The index refuses
-        the late one; a Cleared("reorder") published after both puts the holder back on a true footing.
+        during a stream leader election, while later ones landed; it was then re-sent). Every index replica
+        holds the holder's later messages until the late one arrives and applies them in engine order
+        (`kvmesh.core.state`), so nothing is cleared here: a clear would throw away the exact state the
+        replicas rebuild, and the engine's cache would stay under-counted until it stores its blocks again.
         """
         inv = self._order.on_ack(out.holder, out.epoch, out.seq, stream_seq)
         if inv is None:
             return
         self.counters.reorders += 1
         worker, dp_rank = out.holder
-        log.error(
+        log.warning(
             "worker %s dp_rank %d: stream stored epoch %d engine seq %d at stream seq %d, after epoch %d engine "
-            "seq %d at stream seq %d (out of engine order, a failed publish re-sent); resynchronising",
+            "seq %d at stream seq %d (a failed publish re-sent); index replicas apply them in engine order",
             worker,
             dp_rank,
             inv.earlier[0],
@@ -938,28 +940,6 @@ class IngestService:
             inv.later[1],
             inv.later[2],
         )
-        # After everything of the holder already handed to JetStream, before what is still queued.
-        epoch, seq = self._sent.get(out.holder, (out.epoch, out.seq))
-        s = self.settings
-        clear = EventsMessage(
-            worker_id=worker,
-            dp_rank=dp_rank,
-            model=s.model,
-            block_size=self._block_size(dp_rank),
-            epoch=epoch,
-            seq=seq,
-            events=[Cleared("reorder")],
-        )
-        self._clear_serial += 1
-        msg_id = f"{worker}:{dp_rank}:{epoch}:{seq}:reorder:{self._nonce}:{self._clear_serial}"
-        subject = subjects.events_subject(s.events_prefix, s.model, worker, dp_rank)
-        # Messages stored by an earlier send still at the front are older: the clear goes after them.
-        at = 0
-        while at < len(self._outbox) and self._outbox[at].stored_seq is not None:
-            at += 1
-        self._outbox.insert(at, _Outgoing(subject, msg_id, encode_message(clear), out.holder, epoch, seq))
-        self._queued[out.holder] += 1
-        self._outbox_ready.set()
 
     async def _flush(self, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()

@@ -18,6 +18,8 @@ Run them with ``make test-faults`` (or ``pytest tests/test_faults.py``); about 3
 from __future__ import annotations
 
 import asyncio
+import functools
+import operator
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -109,12 +111,12 @@ async def _inject(fleet: Fleet, js: Any, kind: str) -> str:
                 await wait_for(
                     _all_peers_current(js), bool, timeout_s=30, what="every stream replica current"
                 )
-                start = await _stream_messages(js)
+                floor = await _stream_messages(js) + 150
                 await wait_for(
                     lambda: _stream_messages(js),
-                    lambda n, floor=start + 150: n >= floor,
+                    functools.partial(operator.le, floor),
                     timeout_s=30,
-                    what="more traffic",
+                    what=f"{floor} messages in the stream",
                 )
                 assert not fleet.engines_done(), "the traffic ended before the next leader kill"
             node = await fleet.stream_leader(js)

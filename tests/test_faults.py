@@ -266,17 +266,9 @@ async def _run(tmp_path: Path, kind: str) -> None:
         fleet.stop()
 
 
-STREAM_LEADER_REORDER = pytest.mark.xfail(
-    strict=True,
-    reason="issue 10 item 3: when the stream leader dies, the ingest re-sends a failed publish window from its "
-    "head after later batches were stored, so a rank's batches land in the stream out of engine order "
-    "(check b); per-subject expected-last-sequence publishes would keep them in order",
-)
-
-
 @pytest.mark.parametrize(
     "kind",
-    ["ingest", "indexer", "router", "engine", pytest.param("stream_leader", marks=STREAM_LEADER_REORDER)],
+    ["ingest", "indexer", "router", "engine", "stream_leader"],
 )
 async def test_kill_during_traffic_index_equals_engines_truth(tmp_path: Path, kind: str) -> None:
     """After a kill -9 of one component during traffic, every replica's digest equals the engines' truth, per-rank stream order equals engine order, and every route is answered."""

@@ -103,6 +103,8 @@ class IngestCounters:
     bad_dp_rank_batches: int = 0
     """Engine batches whose dp_rank is outside [0, data_parallel_size): their events are rejected."""
     reorders: int = 0
+    reordered_resends: int = 0
+    """Messages deleted from the stream and sent again after an earlier one that failed (engine order kept)."""
     """Holders found stored out of engine order in the stream (acks not rising), each resynchronised."""
     bad_replay_topics: int = 0
     """Replay replies whose topic is not the configured one (another engine's), ignored."""
@@ -783,6 +785,56 @@ class IngestService:
         if pending:
             await asyncio.wait(pending, timeout=_SETTLE_S)
 
+    async def _unstore_overtakers(self) -> None:
+        """Keep each holder's stream order equal to engine order after a failed publish.
+
+        A message of the window that failed (a publish lost in a stream leader election) is sent again after
+        the rest; any later message of the same holder that was stored meanwhile would then sit before it in
+        the stream. Those are deleted from the stream and sent again after it (under a new message id, or the
+        server would drop them as duplicates). Index replicas that read them before the delete hold them and
+        ignore the copies as repeats, so no replica ever applies them out of order either. A delete that
+        fails leaves the message where it is; the replicas' hold still applies it in engine order.
+        """
+        assert self._js is not None
+        failed: set[tuple[str, int]] = set()
+        loop = asyncio.get_running_loop()
+        for i, (out, fut, sent) in enumerate(self._inflight):
+            stored = _ack_seq(fut)
+            if stored is None:
+                failed.add(out.holder)
+                continue
+            if out.holder not in failed:
+                continue
+            try:
+                await self._js.delete_msg(self.settings.stream, stored)
+            except nats.js.errors.NotFoundError:
+                pass  # already gone (aged out, purged)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning(
+                    "worker %s dp_rank %d: could not delete engine seq %d (stream seq %d) to re-send it in "
+                    "order (%r); index replicas will apply it in engine order",
+                    out.holder[0],
+                    out.holder[1],
+                    out.seq,
+                    stored,
+                    exc,
+                )
+                continue
+            self.counters.reordered_resends += 1
+            log.warning(
+                "worker %s dp_rank %d: engine seq %d was stored (stream seq %d) before an earlier one that "
+                "failed; deleted, re-sending it after",
+                out.holder[0],
+                out.holder[1],
+                out.seq,
+                stored,
+            )
+            unsent: asyncio.Future[Any] = loop.create_future()
+            unsent.cancel()  # `_requeue_inflight` sends it again
+            self._inflight[i] = (out, unsent, sent)
+            self._clear_serial += 1
+            out.msg_id = f"{out.msg_id}:again{self._clear_serial}"
+
     async def _publish_loop(self) -> None:
         """Publish the outbox in order with a bounded window of outstanding acks; retry in order on failure.
 
@@ -860,6 +912,7 @@ class IngestService:
                 if failed:
                     if nc.is_connected:
                         await self._settle_window()
+                        await self._unstore_overtakers()
                         self._requeue_inflight()
                         await asyncio.sleep(backoff)
                         backoff = min(backoff * 2, 2.0)

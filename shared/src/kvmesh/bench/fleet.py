@@ -1,16 +1,20 @@
 """A whole kvmesh fleet as real OS processes on a 3-node NATS cluster, with kill -9 and the engines' truth.
 
-`Fleet` starts, each as its own process: three clustered ``nats-server`` nodes (JetStream, file storage;
-`Cluster`), ``ENGINES`` simulated vLLM engines (``kvmesh sim``, one worker of ``RANKS`` data-parallel ranks
-each, making up their own traffic and recording every batch they publish), one ``kvmesh ingest`` per engine
-(R3 events stream, provisioned first by `Fleet.provision_stream`), two ``kvmesh indexer`` replicas (R3
-buckets) and two ``kvmesh router`` replicas. Every process is a `Proc`: ``kill()`` is SIGKILL, ``start()``
-starts it again with the same arguments (`Fleet.restart_engine` starts a new engine incarnation with the
-traffic time left); `Cluster.kill`/`Cluster.start` do the same for a node, on the same port and store, and
-`Fleet.stream_leader` names the node that leads the events stream. `Fleet.dead` lists processes that exited.
+The harness behind the fault suite (``tests/test_faults.py``), ``kvmesh bench soak`` and
+``kvmesh up --cluster 3 --chaos`` (`kvmesh.bench.soak`).
 
-The checks a fault test makes at quiescence (`Fleet.quiesce`: every engine reported the end of its traffic,
-the stream stopped growing, every replica applied all of it):
+`Fleet` starts, each as its own process: three clustered ``nats-server`` nodes (JetStream, file storage, an
+HTTP monitoring port each; `Cluster`), ``ENGINES`` simulated vLLM engines (``kvmesh sim``, one worker of
+``RANKS`` data-parallel ranks each, making up their own traffic and recording every batch they publish), one
+``kvmesh ingest`` per engine (R3 events stream, provisioned first by `Fleet.provision_stream`), two
+``kvmesh indexer`` replicas (R3 buckets) and two ``kvmesh router`` replicas. Every process is a `Proc`:
+``kill()`` is SIGKILL, ``start()`` starts it again with the same arguments (`Fleet.restart_engine` starts a
+new engine incarnation with the traffic time left); `Cluster.kill`/`Cluster.start` do the same for a node,
+on the same ports and store, and `Fleet.stream_leader` names the node that leads the events stream.
+`Fleet.kill_and_restart` does one such fault by kind; `Fleet.dead` lists processes that exited.
+
+The checks made at quiescence (`Fleet.quiesce`: every engine reported the end of its traffic, the stream
+stopped growing, every replica applied all of it; `conclude` runs them all):
 
 * `Fleet.truth` — the engines' truth: each engine rank's recorded batches (latest incarnation), decoded,
   normalized and applied in engine order to a fresh `IndexState`, and each rank's final cache content (its
@@ -29,11 +33,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +48,7 @@ from typing import IO, Any, TypeVar
 import nats.js.api
 
 from kvmesh.cli import gather_status
+from kvmesh.client import RouteError, Router, UnavailableError
 from kvmesh.core.events import Cleared, EventsMessage, Removed, Stored, decode_message
 from kvmesh.core.normalize import Normalizer
 from kvmesh.core.state import IndexState
@@ -50,12 +57,21 @@ from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream
 from kvmesh.runtime.server import NatsServer
 from kvmesh.sim.publisher import read_record
+from kvmesh.sim.traffic import prompt
 
 MODEL = "fault-model"
 BS = 16
 ENGINES = 2
 RANKS = 2
 NODES = 3
+DOWN_S = 1.5
+"""How long a killed process stays down."""
+NODE_DOWN_S = 3.0
+"""How long a killed NATS node stays down."""
+ROUTE_DEADLINE_S = 20.0
+"""How long a route that timed out is sent again before it counts as not answered."""
+KINDS = ("ingest", "indexer", "router", "engine", "nats", "stream_leader")
+"""What `Fleet.kill_and_restart` can kill: a process kind, a random NATS node, or the events stream's leader."""
 
 T = TypeVar("T")
 
@@ -173,12 +189,13 @@ class Proc:
 class Cluster:
     """``size`` nats-server processes with JetStream (file storage), routed to each other on loopback.
 
-    A killed node restarts on the same client port and storage directory.
+    A killed node restarts on the same client port, monitoring port and storage directory.
     """
 
     def __init__(self, root: Path, size: int = NODES) -> None:
         self.root = root
         self.cluster_ports = [free_port() for _ in range(size)]
+        self.http_ports = [free_port() for _ in range(size)]
         self.ports = [0] * size
         self.servers: list[NatsServer | None] = [None] * size
 
@@ -186,7 +203,7 @@ class Cluster:
         """Start (or restart) node ``i``."""
         routes = ",".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(self.cluster_ports) if j != i)
         args = ["--cluster", f"nats://127.0.0.1:{self.cluster_ports[i]}", "--routes", routes]
-        args += ["--cluster_name", "kvmesh-faults"]
+        args += ["--cluster_name", "kvmesh-faults", "-m", str(self.http_ports[i])]
         server = NatsServer(port=self.ports[i], store_dir=self.root / f"n{i}", args=args, name=f"n{i}")
         server.start()
         self.ports[i] = server.port
@@ -203,6 +220,22 @@ class Cluster:
     def url(self, i: int) -> str:
         """Client URL of node ``i``."""
         return f"nats://127.0.0.1:{self.ports[i]}"
+
+    def varz(self, i: int, timeout_s: float = 1.0) -> dict[str, Any] | None:
+        """Return node ``i``'s monitoring ``/varz`` document (blocking), or None when it is down or silent."""
+        if self.servers[i] is None:
+            return None
+        try:
+            url = f"http://127.0.0.1:{self.http_ports[i]}/varz"
+            with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+                doc: dict[str, Any] = json.loads(reply.read())
+        except (OSError, ValueError):
+            return None
+        return doc
+
+    def pids(self) -> list[int]:
+        """Process ids of the running nodes."""
+        return [s.pid for s in self.servers if s is not None and s.pid is not None]
 
     def stop(self) -> None:
         """Stop every node."""
@@ -399,6 +432,76 @@ class Fleet:
     def procs(self) -> list[Proc]:
         """Every kvmesh process."""
         return [*self.engines, *self.ingests, *self.indexers, *self.routers]
+
+    def procs_by_kind(self) -> dict[str, list[Proc]]:
+        """The kvmesh processes per kind: ``engine``, ``ingest``, ``indexer``, ``router``."""
+        return {
+            "engine": self.engines,
+            "ingest": self.ingests,
+            "indexer": self.indexers,
+            "router": self.routers,
+        }
+
+    async def kill_and_restart(self, kind: str, js: Any, index: int = 0) -> str:
+        """SIGKILL one component, keep it down a moment, start it again; return what was done.
+
+        Args:
+            kind: one of `KINDS`.
+            js: a JetStream context (to find the stream leader and its replicas' state).
+            index: which process of the kind (or which node for ``nats``).
+
+        A process stays down `DOWN_S`, a node `NODE_DOWN_S`; a node is killed only once every stream replica
+        is current, so one kill never takes the quorum away. A killed engine starts as a new incarnation.
+
+        Raises:
+            ValueError: an unknown kind.
+            AssertionError: the stream's replicas did not all become current within 30 s.
+        """
+        if kind in ("nats", "stream_leader"):
+            await wait_for(all_peers_current(js), bool, timeout_s=30, what="every stream replica current")
+            node = await self.stream_leader(js) if kind == "stream_leader" else index % NODES
+            self.cluster.kill(node)
+            await asyncio.sleep(NODE_DOWN_S)
+            self.cluster.start(node)
+            what = "the stream leader" if kind == "stream_leader" else "NATS node"
+            return f"killed {what} n{node} for {NODE_DOWN_S} s"
+        procs = self.procs_by_kind().get(kind)
+        if procs is None:
+            raise ValueError(f"unknown component kind {kind!r}; one of {', '.join(KINDS)}")
+        proc = procs[index % len(procs)]
+        proc.kill()
+        await asyncio.sleep(DOWN_S)
+        if kind == "engine":
+            self.restart_engine(index % len(procs))
+        else:
+            proc.start()
+        return f"killed {proc.name} for {DOWN_S} s"
+
+    async def until_ready(self, nc: Any, client: Router) -> None:
+        """Wait until both replicas are ready, both routers and every ingest answer, and a route is answered.
+
+        Raises:
+            AssertionError: a condition did not hold within 60 s, or a process died.
+        """
+        await wait_for(
+            lambda: self.replicas(nc),
+            lambda r: (len(r) == 2 and all(x.get("ready") for x in r)) or bool(self.dead()),
+            timeout_s=60,
+            what="two ready indexer replicas",
+        )
+        await wait_for(
+            lambda: self.routers_status(nc),
+            lambda r: len(r) == 2 or bool(self.dead()),
+            timeout_s=60,
+            what="two routers",
+        )
+        await self.until_ingests_ready(nc)
+        await wait_for(
+            lambda: client.route(MODEL, list(range(3 * BS))),
+            lambda r: True,
+            timeout_s=60,
+            what="a first route",
+        )
 
     def stop(self) -> None:
         """Stop every process and node."""
@@ -632,3 +735,146 @@ def _merge_runs(runs: list[tuple[tuple[str, int], int, int, int, int, int | None
 async def connect_client(url: str) -> Any:
     """Connect a test client that rides out node kills."""
     return await connect(url, name="kvmesh-faults", wait_s=10.0)
+
+
+async def stream_messages(js: Any) -> int:
+    """Return the number of messages in the events stream."""
+    return int((await js.stream_info(subjects.STREAM)).state.messages)
+
+
+def all_peers_current(js: Any) -> Callable[[], Awaitable[bool]]:
+    """Return a probe: whether the events stream has a leader and both other replicas are online and current."""
+
+    async def probe() -> bool:
+        info = await js.stream_info(subjects.STREAM)
+        peers = info.cluster.replicas or [] if info.cluster is not None else []
+        return (
+            info.cluster is not None
+            and info.cluster.leader is not None
+            and len(peers) == 2
+            and all(p.current and not p.offline for p in peers)
+        )
+
+    return probe
+
+
+@dataclass
+class Routes:
+    """Routes sent during a run and how they ended."""
+
+    sent: int = 0
+    answered: int = 0
+    retries: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+async def route_loop(client: Router, stop: asyncio.Event, routes: Routes) -> None:
+    """Route prompts of the engines' own mix until ``stop``; retry a timed-out route for `ROUTE_DEADLINE_S`."""
+    loop = asyncio.get_running_loop()
+    rng = random.Random(7)
+    while not stop.is_set():
+        tokens = prompt(rng, BS, seed=rng.randrange(ENGINES))
+        routes.sent += 1
+        deadline = loop.time() + ROUTE_DEADLINE_S
+        while True:
+            try:
+                await client.route(MODEL, tokens, request_id=f"faults-{routes.sent}")
+                routes.answered += 1
+                break
+            except UnavailableError as exc:
+                if loop.time() > deadline:
+                    routes.failures.append(f"route {routes.sent}: no answer in {ROUTE_DEADLINE_S} s ({exc})")
+                    break
+                routes.retries += 1
+            except RouteError as exc:
+                routes.failures.append(f"route {routes.sent}: {type(exc).__name__}: {exc}")
+                break
+        await asyncio.sleep(0.05)
+
+
+def digest_report(reps: list[dict[str, Any]], truth: Truth) -> str:
+    """Describe the truth's digest and blocks per worker next to every replica's (for a failure message)."""
+    lines = [
+        f"truth digest {truth.state.digest():016x}, {truth.state.block_total()} blocks, {truth.batches} batches"
+    ]
+    blocks = {w: info["blocks"] for w, info in truth.state.workers().items()}
+    lines.append(f"truth blocks per worker {blocks}")
+    for r in reps:
+        per_worker = {w: info.get("blocks") for w, info in (r.get("workers") or {}).items()}
+        lines.append(f"replica {r.get('replica')}: blocks per worker {per_worker}")
+        lines.append(
+            f"replica {r.get('replica')}: digest {r.get('digest')}, {r.get('blocks')} blocks, applied "
+            f"{r.get('applied_seq')}, complete {r.get('complete')}, incomplete {r.get('incomplete')}, "
+            f"counters {r.get('counters')}"
+        )
+    return "\n".join(lines)
+
+
+@dataclass
+class Check:
+    """What `conclude` found at quiescence."""
+
+    last: int
+    """The events stream's last sequence."""
+    replicas: list[dict[str, Any]]
+    routers: list[dict[str, Any]]
+    truth: Truth
+    order: Order
+    dead: list[str]
+    """Processes that had exited (`Fleet.dead`)."""
+    lost: list[str] = field(default_factory=list)
+    """(a) replica digests that differ from the engines' truth, (b) stream order that differs from engine order."""
+    unanswered: list[str] = field(default_factory=list)
+    """(c) routes not answered."""
+
+    def context(self, routes: Routes) -> str:
+        """One line of figures for a report."""
+        return (
+            f"stream last seq {self.last}, {self.order.messages} messages; resyncs {self.order.resyncs}; "
+            f"routes sent {routes.sent}, answered {routes.answered}, retried {routes.retries}; routers "
+            f"{[(r.get('id'), r.get('applied_seq'), r.get('blocks')) for r in self.routers]}"
+        )
+
+    def verdict(self) -> str:
+        """The final line: ``nothing lost: digests equal the engines' truth (…)``, or what differs."""
+        problems = [*self.truth.problems(), *self.lost, *self.dead]
+        if problems:
+            return "LOST: " + "; ".join(p.splitlines()[0] for p in problems)
+        digest = f"{self.truth.state.digest():016x}"
+        return (
+            f"nothing lost: digests equal the engines' truth ({len(self.replicas)} replicas at {digest}, "
+            f"{self.truth.state.block_total()} blocks from {self.truth.batches} engine batches of "
+            f"{len(self.truth.last_seq)} ranks; per-rank stream order equals engine order)"
+        )
+
+
+async def conclude(fleet: Fleet, nc: Any, routes: Routes, stop: asyncio.Event, route_task: Any) -> Check:
+    """Quiesce the fleet, end the route loop, and check (a) digests, (b) stream order, (c) routes answered.
+
+    Raises:
+        AssertionError: the fleet did not quiesce, or the routers did not reach the stream's end, in time.
+    """
+    last, reps = await fleet.quiesce(nc)
+    stop.set()
+    await route_task
+    routers = await wait_for(
+        lambda: fleet.routers_status(nc),
+        lambda rs: len(rs) == 2 and all(r.get("applied_seq") == last for r in rs),
+        timeout_s=30,
+        what=f"both routers' local index at stream seq {last}",
+    )
+    dead = fleet.dead()
+    truth = fleet.truth()
+    order = await fleet.stream_order(nc, truth)
+    check = Check(last=last, replicas=reps, routers=routers, truth=truth, order=order, dead=dead)
+    # (a) every replica's digest equals the engines' truth, and no replica calls itself incomplete
+    want = f"{truth.state.digest():016x}"
+    if [r.get("digest") for r in reps] != [want, want] or [r.get("complete") for r in reps] != [True, True]:
+        check.lost.append("(a) replica digests != the engines' truth:\n" + digest_report(reps, truth))
+    # (b) per-rank stream order equals engine order
+    if order.violations:
+        check.lost.append("(b) stream order != engine order:\n" + "\n".join(order.violations))
+    # (c) every route answered
+    if routes.failures or routes.answered != routes.sent or routes.sent == 0:
+        check.unanswered.append("(c) routes not answered:\n" + "\n".join(routes.failures[:20]))
+    return check

@@ -130,9 +130,10 @@ async def test_stale_ranks_are_skipped_and_a_model_of_stale_ranks_has_no_live_wo
 
 
 async def test_a_holder_that_lost_history_makes_the_reply_degraded(nats_url: str, uid: str) -> None:
-    """A holder whose engine sequence skipped ahead (gap), then received an older batch (out_of_order), is
-    incomplete: a reply choosing it says mode "degraded" with the reason, explain and the router's status
-    show its health; before that the reply is "exact"."""
+    """A holder whose engine sequence skipped ahead (a re-ordered stream: later batches first) holds them and
+    is incomplete: a reply choosing it says mode "degraded" with the reason, explain and the router's status
+    show its health; once the late batches arrive everything applies in engine order and the reply is
+    "exact" again, with the held blocks counted."""
     pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
     try:
         async with pipeline(nats_url, uid) as p:
@@ -147,24 +148,26 @@ async def test_a_holder_that_lost_history_makes_the_reply_degraded(nats_url: str
             assert (exact.worker_id, exact.mode, exact.degraded_reason) == ("d", "exact", None)
             assert health(exact) == {"d/0": {"state": "exact"}, "w/0": {"state": "exact"}}
 
-            await publish_batch(p, "d", 5, Q)  # seq 1-4 never came: a gap
-            gap = await eventually(lambda: p.route(P1, explain=True), lambda r: r.mode != "exact")
-            assert (gap.worker_id, gap.overlap_blocks, gap.mode) == ("d", 4, "degraded")
-            assert gap.degraded_reason == "the chosen holder d/0 is incomplete: gap"
-            assert health(gap) == {"d/0": {"state": "incomplete", "reason": "gap"}, "w/0": {"state": "exact"}}
-
-            await publish_batch(p, "d", 3, Q)  # one of the missing batches, after later ones: out of order
-            late = await eventually(
-                lambda: p.route(P1, explain=True),
-                lambda r: r.degraded_reason == "the chosen holder d/0 is incomplete: out_of_order",
-            )
-            assert health(late)["d/0"] == {"state": "incomplete", "reason": "out_of_order"}
+            await publish_batch(p, "d", 5, Q)  # seqs 1-4 are still to come: held
+            held = await eventually(lambda: p.route(P1, explain=True), lambda r: r.mode != "exact")
+            assert (held.worker_id, held.overlap_blocks, held.mode) == ("d", 4, "degraded")
+            assert held.degraded_reason == "the chosen holder d/0 is incomplete: held"
+            assert health(held) == {
+                "d/0": {"state": "incomplete", "reason": "held"},
+                "w/0": {"state": "exact"},
+            }
             status = await status_of(p)
             assert (status["route_mode"], status["holders"], status["holders_not_exact"]) == (
                 "exact",
-                {"d/0": {"state": "incomplete", "reason": "out_of_order"}},
+                {"d/0": {"state": "incomplete", "reason": "held"}},
                 1,
             )
+
+            for seq in (3, 1, 4, 2):  # the late batches, themselves out of order
+                await publish_batch(p, "d", seq, P1)
+            back = await eventually(lambda: p.route(Q, explain=True), lambda r: r.mode == "exact")
+            assert (back.worker_id, back.overlap_blocks) == ("d", 2)  # seq 5's blocks, applied last
+            assert health(back)["d/0"] == {"state": "exact"}
     finally:
         pub.close()
 

@@ -36,7 +36,8 @@ usage: kvmesh <command> [options]     (kvmesh <command> --help for each)
 
 commands:
   up        run a whole kvmesh on this machine: NATS (embedded), simulated workers, ingests, indexer,
-            router, and replay a request trace through it
+            router, and replay a request trace through it; --cluster 3 --chaos: kill -9 a random component
+            every few seconds on a local 3-node cluster and show that nothing was lost
   ingest    read one engine's KV events (ZMQ) and publish them to the events stream
   vllm      start vLLM with KV events on and an ingest attached (kvmesh vllm --worker-id W -- serve M)
   sglang    start SGLang with KV events on and an ingest attached (kvmesh sglang --worker-id W -- ...)
@@ -49,7 +50,8 @@ commands:
   replay    rebuild an index offline from the stream (optionally from a snapshot): size, digest, time
   reset     start a new index epoch: every replica forgets its index at one point of the stream
   sim       run simulated vLLM workers that publish real KV events
-  bench     benchmarks: trace (routing policies on a Mooncake trace), index, ingest, route, recovery
+  bench     benchmarks: trace (routing policies on a Mooncake trace), index, ingest, route, recovery,
+            soak (N minutes of traffic with periodic kills: memory, consumers, connections, nothing lost)
 
 options:
   -h, --help     show this list

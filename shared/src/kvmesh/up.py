@@ -12,6 +12,14 @@ On a server of your own (--nats-url, or KVMESH_NATS_URL from the environment: it
 the connection is checked before anything starts, and the run keeps to a namespace of its own: stream
 KVMESH_UP_<run>, subjects kvmesh.up.<run>.*, workers sim-<run>-<i>, so another fleet's router or workers on
 that server never answer it. That stream and its buckets are deleted when the run ends.
+
+``--cluster 3 --chaos`` runs something else: the fleet of the fault suite on a local 3-node nats-server
+cluster (R3 stream and buckets; 2 simulated engines of 2 ranks making up their own traffic, an ingest each,
+2 indexers, 2 routers, a client routing all along) for ``--duration`` seconds (default 60), killing a random
+component with SIGKILL every ``--chaos-every-s`` seconds (an ingest, an indexer, a router, an engine, a NATS
+node or the stream leader) and starting it again, printing each kill. It ends with a table of memory,
+consumers and connections and the line ``nothing lost: digests equal the engines' truth (…)`` (exit 0), or
+``LOST: …`` with what differs (exit 1). It is ``kvmesh bench soak`` of a fixed length.
 """
 
 from __future__ import annotations
@@ -527,12 +535,60 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="keep the processes' logs here (default: a temporary directory, removed)",
     )
+    p.add_argument(
+        "--cluster",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run on a local cluster of N nats-server nodes; only 3, and only with --chaos",
+    )
+    p.add_argument(
+        "--chaos",
+        action="store_true",
+        help="with --cluster 3: kill a random component every --chaos-every-s seconds for --duration seconds "
+        "(default 60) and end with whether anything was lost (see above)",
+    )
+    p.add_argument(
+        "--chaos-every-s",
+        type=float,
+        default=5.0,
+        help="seconds between two kills with --chaos (default 5; at least 5)",
+    )
     return p
+
+
+def chaos_command(args: argparse.Namespace) -> int:
+    """Run ``kvmesh up --cluster 3 --chaos`` (`kvmesh.bench.soak.run`); returns the exit code."""
+    if not args.chaos:
+        print(
+            "kvmesh up: --cluster runs only with --chaos: add --chaos for a chaos run on a local 3-node cluster, "
+            "or drop --cluster for the trace replay on one embedded server",
+            file=sys.stderr,
+        )
+        return 2
+    if args.cluster != 3:
+        print(
+            "kvmesh up: --chaos needs --cluster 3 (the R3 stream and buckets need three nodes)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.nats_url:
+        print("kvmesh up: --chaos starts and kills a cluster of its own; drop --nats-url", file=sys.stderr)
+        return 2
+    if args.chaos_every_s < 5 or (args.duration is not None and args.duration <= 0):
+        print("kvmesh up: --chaos-every-s must be ≥ 5 and --duration > 0", file=sys.stderr)
+        return 2
+    from kvmesh.bench.soak import run  # noqa: PLC0415 - the fleet harness only for a chaos run
+
+    work_dir = Path(args.log_dir) / "chaos" if args.log_dir else None
+    return run(args.duration or 60.0, args.chaos_every_s, work_dir=work_dir)
 
 
 def command(argv: Sequence[str] | None = None) -> int:
     """Run ``kvmesh up``; returns the exit code."""
     args = build_parser().parse_args(argv)
+    if args.cluster is not None or args.chaos:
+        return chaos_command(args)
     if args.workers < 1 or args.concurrency < 1:
         print("kvmesh up: --workers and --concurrency must be ≥ 1", file=sys.stderr)
         return 2

@@ -52,7 +52,7 @@ from kvmesh.runtime import subjects
 
 __all__ = ["SoakResult", "build_parser", "command", "run"]
 
-STARTUP_S = 30.0
+STARTUP_S = 45.0
 """Traffic time the engines get on top of the soak for the fleet to start (their traffic clock starts at once)."""
 RSS_SLACK_KIB = 10 * 1024
 """RSS may end this much (plus 20 %) above its start and still count as flat."""
@@ -228,6 +228,7 @@ async def _soak(
     result: SoakResult,
 ) -> None:
     rng = random.Random(seed)
+    started = time.monotonic()
     await fleet.start()
     nc = await connect_client(fleet.cluster.url(0))
     try:
@@ -240,7 +241,8 @@ async def _soak(
         t0 = time.monotonic()
         end = min(t0 + seconds, fleet.traffic_end - 2.0)
         print(
-            f"[{0.0:6.1f} s] fleet ready: traffic for {end - t0:.0f} s, a kill every {kill_every_s:g} s",
+            f"[{0.0:6.1f} s] fleet ready in {t0 - started:.0f} s: traffic for {end - t0:.0f} s more, a kill every "
+            f"{kill_every_s:g} s",
             file=out,
             flush=True,
         )

@@ -1,0 +1,94 @@
+"""`kvmesh bench soak` and `kvmesh up --cluster 3 --chaos`: real processes, periodic kill -9, nothing lost."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.bench.soak import Sample, SoakResult, trend_per_min
+
+KVMESH = str(Path(sys.executable).parent / "kvmesh")
+FINAL = "nothing lost: digests equal the engines' truth ("
+
+
+def _run(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KVMESH, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def test_trend_is_the_least_squares_slope_per_minute() -> None:
+    """Points rising 1 per 30 s have a trend of +2 per minute; a single point or one instant has none."""
+    assert trend_per_min([(0.0, 10.0), (30.0, 11.0), (60.0, 12.0)]) == 2.0
+    assert trend_per_min([(5.0, 3.0)]) == 0.0
+    assert trend_per_min([(5.0, 3.0), (5.0, 9.0)]) == 0.0
+
+
+def test_a_row_is_flat_within_its_slack_and_grew_beyond_it() -> None:
+    """RSS may end 10 MiB + 20 % above its start, a count 2 above it; unknown samples are skipped."""
+    rss, consumers = "rss router (MiB)", "consumers on the events stream"
+    result = SoakResult(
+        samples=[
+            Sample(0.0, {rss: 50.0, consumers: 4.0}),
+            Sample(30.0, {rss: None, consumers: None}),
+            Sample(60.0, {rss: 70.0, consumers: 6.0}),
+        ]
+    )
+    assert result.flat(rss) == (50.0, 70.0, 70.0, 20.0, True)
+    assert result.flat(consumers) == (4.0, 6.0, 6.0, 2.0, True)
+    result.samples.append(Sample(90.0, {rss: 70.1, consumers: 7.0}))
+    assert result.flat(rss)[-1] is False  # type: ignore[index]
+    assert result.flat(consumers)[-1] is False  # type: ignore[index]
+    assert result.flat("client connections (all nodes)") is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cluster", "3"], "kvmesh up: --cluster runs only with --chaos: add --chaos"),
+        (["--chaos"], "kvmesh up: --chaos needs --cluster 3 (the R3 stream and buckets need three nodes)"),
+        (["--cluster", "3", "--chaos", "--nats-url", "nats://127.0.0.1:4222"], "drop --nats-url"),
+        (["--cluster", "3", "--chaos", "--chaos-every-s", "1"], "--chaos-every-s must be ≥ 5"),
+    ],
+)
+def test_up_refuses_cluster_and_chaos_flags_it_cannot_honour(args: list[str], message: str) -> None:
+    """`kvmesh up` with --cluster but no --chaos, --chaos without --cluster 3, or a bad value exits 2 and says why."""
+    proc = _run("up", *args, timeout_s=30)
+    assert proc.returncode == 2, proc
+    assert message in proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.nats
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_soak_half_a_minute_with_kills_loses_nothing() -> None:
+    """A 30 s soak with a kill every 8 s kills 3 components, answers every route and ends with nothing lost."""
+    proc = _run("bench", "soak", "--minutes", "0.5", "--kill-every-s", "8", "--seed", "3", timeout_s=220)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith(FINAL), lines[-1]
+    assert sum(" restarted" in line for line in lines) == 3, proc.stdout
+    assert any(line.startswith("kills done: 3 in ") for line in lines), proc.stdout
+    answered = next(line for line in lines if line.startswith("routes answered: "))
+    sent = answered.split(" of ")[1].split(" sent")[0]
+    assert answered.startswith(f"routes answered: {sent} of {sent} sent"), answered
+    for row in ("rss indexer (MiB)", "consumers on the events stream", "client connections (all nodes)"):
+        assert any(line.startswith(row) for line in lines), (row, proc.stdout)
+
+
+@pytest.mark.nats
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_up_cluster_chaos_prints_each_kill_and_ends_with_nothing_lost() -> None:
+    """`kvmesh up --cluster 3 --chaos --duration 20` kills a component every 5 s, prints each kill, exits 0 with the line."""
+    proc = _run("up", "--cluster", "3", "--chaos", "--duration", "20", timeout_s=220)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    kills = [line for line in lines if line.endswith(", restarted")]
+    assert len(kills) == 3, proc.stdout  # at 5, 10 and 15 s; none in the last second before 20 s
+    assert all("killed " in line for line in kills), kills
+    assert lines[-1].startswith(FINAL), lines[-1]

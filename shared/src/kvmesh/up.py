@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -406,8 +407,9 @@ class Outcome:
     result: tuple[Tally, int, float, list[float]] | None = None
 
 
-async def _run(up: Up, url: str | None, trace: list[TraceRequest], outcome: Outcome) -> None:
-    """Check the server, start everything, replay; SIGINT and SIGTERM end it at once (exit 130 and 143)."""
+@contextlib.contextmanager
+def cancel_on_signals() -> Iterator[list[int]]:
+    """Within the block, SIGINT and SIGTERM cancel the running task; yields the list of signals received."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
@@ -419,30 +421,38 @@ async def _run(up: Up, url: str | None, trace: list[TraceRequest], outcome: Outc
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    nc: Client | None = None
     try:
-        if url is not None:
-            nc = await up.connect_checked(url)
-            outcome.url = url
-        started = up.start(url)
-        outcome.result = await up.replay(started, trace, nc)
-        up.say("replay done; stopping every process")
-    except asyncio.CancelledError:
-        if not got:
-            raise
-        up.say("\ninterrupted; stopping every process")
-        outcome.code = 128 + got[0]
-    except TransportError as exc:
-        up.say(f"kvmesh up: {exc}", err=True)
-        outcome.code = 1
-    except Exception as exc:
-        up.say(f"\nkvmesh up failed: {exc}", err=True)
-        outcome.code = 1
+        yield got
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        if nc is not None:
-            await close_quietly(nc, timeout_s=1.0)
+
+
+async def _run(up: Up, url: str | None, trace: list[TraceRequest], outcome: Outcome) -> None:
+    """Check the server, start everything, replay; SIGINT and SIGTERM end it at once (exit 130 and 143)."""
+    nc: Client | None = None
+    with cancel_on_signals() as got:
+        try:
+            if url is not None:
+                nc = await up.connect_checked(url)
+                outcome.url = url
+            started = up.start(url)
+            outcome.result = await up.replay(started, trace, nc)
+            up.say("replay done; stopping every process")
+        except asyncio.CancelledError:
+            if not got:
+                raise
+            up.say("\ninterrupted; stopping every process")
+            outcome.code = 128 + got[0]
+        except TransportError as exc:
+            up.say(f"kvmesh up: {exc}", err=True)
+            outcome.code = 1
+        except Exception as exc:
+            up.say(f"\nkvmesh up failed: {exc}", err=True)
+            outcome.code = 1
+        finally:
+            if nc is not None:
+                await close_quietly(nc, timeout_s=1.0)
 
 
 def round_robin(trace: Sequence[TraceRequest], args: argparse.Namespace) -> Tally:

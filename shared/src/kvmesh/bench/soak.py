@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from kvmesh.bench.fleet import (
 )
 from kvmesh.client import Router
 from kvmesh.runtime import subjects
+from kvmesh.up import cancel_on_signals
 
 __all__ = ["SoakResult", "build_parser", "command", "run"]
 
@@ -308,37 +308,24 @@ def run(
     result = SoakResult()
 
     async def main() -> int | None:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        got: list[int] = []
-
-        def on_signal(sig: int) -> None:
-            got.append(sig)
-            task.cancel()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal, sig)
-        try:
-            await _soak(
-                fleet,
-                seconds=seconds,
-                kill_every_s=kill_every_s,
-                seed=seed,
-                sample_s=sample_s,
-                out=out,
-                result=result,
-            )
-        except asyncio.CancelledError:
-            if not got:
-                raise
-            return 128 + got[0]
-        except (AssertionError, Exception) as exc:
-            result.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            print(f"the soak failed: {exc}\n{fleet.logs_tail(8)}", file=out)
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+        with cancel_on_signals() as got:
+            try:
+                await _soak(
+                    fleet,
+                    seconds=seconds,
+                    kill_every_s=kill_every_s,
+                    seed=seed,
+                    sample_s=sample_s,
+                    out=out,
+                    result=result,
+                )
+            except asyncio.CancelledError:
+                if not got:
+                    raise
+                return 128 + got[0]
+            except Exception as exc:  # AssertionError included: the fleet did not start or quiesce in time
+                result.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                print(f"the soak failed: {exc}\n{fleet.logs_tail(8)}", file=out)
         return None
 
     try:

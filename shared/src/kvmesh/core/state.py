@@ -82,6 +82,7 @@ rebuilds it; `kvmesh.core.snapshot` turns an export into bytes and back.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Final
@@ -381,14 +382,14 @@ class IndexState:
 
     def _hold(self, hs: HolderSeq, msg: EventsMessage) -> None:
         """Keep ``msg`` until the engine sequence before it arrives (sorted, one copy per position)."""
-        key = (_first(msg), msg.part)
-        if any((_first(m), m.part) == key for m in hs.held):
+        # O(log n) per message: a hold given up after `HOLD_MAX_MESSAGES` must not cost quadratic time.
+        i = bisect.bisect_left(hs.held, _position(msg), key=_position)
+        if i < len(hs.held) and _position(hs.held[i]) == _position(msg):
             self.counters.duplicate_messages += 1
             return
         if not hs.held:
             hs.held_since = self.applied_seq
-        hs.held.append(msg)
-        hs.held.sort(key=lambda m: (_first(m), m.part))
+        hs.held.insert(i, msg)
         self.counters.held_messages += 1
 
     def _apply_one(self, msg: EventsMessage, *, held: bool) -> None:
@@ -781,6 +782,11 @@ HOLD_MAX_STREAM_SEQS: Final[int] = 100_000
 def _first(msg: EventsMessage) -> int:
     """First engine sequence a message covers."""
     return msg.seq if msg.first_seq is None else msg.first_seq
+
+
+def _position(msg: EventsMessage) -> tuple[int, int]:
+    """A message's place in its holder's engine order: (first engine sequence, part)."""
+    return _first(msg), msg.part
 
 
 def _continues(hs: HolderSeq, msg: EventsMessage) -> bool:

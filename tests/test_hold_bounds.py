@@ -63,3 +63,33 @@ async def test_a_hold_given_up_after_its_bound_costs_linear_time(nats_url: str, 
     assert state.workers()["h"]["blocks"] == n  # seq 0 and seqs 2..n
     # Quadratic in the hold: about 4 s more than the baseline on an idle core; linear: a fraction of a second.
     assert elapsed < baseline + 1.5, f"{elapsed:.2f} s with the hold, {baseline:.2f} s without"
+
+
+async def test_a_quiet_holders_hold_is_given_up_once_the_stream_moves_past_the_bound(
+    nats_url: str, uid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder whose engine seq 1 never lands and that then goes quiet (its ingest killed -9 mid re-send)
+    does not hold forever: once HOLD_MAX_STREAM_SEQS other messages pass, its held batch applies with the gap
+    counted, the holder reads "gap", and no held message is left for snapshots to carry."""
+    monkeypatch.setattr("kvmesh.core.state.HOLD_MAX_STREAM_SEQS", 200)
+    async with group(nats_url, uid) as g:
+        a = await g.start(f"{uid}-a")
+        q = subjects.events_subject(g.prefix, MODEL, "q", 0)
+        o = subjects.events_subject(g.prefix, MODEL, "o", 0)
+        for seq in (0, 2):
+            await g.js.publish(q, encode_message(_msg("q", seq, _store(seq))), stream=g.stream)
+
+        async def applied() -> int:
+            return int(a.state.applied_seq)
+
+        await wait_for(applied, lambda s: s == 2)
+        assert a.state.holder_health() == {("q", 0): "held"}
+        await asyncio.gather(
+            *(g.js.publish(o, encode_message(_msg("o", s, _store(s))), stream=g.stream) for s in range(250))
+        )
+        await wait_for(applied, lambda s: s == 252)
+        c = a.state.counters
+        assert (c.held_messages, c.released_holds, c.sequence_gaps) == (1, 1, 1)
+        assert a.state.holder_health() == {("q", 0): "gap"}
+        assert a.state.workers()["q"]["blocks"] == 2
+        assert [w.held for w in a.state.export().workers] == [{}, {}]

@@ -42,7 +42,8 @@ an engine ``Cleared("engine")``; the holder's *cursor* is the position of the la
   soon as the message it waits for arrives: the index ends exactly as if the stream were in engine order.
   An ingest Cleared voids the held messages up to its seq and releases the rest. When the missing message
   does not come within `HOLD_MAX_MESSAGES` held messages or `HOLD_MAX_STREAM_SEQS` stream messages (it was
-  lost with a crashed ingest), the hold is given up (``released_holds``): the held messages apply in engine
+  lost with a crashed ingest; the stream bound also expires the hold of a holder that sends nothing more),
+  the hold is given up (``released_holds``): the held messages apply in engine
   order, each skip counted in ``sequence_gaps``, and the holder reads ``"gap"``. Held messages are part of
   the state (snapshots keep them), so every replica holds and releases at the same stream sequence.
 * An engine message at or before the cursor is **refused** (nothing of it applies):
@@ -83,6 +84,7 @@ rebuilds it; `kvmesh.core.snapshot` turns an export into bytes and back.
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Final
@@ -274,6 +276,8 @@ class IndexState:
         """Stream sequence after which messages were lost, or None when the state is whole."""
         self._healed: set[Holder] = set()
         self._digest: tuple[tuple[int, int, int], int] | None = None
+        self._holds: list[tuple[int, str, int]] = []
+        """Heap of (stream seq a hold began, worker, rank), stale entries included: where holds expire."""
 
     # ------------------------------------------------------------------ apply
 
@@ -290,11 +294,11 @@ class IndexState:
         self.counters.messages += 1
         if isinstance(message, WorkerRemoved):
             self._remove_worker(message)
-            return
-        if isinstance(message, IndexReset):
+        elif isinstance(message, IndexReset):
             self._reset(message)
-            return
-        self._apply_events(message)
+        else:
+            self._apply_events(message)
+        self._release_overdue()
 
     def mark_gap(self, after_seq: int) -> None:
         """Record that messages after ``after_seq`` were lost (the stream no longer holds them).
@@ -351,6 +355,7 @@ class IndexState:
         self.reset_epoch = max(self.reset_epoch + 1, msg.epoch)
         self.gap_seq = None
         self._healed.clear()
+        self._holds.clear()
 
     def _index(self, model: str, block_size: int) -> PrefixIndex:
         by_size = self._indexes.setdefault(model, {})
@@ -369,16 +374,29 @@ class IndexState:
                 return
             over = len(hs.held) > HOLD_MAX_MESSAGES or self.applied_seq - hs.held_since > HOLD_MAX_STREAM_SEQS
             if over:
-                # The missing messages are not coming (lost with a crashed ingest): apply the held ones in
-                # engine order, each gap counted and the holder flagged.
-                self.counters.released_holds += 1
-                held, hs.held = hs.held, []
-                for m in held:
-                    self._apply_one(m, held=True)
+                self._release(hs)
                 return
             if not (hs.free or _continues(hs, hs.held[0])):
                 return
             self._apply_one(hs.held.pop(0), held=True)
+
+    def _release(self, hs: HolderSeq) -> None:
+        """Give a hold up: the missing messages are not coming (lost with a crashed ingest); apply the held
+        ones in engine order, each gap counted and the holder flagged."""
+        self.counters.released_holds += 1
+        held, hs.held = hs.held, []
+        for m in held:
+            self._apply_one(m, held=True)
+
+    def _release_overdue(self) -> None:
+        """Give up every hold older than `HOLD_MAX_STREAM_SEQS` stream messages, also those of a holder that
+        sends nothing more (its ingest died with the missing message): no hold lasts forever."""
+        while self._holds and self.applied_seq - self._holds[0][0] > HOLD_MAX_STREAM_SEQS:
+            since, worker_id, rank = heapq.heappop(self._holds)
+            info = self._workers.get(worker_id)
+            hs = info.seqs.get(rank) if info is not None else None
+            if hs is not None and hs.held and hs.held_since == since:
+                self._release(hs)
 
     def _hold(self, hs: HolderSeq, msg: EventsMessage) -> None:
         """Keep ``msg`` until the engine sequence before it arrives (sorted, one copy per position)."""
@@ -389,6 +407,7 @@ class IndexState:
             return
         if not hs.held:
             hs.held_since = self.applied_seq
+            heapq.heappush(self._holds, (self.applied_seq, msg.worker_id, msg.dp_rank))
         hs.held.insert(i, msg)
         self.counters.held_messages += 1
 
@@ -766,6 +785,8 @@ class IndexState:
                 hs = state._workers[w.worker_id].seqs.setdefault(r, HolderSeq())
                 hs.held_since = since
                 hs.held = [m for m in map(decode_message, held) if isinstance(m, EventsMessage)]
+                if hs.held:
+                    heapq.heappush(state._holds, (since, w.worker_id, r))
         for model, bs, ix in export.indexes:
             state._indexes.setdefault(model, {})[bs] = PrefixIndex.from_export(ix)
         state.gap_seq = export.gap_seq

@@ -564,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds between two kills with --chaos (default 5; at least 5)",
     )
+    p.add_argument(
+        "--chaos-seed", type=int, default=None, help="seed of which component --chaos kills (default: random)"
+    )
     return p
 
 
@@ -591,7 +594,7 @@ def chaos_command(args: argparse.Namespace) -> int:
     from kvmesh.bench.soak import run  # noqa: PLC0415 - the fleet harness only for a chaos run
 
     work_dir = Path(args.log_dir) / "chaos" if args.log_dir else None
-    return run(args.duration or 60.0, args.chaos_every_s, work_dir=work_dir)
+    return run(args.duration or 60.0, args.chaos_every_s, seed=args.chaos_seed, work_dir=work_dir)
 
 
 def command(argv: Sequence[str] | None = None) -> int:

@@ -24,7 +24,8 @@ registry (``--use-registry``, on by default): a `kvmesh.runtime.registry.Registr
 registry bucket, so a worker whose heartbeats stopped leaves the candidates at once, and a registered
 worker the index does not know yet joins them with zero overlap. A model with no registered worker at all
 (workers fed without heartbeats) keeps the index's candidates. A rank its worker's record lists in
-``stale_ranks`` (engine silent) is no candidate; a model whose every rank is stale answers ``no_workers``.
+``stale_ranks`` (engine silent) is no candidate; a model whose every rank is stale answers ``no_workers``,
+as does a request whose named ``candidates`` have only stale ranks (naming one and why).
 Each route scores at most ``--max-candidates`` (`kvmesh.core.route.select_candidates`: holders with overlap
 first, and only a few idle registered ranks the index lacks), so its cost does not grow with empty ranks.
 
@@ -711,12 +712,11 @@ class RouterService:
         ranks = self._ranks(parsed.model)
         if ranks is not None and ranks.live_count == 0 and not parsed.candidates:
             if ranks.stale_count:
-                sw = next(x for x in ranks.workers if x.stale)
-                sr, why = min(sw.stale.items())
+                sw, sr, why = ranks.stale_listed[0]  # a registered rank (a record may name others)
                 raise RouteError(
                     "no_workers",
                     f"no live workers: every registered rank of model {parsed.model!r} "
-                    f"({ranks.stale_count}) has a stale engine (e.g. {sw.worker_id}/{sr}: {why})",
+                    f"({ranks.stale_count}) has a stale engine (e.g. {sw}/{sr}: {why})",
                 )
             raise RouteError(
                 "no_workers",
@@ -759,6 +759,13 @@ class RouterService:
             allow = set(parsed.candidates)
             indexed = [c for c in indexed if c.worker_id in allow]
             ranks = ranks.only(parsed.candidates) if ranks is not None else None
+            if ranks is not None and ranks.live_count == 0 and ranks.stale_count:
+                sw, sr, why = ranks.stale_listed[0]
+                raise RouteError(
+                    "no_workers",
+                    f"no live workers among the candidates {parsed.candidates}: every registered rank of them "
+                    f"({ranks.stale_count}) has a stale engine (e.g. {sw}/{sr}: {why})",
+                )
         selection = select_candidates(
             indexed, ranks, max_candidates=self.settings.max_candidates, seed=seed, loaded=loaded
         )

@@ -93,3 +93,33 @@ async def test_a_quiet_holders_hold_is_given_up_once_the_stream_moves_past_the_b
         assert a.state.holder_health() == {("q", 0): "gap"}
         assert a.state.workers()["q"]["blocks"] == 2
         assert [w.held for w in a.state.export().workers] == [{}, {}]
+
+
+async def test_a_message_whose_range_runs_backwards_is_refused_and_counted(nats_url: str, uid: str) -> None:
+    """A stream message with ``first_seq`` above its ``seq`` (no ingest makes one) is refused and counted; it
+    neither holds nor moves the holder's cursor, so the holder's real batches apply and it stays exact."""
+    async with group(nats_url, uid) as g:
+        a = await g.start(f"{uid}-a")
+        subject = subjects.events_subject(g.prefix, MODEL, "x", 0)
+        bad = EventsMessage(
+            worker_id="x",
+            dp_rank=0,
+            model=MODEL,
+            block_size=BS,
+            epoch=0,
+            seq=5,
+            first_seq=10,
+            events=_store(9),
+        )
+        stream = [_msg("x", 0, _store(0)), bad, *(_msg("x", s, _store(s)) for s in (1, 2, 3))]
+        for m in stream:
+            await g.js.publish(subject, encode_message(m), stream=g.stream)
+
+        async def applied() -> int:
+            return int(a.state.applied_seq)
+
+        await wait_for(applied, lambda s: s == len(stream))
+        assert a.state.holder_health() == {}
+        assert a.state.workers()["x"]["blocks"] == 4
+        c = a.state.counters
+        assert (c.malformed_messages, c.held_messages, c.sequence_gaps) == (1, 0, 0)

@@ -58,6 +58,8 @@ an engine ``Cleared("engine")``; the holder's *cursor* is the position of the la
     content, which can no longer be applied in engine order).
 
   Trailing parts of a split batch that never arrive cannot be seen (a message does not carry the part count).
+* A message whose range runs backwards (``first_seq > seq``) is refused and counted in
+  ``malformed_messages``.
 * Ingest-made messages always apply, whatever their sequence. A hello (no events, ``seq`` the ingest's
   cursor, -1 before any batch) changes nothing but the cursor: a message without events at ``seq ≥ 0``
   moves it forward under the rules above (an engine batch whose events were all skipped is one too, so the
@@ -172,6 +174,8 @@ class _Counters:
     """Holds given up (the missing messages did not come within the bounds): applied with a gap."""
     incarnations: int = 0
     """Workers seen again under another model (a new incarnation)."""
+    malformed_messages: int = 0
+    """Messages refused as impossible for an ingest to make (``first_seq`` above ``seq``)."""
 
 
 @dataclass(slots=True)
@@ -501,8 +505,13 @@ class IndexState:
         ``"refuse"`` (a duplicate or out of order, counted); see the module docstring. A message taken from
         the hold (``held``) past a gap is applied with the gap counted (the hold was given up).
         """
-        engine = any(not isinstance(e, Cleared) or e.reason == "engine" for e in msg.events)
         first = _first(msg)
+        if first > msg.seq:
+            # A range running backwards: no ingest makes one. Applying it would move the cursor back and hold
+            # every later batch of the holder as if one were missing.
+            self.counters.malformed_messages += 1
+            return "refuse"
+        engine = any(not isinstance(e, Cleared) or e.reason == "engine" for e in msg.events)
         if not engine:
             # Hello, ingest Cleared, or an engine batch whose events were all skipped: always applies. Only
             # an empty message moves the cursor (forward), so that it is no gap for the next one.

@@ -21,6 +21,8 @@ from kvmesh.core.errors import WireError
 
 PROBE_SEQ: Final[int] = 2**63
 """The start sequence a replay probe asks for: past any engine's newest batch, so only END comes back."""
+PROBE_MAX_MESSAGE_BYTES: Final[int] = 1 << 16
+"""Largest frame a replay probe reads (ZMQ drops a peer that sends more)."""
 
 
 async def probe_replay(ctx: zmq.asyncio.Context, endpoint: str, *, timeout_s: float) -> tuple[bool, str]:
@@ -36,6 +38,8 @@ async def probe_replay(ctx: zmq.asyncio.Context, endpoint: str, *, timeout_s: fl
     """
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # The answer is an end marker of a few bytes; a peer sending megabytes is not an engine's replay socket.
+    sock.setsockopt(zmq.MAXMSGSIZE, PROBE_MAX_MESSAGE_BYTES)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     try:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -60,44 +62,49 @@ def test_up_refuses_cluster_and_chaos_flags_it_cannot_honour(args: list[str], me
     assert proc.stdout == ""
 
 
-@pytest.mark.nats
-@pytest.mark.e2e
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_bench_soak_half_a_minute_with_kills_loses_nothing() -> None:
-    """A 30 s soak with a kill every 8 s kills 3 components, answers every route and ends with nothing lost."""
-    proc = _run("bench", "soak", "--minutes", "0.5", "--kill-every-s", "8", "--seed", "3", timeout_s=220)
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def slow_e2e(test: F) -> F:
+    """Mark a test that runs the fleet as processes (nats, e2e, slow, 240 s)."""
+    for mark in (pytest.mark.nats, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)):
+        test = mark(test)
+    return test
+
+
+def _soaked(*args: str) -> tuple[list[str], list[str]]:
+    """Run ``kvmesh ARGS``; check it exits 0 and ends with the "nothing lost" line; return its lines and kills."""
+    proc = _run(*args, timeout_s=220)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith(FINAL), lines[-1]
-    kills = [line.split("] ", 1)[1] for line in lines if line.endswith(", restarted")]
+    return lines, [line.split("] ", 1)[1] for line in lines if line.endswith(", restarted")]
+
+
+@slow_e2e
+def test_bench_soak_half_a_minute_with_kills_loses_nothing() -> None:
+    """A 30 s soak with a kill every 8 s kills 3 components, answers every route and ends with nothing lost."""
+    lines, kills = _soaked("bench", "soak", "--minutes", "0.5", "--kill-every-s", "8", "--seed", "3")
     # seed 3 draws an indexer, a router and the stream leader (whichever node leads it then)
     assert kills[:2] == ["killed indexer-1 for 1.5 s, restarted", "killed router-1 for 1.5 s, restarted"], (
         kills
     )
     assert len(kills) == 3 and kills[2].startswith("killed the stream leader n"), kills
-    assert any(line.startswith("kills done: 3 in ") for line in lines), proc.stdout
+    assert any(line.startswith("kills done: 3 in ") for line in lines), lines
     answered = next(line for line in lines if line.startswith("routes answered: "))
     sent = answered.split(" of ")[1].split(" sent")[0]
     assert answered.startswith(f"routes answered: {sent} of {sent} sent"), answered
     for row in ("rss indexer (MiB)", "consumers on the events stream", "client connections (all nodes)"):
-        assert any(line.startswith(row) for line in lines), (row, proc.stdout)
+        assert any(line.startswith(row) for line in lines), (row, lines)
 
 
-@pytest.mark.nats
-@pytest.mark.e2e
-@pytest.mark.slow
-@pytest.mark.timeout(240)
+@slow_e2e
 def test_up_cluster_chaos_prints_each_kill_and_ends_with_nothing_lost() -> None:
     """`kvmesh up --cluster 3 --chaos --duration 20` kills a component every 5 s, prints each kill, exits 0 with the line."""
-    proc = _run("up", "--cluster", "3", "--chaos", "--duration", "20", "--chaos-seed", "0", timeout_s=220)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
-    kills = [line.split("] ", 1)[1] for line in lines if line.endswith(", restarted")]
+    _, kills = _soaked("up", "--cluster", "3", "--chaos", "--duration", "20", "--chaos-seed", "0")
     # seed 0 draws an engine, an ingest, a node, at 5, 10 and 15 s; none in the last second before 20 s
     assert kills == [
         "killed engine-1 for 1.5 s, restarted",
         "killed ingest-0 for 1.5 s, restarted",
         "killed NATS node n0 for 3.0 s, restarted",
-    ], proc.stdout
-    assert lines[-1].startswith(FINAL), lines[-1]
+    ]

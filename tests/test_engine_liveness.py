@@ -142,3 +142,29 @@ def test_liveness_settings_are_validated() -> None:
         "--engine-stale-after-failures must be ≥ 1 (got 0)",
         "--engine-probe-timeout-s must be > 0",
     ]
+
+
+async def test_registry_watches_ask_the_server_to_drop_their_consumer_soon(nats_url: str, uid: str) -> None:
+    """The indexer's and the router's registry watches create consumers with a 30 s inactive threshold (not
+    nats-py's 300 s), so a killed watcher's consumer leaves the server within half a minute."""
+    async with clean_pipeline(nats_url, uid) as p:
+        pub = EventPublisher("tcp://127.0.0.1:*")
+        try:
+            await start(p, pub)
+            await p.start_indexer()
+            await p.start_router()
+            nc = await connect(p.nats_url, name="test-consumers")
+            try:
+                js = nc.jetstream()
+                stream = f"KV_{subjects.registry_bucket(p.stream)}"
+
+                async def thresholds() -> list[float]:
+                    infos = await js.consumers_info(stream)
+                    return sorted(float(c.config.inactive_threshold or 0) for c in infos)
+
+                got = await eventually(thresholds, lambda t: len(t) >= 2)
+                assert got == [30.0] * len(got)
+            finally:
+                await nc.close()
+        finally:
+            pub.close()

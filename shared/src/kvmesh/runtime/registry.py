@@ -172,6 +172,10 @@ async def key_present(kv: Any, worker_id: str) -> bool:
     return bool(entry.value)  # an empty value is a server marker (the key aged out)
 
 
+WATCH_INACTIVE_S: Final[float] = 30.0
+"""Seconds the server keeps a registry watch's consumer after its watcher is gone (nats-py's default is 300 s:
+every killed router or indexer would leave one behind for five minutes)."""
+
 MAX_DP_RANKS: Final[int] = 4096
 """Largest ``dp_ranks`` a registry record may claim (each rank becomes a route candidate)."""
 
@@ -334,7 +338,7 @@ class RegistryWatcher:
                 info = await self._js.stream_info(f"KV_{self._bucket}")
                 created = info.created
                 self.ttl_s = info.config.max_age or None
-                watcher = await kv.watchall()
+                watcher = await kv.watchall(inactive_threshold=WATCH_INACTIVE_S)
                 self.workers.clear()
                 self.changes += 1
                 check = asyncio.create_task(self._until_bucket_gone(created))

@@ -60,7 +60,13 @@ from kvmesh.runtime.nats import (
     wait_closed,
     wait_for_stream,
 )
-from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, open_registry, publish_removal
+from kvmesh.runtime.registry import (
+    WATCH_INACTIVE_S,
+    RegistrySettings,
+    WorkerRecord,
+    open_registry,
+    publish_removal,
+)
 from kvmesh.runtime.replica import StreamReplica, retry_start
 from kvmesh.runtime.snapshots import (
     SnapshotLease,
@@ -534,7 +540,7 @@ class IndexerService:
             try:
                 if self._store is not None:
                     self._members = await self._store.members()
-                watcher = await kv.watchall()
+                watcher = await kv.watchall(inactive_threshold=WATCH_INACTIVE_S)
                 registered: set[str] = set()
                 synced = False
                 async for entry in watcher:

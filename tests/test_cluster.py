@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import nats.js.errors
 import pytest
 from tests.indexers import BS, MODEL, Group, group, wait_for
 
+from kvmesh.bench.fleet import Cluster
 from kvmesh.core.events import EventsMessage, Stored, encode_message
 from kvmesh.core.state import IndexState
 from kvmesh.indexer.service import IndexerService
@@ -32,48 +32,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.slow]
 WORKERS = 4
 BLOCKS = 4
 PROMPT = list(range(32))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Cluster:
-    """Three nats-server processes with JetStream, routed to each other on loopback."""
-
-    def __init__(self, root: Path, size: int = 3) -> None:
-        self.root = root
-        self.cluster_ports = [_free_port() for _ in range(size)]
-        self.ports = [0] * size
-        self.servers: list[NatsServer | None] = [None] * size
-
-    def _server(self, i: int) -> NatsServer:
-        routes = ",".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(self.cluster_ports) if j != i)
-        args = ["--cluster", f"nats://127.0.0.1:{self.cluster_ports[i]}", "--routes", routes]
-        args += ["--cluster_name", "kvmesh-test"]
-        return NatsServer(port=self.ports[i], store_dir=self.root / f"n{i}", args=args, name=f"n{i}")
-
-    def start(self, i: int) -> None:
-        server = self._server(i).start()
-        self.ports[i] = server.port
-        self.servers[i] = server
-
-    def kill(self, i: int) -> None:
-        server = self.servers[i]
-        assert server is not None
-        server.kill()
-        server.stop()
-        self.servers[i] = None
-
-    def url(self, i: int) -> str:
-        return f"nats://127.0.0.1:{self.ports[i]}"
-
-    def stop(self) -> None:
-        for server in self.servers:
-            if server is not None:
-                server.stop()
 
 
 @pytest.fixture

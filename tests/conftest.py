@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from kvmesh.bench.fleet import Cluster
 from kvmesh.runtime.server import NatsServer
 
 
@@ -35,3 +37,15 @@ def nats_url() -> Iterator[str]:
 def uid() -> str:
     """A unique token per test, for stream names and subject prefixes."""
     return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A 3-node NATS cluster with JetStream (file storage under tmp_path)."""
+    c = Cluster(tmp_path)
+    try:
+        for i in range(3):
+            c.start(i)
+        yield c
+    finally:
+        c.stop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +31,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.slow]
 WORKERS = 4
 BLOCKS = 4
 PROMPT = list(range(32))
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    """A 3-node NATS cluster with JetStream (file storage under tmp_path)."""
-    c = Cluster(tmp_path)
-    try:
-        for i in range(3):
-            c.start(i)
-        yield c
-    finally:
-        c.stop()
 
 
 def _message(i: int) -> tuple[str, EventsMessage]:

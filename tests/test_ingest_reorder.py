@@ -11,8 +11,6 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import nats.js.errors
@@ -169,29 +167,17 @@ async def test_head_publish_failing_after_later_ones_landed_keeps_engine_order(
 # ---------------------------------------------------------------------------------------------- cluster
 
 
-@pytest.fixture
-def cluster3(tmp_path: Path) -> Iterator[Cluster]:
-    """A 3-node NATS cluster with JetStream (file storage under tmp_path)."""
-    c = Cluster(tmp_path)
-    try:
-        for i in range(3):
-            c.start(i)
-        yield c
-    finally:
-        c.stop()
-
-
 async def _leader(js: Any, stream: str) -> str:
     return str((await js.stream_info(stream)).cluster.leader)
 
 
 @pytest.mark.slow
 async def test_r3_leader_killed_under_traffic_keeps_every_rank_in_engine_order(
-    cluster3: Cluster, uid: str
+    cluster: Cluster, uid: str
 ) -> None:
     """Stream leader killed under 4 ingests' traffic: per rank, a replica reading the stream ends with the
     index of the engine's order, exact, whatever inversions the failover made; nothing published is missing."""
-    c = cluster3
+    c = cluster
     p = Pipeline(c.url(0), uid)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30

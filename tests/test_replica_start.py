@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from tests.indexers import BS, MODEL, Group, group, wait_for
@@ -17,18 +15,6 @@ from kvmesh.router.config import RouterSettings
 from kvmesh.router.service import RouterService
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.slow]
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    """A 3-node NATS cluster with JetStream (file storage under tmp_path)."""
-    c = Cluster(tmp_path)
-    try:
-        for i in range(3):
-            c.start(i)
-        yield c
-    finally:
-        c.stop()
 
 
 def _router(g: Group, url: str) -> RouterService:

@@ -402,11 +402,17 @@ class IndexerService:
             t0 = time.perf_counter()
             export = self.state.export()
             t1 = time.perf_counter()
-            self._since_snapshot = 0
+            taken, self._since_snapshot = self._since_snapshot, 0
             self._last_snapshot_at = time.monotonic()
-            data = await asyncio.to_thread(encode_snapshot, export)
-            t2 = time.perf_counter()
-            entry = await self._store.put(export.applied_seq, data, stream=self._replica.stream_id)
+            try:
+                data = await asyncio.to_thread(encode_snapshot, export)
+                t2 = time.perf_counter()
+                entry = await self._store.put(export.applied_seq, data, stream=self._replica.stream_id)
+            except BaseException:
+                # Not written: what it would have covered still counts towards the next one (the snapshot
+                # loop retries), instead of waiting for another --snapshot-every-messages.
+                self._since_snapshot += taken
+                raise
             t3 = time.perf_counter()
             info = await self._js.stream_info(self.settings.stream)
             deleted = await self._store.prune(

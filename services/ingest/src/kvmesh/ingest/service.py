@@ -806,9 +806,7 @@ class IngestService:
             if out.holder not in failed:
                 continue
             try:
-                await self._js.delete_msg(self.settings.stream, stored)
-            except nats.js.errors.NotFoundError:
-                pass  # already gone (aged out, purged)
+                await self._delete_stored(stored)
             except (TimeoutError, nats.errors.Error) as exc:
                 log.warning(
                     "worker %s dp_rank %d: could not delete engine seq %d (stream seq %d) to re-send it in "
@@ -835,6 +833,26 @@ class IngestService:
             self._clear_serial += 1
             out.msg_id = f"{out.msg_id}:again{self._clear_serial}"
 
+    async def _delete_stored(self, stream_seq: int) -> None:
+        """Delete one message from the events stream, riding out a leader election (about 8 s at most).
+
+        Raises:
+            TimeoutError, nats.errors.Error: it could not be deleted.
+        """
+        assert self._js is not None
+        pause = 0.25
+        for attempt in range(5):
+            try:
+                await self._js.delete_msg(self.settings.stream, stream_seq)
+                return
+            except nats.js.errors.NotFoundError:
+                return  # already gone (a delete whose answer was lost, aged out, purged)
+            except (TimeoutError, nats.errors.Error):
+                if attempt == 4 or self._nc is None or self._nc.is_closed:
+                    raise
+            await asyncio.sleep(pause)
+            pause *= 2
+
     async def _publish_loop(self) -> None:
         """Publish the outbox in order with a bounded window of outstanding acks; retry in order on failure.
 
@@ -855,11 +873,13 @@ class IngestService:
             while True:
                 if not nc.is_connected or connection != self._connections:
                     # A reconnect can be quicker than this loop: the connection count tells it happened.
-                    self._requeue_inflight()
                     while not nc.is_connected and not nc.is_closed:  # noqa: ASYNC110
                         await asyncio.sleep(0.05)
                     if nc.is_closed:
                         return
+                    # The acks that did come tell what was stored: keep engine order before re-sending.
+                    await self._unstore_overtakers()
+                    self._requeue_inflight()
                     connection = self._connections
                     continue
                 failed = self._take_acks(loop.time())

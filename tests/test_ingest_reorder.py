@@ -272,3 +272,69 @@ async def test_r3_leader_killed_under_traffic_keeps_every_rank_in_engine_order(
         for pub in pubs:
             pub.close()
         await nc.close()
+
+
+def fail_and_delay(ing: IngestService, fail: str, late: str, *, fail_s: float, late_s: float) -> None:
+    """Make the first publish of ``fail`` fail after ``fail_s`` without reaching the server, and hold back the
+    ack of the first publish of ``late`` (which is stored at once) for ``late_s``: its outcome is unknown when
+    the window settles after the failure."""
+    js = ing._js
+    assert js is not None
+    real = js.publish_async
+    done: set[str] = set()
+
+    async def publish_async(subject: str, payload: bytes = b"", **kw: Any) -> asyncio.Future[Any]:
+        msg_id = kw.get("headers", {}).get("Nats-Msg-Id", "")
+        loop = asyncio.get_running_loop()
+        if msg_id.startswith(fail) and fail not in done:
+            done.add(fail)
+            fut: asyncio.Future[Any] = loop.create_future()
+            loop.call_later(fail_s, fut.set_exception, nats.js.errors.NoStreamResponseError())
+            return fut
+        ack = await real(subject, payload, **kw)
+        if msg_id.startswith(late) and late not in done:
+            done.add(late)
+            slow: asyncio.Future[Any] = loop.create_future()
+
+            def relay(f: asyncio.Future[Any]) -> None:
+                loop.call_later(late_s, lambda: slow.done() or slow.set_result(f.result()))
+
+            ack.add_done_callback(relay)
+            return slow
+        return ack
+
+    js.publish_async = publish_async  # type: ignore[method-assign,assignment]
+
+
+async def test_a_message_stored_while_its_ack_was_late_is_moved_after_the_failed_one(
+    nats_url: str, uid: str
+) -> None:
+    """Engine seq 5 fails while 6 is stored with its ack late beyond the settle wait: 6's repeat is
+    acknowledged below 5's new place, so the ingest deletes it and sends it again; the stream ends in engine
+    order and a replica is exact."""
+    pub = EventPublisher(ANY)
+    try:
+        async with clean_pipeline(nats_url, uid) as p:
+            ing = await p.start_ingest(W, pub.endpoint, block_size=BS)
+            await pub.wait_for_subscribers(1)
+            await eventually(lambda: asyncio.sleep(0, ing.counters.published), lambda n: n == 1)  # hello
+            fail_and_delay(ing, f"{W}:0:0:5:", f"{W}:0:0:6:", fail_s=0.3, late_s=3.0)
+            for i in range(10):
+                pub.publish([stored([i + 1], blk(TOKENS, i), parent=i or None)])
+            await eventually(
+                lambda: asyncio.sleep(0, ing.counters.published), lambda n: n == 11, timeout_s=20
+            )
+            nc = await connect(nats_url, name="test-read")
+            try:
+                msgs = await subject_messages(
+                    nc.jetstream(), p.stream, subjects.events_subject(p.prefix, p.model, W, 0)
+                )
+            finally:
+                await nc.close()
+            assert [m.seq for m in msgs] == [-1, *range(10)]
+            assert inversions(msgs) == []
+            assert ing.counters.reordered_resends >= 4
+            fresh = replayed(msgs)
+            assert (fresh.holder_health(), fresh.block_total()) == ({}, 10)
+    finally:
+        pub.close()

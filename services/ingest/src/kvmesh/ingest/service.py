@@ -173,6 +173,10 @@ class IngestService:
         """Replicas of the events stream as it exists (what the registry bucket is created with)."""
         self._watch: EngineWatch | None = None
         """Engine liveness per rank (None with probing off)."""
+        self._repairs: list[tuple[_Outgoing, int]] = []
+        """Messages whose ack showed them stored before an earlier one of their holder (to delete, re-send)."""
+        self._serial = 0
+        """Messages still to publish one at a time after a failure or a repair."""
         self._beat_now = asyncio.Event()
         """Set to send a heartbeat at once (an engine rank changed liveness)."""
         self._left_for_dead = False
@@ -767,6 +771,8 @@ class IngestService:
         again, only taken in order, so the ack check (`StreamOrder`) sees every holder's stream sequences.
         """
         inflight = self._inflight
+        # Sent again one at a time: each outcome known before the next (see `_repair_overtaken`).
+        self._serial = max(self._serial, len(inflight))
         while inflight:
             out, fut, _ = inflight.pop()
             stored = _ack_seq(fut)
@@ -833,6 +839,41 @@ class IngestService:
             self._clear_serial += 1
             out.msg_id = f"{out.msg_id}:again{self._clear_serial}"
 
+    async def _repair_overtaken(self) -> None:
+        """Put messages whose ack showed them stored before an earlier one of their holder back in order.
+
+        Each is deleted from the stream and sent again with a new message id; what is still in the window
+        goes back behind them, and all of it is then sent one message at a time (`_serial`), so every
+        outcome is known before the next send and the repair converges.
+        """
+        repairs, self._repairs = self._repairs, []
+        await self._settle_window()
+        await self._unstore_overtakers()
+        waiting = len(self._inflight)
+        self._requeue_inflight()
+        for out, stored in reversed(repairs):
+            try:
+                await self._delete_stored(stored)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning(
+                    "worker %s dp_rank %d: could not delete engine seq %d (stream seq %d) to re-send it in "
+                    "order (%r); index replicas will apply it in engine order",
+                    out.holder[0],
+                    out.holder[1],
+                    out.seq,
+                    stored,
+                    exc,
+                )
+                self.counters.published += 1  # it stays where it is
+                continue
+            self.counters.reordered_resends += 1
+            self._clear_serial += 1
+            out.msg_id = f"{out.msg_id}:again{self._clear_serial}"
+            out.stored_seq = None
+            self._outbox.appendleft(out)
+            self._queued[out.holder] += 1
+        self._serial = max(self._serial, len(repairs) + waiting)
+
     async def _delete_stored(self, stream_seq: int) -> None:
         """Delete one message from the events stream, riding out a leader election (about 8 s at most).
 
@@ -883,9 +924,12 @@ class IngestService:
                     connection = self._connections
                     continue
                 failed = self._take_acks(loop.time())
+                if self._repairs and not failed and nc.is_connected:
+                    await self._repair_overtaken()
+                    continue
                 while (
                     not failed
-                    and len(inflight) < window
+                    and len(inflight) < (1 if self._serial else window)
                     and nc.is_connected
                     and connection == self._connections
                 ):
@@ -973,10 +1017,18 @@ class IngestService:
                 )
                 return True
             inflight.popleft()
-            self.counters.published += 1
+            if self._serial:
+                self._serial -= 1
             stream_seq = _ack_seq(fut)
             if stream_seq is not None:
+                top = self._order.high.get(out.holder)
+                if top is not None and stream_seq < top[2]:
+                    # Stored before an earlier message of its holder: delete it and send it again after.
+                    self._check_order(out, stream_seq)
+                    self._repairs.append((out, stream_seq))
+                    continue
                 self._check_order(out, stream_seq)
+            self.counters.published += 1
         if inflight and now - inflight[0][2] > _ACK_TIMEOUT_S:
             log.warning(
                 "worker %s: publish of %s not acknowledged in %.0f s; retrying in order",

@@ -297,7 +297,10 @@ class IndexerService:
             )
             subs.append(await nc.subscribe(subjects.STATUS_SUBJECT, cb=self._on_status))
             subs.append(await nc.subscribe(subjects.SNAPSHOT_SUBJECT, cb=self._on_snapshot))
-            await nc.flush()  # the server knows every subscription before anyone is told we are ready
+            # The server must know every subscription before anyone is told we are ready. nats-py writes PING
+            # straight to the socket but SUB through its pending buffer, so one flush can overtake the SUB.
+            await nc.flush()
+            await nc.flush()
             # Whatever the restore allocated is long-lived: keep it out of the cyclic collector's full passes
             # (the index's own maps hold only ints and are not tracked; a pass takes ~1 ms at a million blocks).
             gc.collect()

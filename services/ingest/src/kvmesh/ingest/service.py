@@ -37,6 +37,7 @@ from kvmesh.core import wire
 from kvmesh.core.endpoints import offset_endpoint
 from kvmesh.core.errors import WireError
 from kvmesh.core.events import Cleared, Event, EventsMessage, Removed, Stored, decode_message, encode_message
+from kvmesh.core.liveness import LivenessChange
 from kvmesh.core.normalize import BlockSizeMismatchError, Normalizer
 from kvmesh.core.sequencing import (
     Deliver,
@@ -181,6 +182,8 @@ class IngestService:
         """Set to send a heartbeat at once (an engine rank changed liveness)."""
         self._left_for_dead = False
         """True while every engine rank is gone and this ingest took the worker out of the registry."""
+        self._rejoined_live = False
+        """The engine came back and this ingest rejoined: the next heartbeat puts the key it had deleted."""
         self.ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -261,7 +264,7 @@ class IngestService:
                 },
                 policy=s.liveness_policy(),
                 probe_timeout_s=s.engine_probe_timeout_s,
-                on_change=lambda _rank, _change: self._beat_now.set(),
+                on_change=self._on_engine_change,
             )
             tasks.append(asyncio.create_task(self._watch.run()))
         if s.metrics_url:  # engine load for the routers (vLLM's Prometheus page)
@@ -359,9 +362,12 @@ class IngestService:
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         try:
             while True:
-                self._on_frames(rank, await sock.recv_multipart())
-                if self._watch is not None:
+                frames = await sock.recv_multipart()
+                if (
+                    self._watch is not None
+                ):  # first: an engine back from gone rejoins before its batch applies
                     self._watch.heard(rank.rank)
+                self._on_frames(rank, frames)
                 for _ in range(_DRAIN_BATCH):
                     try:
                         frames = raw.recv_multipart(zmq.NOBLOCK)
@@ -1120,12 +1126,8 @@ class IngestService:
                         await deregister(kv, s.worker_id)
                     await self._wait_beat()
                     continue
-                if self._left_for_dead:
-                    self._left_for_dead = False
-                    log.warning(
-                        "worker %s: engine answers again; rejoining as a new incarnation", s.worker_id
-                    )
-                    self._rejoin("rejoin")
+                if self._rejoined_live:
+                    self._rejoined_live = False  # the key is missing because we deleted it: put it again
                 elif registered and not await self._key_present_or_unknown(kv):
                     log.warning(
                         "worker %s: registry entry expired; rejoining as a new incarnation", s.worker_id
@@ -1152,6 +1154,18 @@ class IngestService:
                 kv = self._registry_kv = None
                 log.warning("worker %s: heartbeat failed (%r); retrying", s.worker_id, exc)
             await self._wait_beat()
+
+    def _on_engine_change(self, _rank: int, change: LivenessChange) -> None:
+        """An engine rank changed liveness: heartbeat at once. A worker that had left rejoins right away, as a
+        new incarnation, before the batch that brought it back is applied (a later rejoin would clear it)."""
+        if change.state == "live" and self._left_for_dead:
+            self._left_for_dead = False
+            self._rejoined_live = True
+            log.warning(
+                "worker %s: engine answers again; rejoining as a new incarnation", self.settings.worker_id
+            )
+            self._rejoin("rejoin")
+        self._beat_now.set()
 
     async def _wait_beat(self) -> None:
         """Sleep until the next heartbeat is due (TTL/3), or an engine rank changed liveness."""

@@ -131,10 +131,13 @@ class NatsServer:
         proc = self._proc
         if proc is None or proc.stderr is None:
             return
-        for line in proc.stderr:
-            self._log.append(line)
-            if len(self._log) > 500:
-                del self._log[:250]
+        try:
+            for line in proc.stderr:
+                self._log.append(line)
+                if len(self._log) > 500:
+                    del self._log[:250]
+        except (ValueError, OSError):
+            return  # `stop()` closed the pipe while this thread was reading it
 
     def kill(self) -> None:
         """Kill the server at once (SIGKILL), keeping its storage."""

@@ -158,9 +158,7 @@ class IngestService:
         """Holders whose oldest batches were dropped → (epoch, seq) of the last dropped; cleared lazily."""
         self._ranks: dict[int, _Rank] = {}
         self._order = StreamOrder()
-        """Checks each holder's publish acks rise in engine order (else a resync follows)."""
-        self._sent: dict[tuple[str, int], tuple[int, int]] = {}
-        """Holder → (epoch, engine seq) of its last message handed to JetStream."""
+        """Checks each holder's publish acks rise in engine order (an inversion is repaired)."""
         self._stop = asyncio.Event()
         self._clear_serial = 0
         self._nonce = os.urandom(4).hex()
@@ -815,22 +813,8 @@ class IngestService:
             if stored is None:
                 failed.add(out.holder)
                 continue
-            if out.holder not in failed:
+            if out.holder not in failed or not await self._unstore(out, stored):
                 continue
-            try:
-                await self._delete_stored(stored)
-            except (TimeoutError, nats.errors.Error) as exc:
-                log.warning(
-                    "worker %s dp_rank %d: could not delete engine seq %d (stream seq %d) to re-send it in "
-                    "order (%r); index replicas will apply it in engine order",
-                    out.holder[0],
-                    out.holder[1],
-                    out.seq,
-                    stored,
-                    exc,
-                )
-                continue
-            self.counters.reordered_resends += 1
             log.warning(
                 "worker %s dp_rank %d: engine seq %d was stored (stream seq %d) before an earlier one that "
                 "failed; deleted, re-sending it after",
@@ -842,8 +826,27 @@ class IngestService:
             unsent: asyncio.Future[Any] = loop.create_future()
             unsent.cancel()  # `_requeue_inflight` sends it again
             self._inflight[i] = (out, unsent, sent)
-            self._clear_serial += 1
-            out.msg_id = f"{out.msg_id}:again{self._clear_serial}"
+
+    async def _unstore(self, out: _Outgoing, stored: int) -> bool:
+        """Delete ``out`` (stored at stream seq ``stored``) so it can be sent again in order, under a new
+        message id; False (logged) when the delete failed and it stays where it is."""
+        try:
+            await self._delete_stored(stored)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning(
+                "worker %s dp_rank %d: could not delete engine seq %d (stream seq %d) to re-send it in "
+                "order (%r); index replicas will apply it in engine order",
+                out.holder[0],
+                out.holder[1],
+                out.seq,
+                stored,
+                exc,
+            )
+            return False
+        self.counters.reordered_resends += 1
+        self._clear_serial += 1
+        out.msg_id = f"{out.msg_id}:again{self._clear_serial}"
+        return True
 
     async def _repair_overtaken(self) -> None:
         """Put messages whose ack showed them stored before an earlier one of their holder back in order.
@@ -858,23 +861,9 @@ class IngestService:
         waiting = len(self._inflight)
         self._requeue_inflight()
         for out, stored in reversed(repairs):
-            try:
-                await self._delete_stored(stored)
-            except (TimeoutError, nats.errors.Error) as exc:
-                log.warning(
-                    "worker %s dp_rank %d: could not delete engine seq %d (stream seq %d) to re-send it in "
-                    "order (%r); index replicas will apply it in engine order",
-                    out.holder[0],
-                    out.holder[1],
-                    out.seq,
-                    stored,
-                    exc,
-                )
+            if not await self._unstore(out, stored):
                 self.counters.published += 1  # it stays where it is
                 continue
-            self.counters.reordered_resends += 1
-            self._clear_serial += 1
-            out.msg_id = f"{out.msg_id}:again{self._clear_serial}"
             out.stored_seq = None
             self._outbox.appendleft(out)
             self._queued[out.holder] += 1
@@ -975,9 +964,6 @@ class IngestService:
                         break
                     self._outbox.popleft()
                     self._queued[out.holder] -= 1
-                    self._sent[out.holder] = max(
-                        self._sent.get(out.holder, (out.epoch, out.seq)), (out.epoch, out.seq)
-                    )
                     inflight.append((out, fut, loop.time()))
                 if failed:
                     if nc.is_connected:

@@ -14,7 +14,7 @@ $(UV):
 	$(PYTHON) -m venv .uv
 	.uv/bin/pip install --quiet "uv>=0.5,<1"
 
-$(STAMP): $(UV) uv.lock pyproject.toml shared/pyproject.toml services/*/pyproject.toml
+$(STAMP): $(UV) uv.lock pyproject.toml shared/pyproject.toml services/*/pyproject.toml tools/pyproject.toml
 	$(UV_ENV) $(UV) sync --frozen --all-packages
 	touch $(STAMP)
 
@@ -36,8 +36,8 @@ test-faults: install
 	$(VENV)/bin/python -m pytest tests/test_faults.py $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check shared services tests
-	$(VENV)/bin/ruff format --check shared services tests
+	$(VENV)/bin/ruff check shared services tools tests
+	$(VENV)/bin/ruff format --check shared services tools tests
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 

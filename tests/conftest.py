@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.bench.fleet import Cluster
-from kvmesh.runtime.server import NatsServer
+from kvmesh.harness.server import NatsServer
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ from kvmesh.client import (
     TLSError,
     UnknownHostError,
 )
+from kvmesh.harness.server import NatsServer
 from kvmesh.runtime.nats import close_quietly, connect, redact_url
-from kvmesh.runtime.server import NatsServer
 
 pytestmark = pytest.mark.anyio
 

@@ -21,10 +21,10 @@ from tests.indexers import BS, MODEL, Group, group, wait_for
 from kvmesh.bench.fleet import Cluster
 from kvmesh.core.events import EventsMessage, Stored, encode_message
 from kvmesh.core.state import IndexState
+from kvmesh.harness.server import NatsServer
 from kvmesh.indexer.service import IndexerService
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
-from kvmesh.runtime.server import NatsServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.slow]
 

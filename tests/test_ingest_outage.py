@@ -20,9 +20,9 @@ from tests.pipeline import Pipeline, eventually, pipeline
 from tests.test_ingest_faults import ANY, BS, T, U, W, blk, clean_pipeline, removed, snapshot, stored
 
 from kvmesh.core.wire import BlockStored
+from kvmesh.harness.server import NatsServer
 from kvmesh.ingest.service import IngestService
 from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream
-from kvmesh.runtime.server import NatsServer
 from kvmesh.sim.publisher import EventPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]

@@ -58,9 +58,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvmesh.bench.chart import write_bar_charts
-from kvmesh.core.load import LoadLedger, Routed
+from kvmesh.core.load import LoadLedger
+from kvmesh.core.protocol import Routed
 from kvmesh.core.route import Candidate, Policy, decide, route_seed
-from kvmesh.runtime.procs import ChildProcesses
+from kvmesh.harness.procs import ChildProcesses
 from kvmesh.sim.blockpool import BlockPool
 from kvmesh.sim.engine import output_tokens
 from kvmesh.sim.publisher import EventPublisher
@@ -385,7 +386,7 @@ class _Pipeline:
         self.publishers: list[EventPublisher] = []
 
     def start(self, nats_url: str | None) -> str:
-        from kvmesh.runtime.server import NatsServer  # noqa: PLC0415 - only the kvmesh policy needs it
+        from kvmesh.harness.server import NatsServer  # noqa: PLC0415 - only the kvmesh policy needs it
 
         if nats_url is None:
             self.server = NatsServer(store_dir=self.tmp / "nats").start()

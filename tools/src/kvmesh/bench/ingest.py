@@ -33,7 +33,7 @@ from typing import Any, Final
 import msgspec
 
 from kvmesh.core.wire import BlockStored, EngineBatch, encode_batch
-from kvmesh.runtime.procs import ChildProcesses
+from kvmesh.harness.procs import ChildProcesses
 from kvmesh.sim.publisher import EventPublisher
 
 __all__ = ["command"]
@@ -120,9 +120,9 @@ async def _drive(
 
 
 async def _run(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    from kvmesh.harness.server import NatsServer  # noqa: PLC0415
     from kvmesh.runtime import subjects  # noqa: PLC0415
     from kvmesh.runtime.nats import connect  # noqa: PLC0415
-    from kvmesh.runtime.server import NatsServer  # noqa: PLC0415
 
     tmp = Path(tempfile.mkdtemp(prefix="kvmesh-bench-ingest-"))
     log_dir = Path(a.log_dir) if a.log_dir else tmp / "logs"

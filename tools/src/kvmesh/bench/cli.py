@@ -32,15 +32,16 @@ _COMMANDS: dict[str, str] = {
 }
 
 
-def command(argv: Sequence[str] | None = None) -> int:
-    """Run ``kvmesh bench <benchmark>``; returns the exit code."""
+def command(argv: Sequence[str] | None = None, prog: str = "kvmesh bench") -> int:
+    """Run ``kvmesh bench <benchmark>`` (the ``bench`` entry point of ``kvmesh.commands``); returns the exit
+    code. ``prog`` names the command in the unknown-benchmark error."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
     module = _COMMANDS.get(args[0])
     if module is None:
-        print(f"kvmesh bench: unknown benchmark {args[0]!r}\n\n{USAGE}", file=sys.stderr)
+        print(f"{prog}: unknown benchmark {args[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     run: Callable[[Sequence[str]], int] = import_module(module).command
     return run(args[1:])

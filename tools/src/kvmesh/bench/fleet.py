@@ -53,9 +53,9 @@ from kvmesh.core.events import Cleared, EventsMessage, Removed, Stored, decode_m
 from kvmesh.core.normalize import Normalizer
 from kvmesh.core.state import IndexState
 from kvmesh.core.wire import decode_batch
+from kvmesh.harness.server import NatsServer
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream
-from kvmesh.runtime.server import NatsServer
 from kvmesh.sim.publisher import read_record
 from kvmesh.sim.traffic import prompt
 

@@ -248,9 +248,9 @@ async def _closed_loop(
 async def _run(a: argparse.Namespace) -> list[Phase]:
     from kvmesh.cli import gather_status  # noqa: PLC0415
     from kvmesh.client import Router  # noqa: PLC0415
+    from kvmesh.harness.server import NatsServer  # noqa: PLC0415
     from kvmesh.runtime import subjects  # noqa: PLC0415
     from kvmesh.runtime.nats import connect  # noqa: PLC0415
-    from kvmesh.runtime.server import NatsServer  # noqa: PLC0415
 
     synthetic = a.blocks > 0
     pipe = _Pipeline(0 if synthetic else a.workers, _BLOCK_SIZE, None)

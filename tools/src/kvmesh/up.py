@@ -45,10 +45,10 @@ import msgspec
 from nats.aio.client import Client
 
 from kvmesh.client import RouteError, Router, UnavailableError
+from kvmesh.harness.procs import ChildProcesses
+from kvmesh.harness.server import NatsServer
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import TransportError, close_quietly, connect, redact_url
-from kvmesh.runtime.procs import ChildProcesses
-from kvmesh.runtime.server import NatsServer
 from kvmesh.sim.blockpool import BlockPool, PoolExhaustedError
 from kvmesh.sim.engine import output_tokens
 from kvmesh.sim.trace import TraceRequest, default_trace_path, expand_tokens, load_trace
@@ -500,10 +500,10 @@ def print_table(out: TextIO, kv: Tally, rr: Tally, workers: int) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the argument parser of ``kvmesh up``."""
+def build_parser(prog: str = "kvmesh up") -> argparse.ArgumentParser:
+    """Return the argument parser of ``kvmesh up`` (``prog`` names it in usage and errors)."""
     p = argparse.ArgumentParser(
-        prog="kvmesh up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "--nats-url",
@@ -597,9 +597,9 @@ def chaos_command(args: argparse.Namespace) -> int:
     return run(args.duration or 60.0, args.chaos_every_s, seed=args.chaos_seed, work_dir=work_dir)
 
 
-def command(argv: Sequence[str] | None = None) -> int:
-    """Run ``kvmesh up``; returns the exit code."""
-    args = build_parser().parse_args(argv)
+def command(argv: Sequence[str] | None = None, prog: str = "kvmesh up") -> int:
+    """Run ``kvmesh up`` (the ``up`` entry point of ``kvmesh.commands``); returns the exit code."""
+    args = build_parser(prog).parse_args(argv)
     if args.cluster is not None or args.chaos:
         return chaos_command(args)
     if args.workers < 1 or args.concurrency < 1:

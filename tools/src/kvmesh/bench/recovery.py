@@ -103,9 +103,9 @@ class _Ticker:
 
 
 async def _run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from kvmesh.harness.server import NatsServer  # noqa: PLC0415
     from kvmesh.runtime import subjects  # noqa: PLC0415 - keep `--help` light
     from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream  # noqa: PLC0415
-    from kvmesh.runtime.server import NatsServer  # noqa: PLC0415
     from kvmesh.runtime.snapshots import SnapshotStore, replay_stream  # noqa: PLC0415
 
     r: dict[str, Any] = {"blocks": a.blocks, "workers": a.workers, "blocks_per_event": a.blocks_per_event}

@@ -66,8 +66,33 @@ def test_services_never_import_each_other() -> None:
 
 
 def test_shared_package_never_imports_a_service() -> None:
-    """The shared package (core, runtime, tools, CLI) finds services through entry points only."""
+    """The shared package (core, runtime, client, CLI) finds services through entry points only."""
     shared = ROOT / "shared" / "src" / "kvmesh"
     for f in shared.rglob("*.py"):
         for m in imports_of(f):
             assert not any(m.startswith(f"kvmesh.{s}") for s in SERVICES), (f, m)
+
+
+TOOLS_TIER = ("kvmesh.sim", "kvmesh.bench", "kvmesh.up", "kvmesh.harness")
+# kvmesh.cli still dispatches these three itself (lazily) besides finding them as kvmesh-tools' entry points.
+CLI_TOOL_DISPATCH = {"kvmesh.sim.serve", "kvmesh.up", "kvmesh.bench.cli"}
+
+
+def test_library_and_services_never_import_the_tools_tier() -> None:
+    """No module of kvmesh-shared or of a service imports the simulator, benchmarks, kvmesh up or the harness
+    (beyond kvmesh.cli's lazy dispatch of the three tool commands), and none of those lives in shared/."""
+    shared = ROOT / "shared" / "src" / "kvmesh"
+    assert not (shared / "sim").exists()
+    assert not (shared / "bench").exists()
+    assert not (shared / "up.py").exists()
+    library = [*shared.rglob("*.py"), *(f for root in SERVICES.values() for f in root.rglob("*.py"))]
+    offenders = {
+        str(f.relative_to(ROOT)): sorted(
+            m for m in imports_of(f) if any(m == t or m.startswith(t + ".") for t in TOOLS_TIER)
+        )
+        for f in library
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    cli = offenders.pop("shared/src/kvmesh/cli.py", [])
+    assert set(cli) <= CLI_TOOL_DISPATCH
+    assert offenders == {}

@@ -36,9 +36,10 @@ from nats.js import JetStreamContext
 from kvmesh.core import wire
 from kvmesh.core.endpoints import offset_endpoint
 from kvmesh.core.errors import WireError
-from kvmesh.core.events import Cleared, Event, EventsMessage, Removed, Stored, decode_message, encode_message
+from kvmesh.core.events import Cleared, Event, EventsMessage, Removed, Stored, encode_message
 from kvmesh.core.liveness import LivenessChange
 from kvmesh.core.normalize import BlockSizeMismatchError, Normalizer
+from kvmesh.core.protocol import WorkerRecord
 from kvmesh.core.sequencing import (
     Deliver,
     NewEpoch,
@@ -50,17 +51,11 @@ from kvmesh.core.sequencing import (
 )
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.liveness import EngineWatch, ProbeTarget
+from kvmesh.ingest.recovery import RankCursor, fresh_tracker, recover_rank
 from kvmesh.runtime import subjects
 from kvmesh.runtime.metrics import MetricsLoadPublisher
 from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, ensure_stream
-from kvmesh.runtime.registry import (
-    RegistrySettings,
-    WorkerRecord,
-    deregister,
-    heartbeat,
-    key_present,
-    open_registry,
-)
+from kvmesh.runtime.registry import RegistrySettings, deregister, heartbeat, key_present, open_registry
 from kvmesh.runtime.replica import retry_start
 
 log = logging.getLogger("kvmesh.ingest")
@@ -109,6 +104,8 @@ class IngestCounters:
     """Holders found stored out of engine order in the stream (acks not rising), each resynchronised."""
     bad_replay_topics: int = 0
     """Replay replies whose topic is not the configured one (another engine's), ignored."""
+    undecodable_stream_messages: int = 0
+    """Messages on this worker's subjects that did not decode at start (skipped by cursor recovery)."""
 
 
 @dataclass(slots=True)
@@ -224,8 +221,9 @@ class IngestService:
         recovered = {
             r: await self._recover(r, s.replay_endpoint is not None) for r in range(s.data_parallel_size)
         }
-        trackers = {r: t for r, (t, _) in recovered.items()}
-        if any(found for _, found in recovered.values()) and not await self._still_registered():
+        trackers = {r: c.tracker for r, c in recovered.items()}
+        resync = {r for r, c in recovered.items() if c.resync}
+        if any(c.found for c in recovered.values()) and not await self._still_registered():
             # The worker was removed (clean stop, TTL) or is about to be: the index drops every message of
             # the old incarnation from here on. Start a new one on every rank, above every rank's epoch
             # (the removal covers the worker's highest), replaying what the engine still holds.
@@ -236,8 +234,9 @@ class IngestService:
                 s.worker_id,
                 epoch,
             )
-            trackers = {r: _fresh_tracker(s.replay_endpoint is not None, epoch) for r in trackers}
+            trackers = {r: fresh_tracker(s.replay_endpoint is not None, epoch) for r in trackers}
             self._rank_verify.clear()
+            resync.clear()
             self._rejoined = True
         for r, tracker in trackers.items():
             endpoint = offset_endpoint(s.zmq_endpoint, r)
@@ -245,7 +244,10 @@ class IngestService:
             self._ranks[r] = _Rank(r, endpoint, replay, tracker, Normalizer(block_size=s.block_size))
             self._ranks[r].verify = self._rank_verify.get(r)
             # Announce the rank so routers see the worker before it caches anything (a rejoin clears it).
+            # A rank whose subject held nothing decodable is resynchronised by its announcement.
             events: list[Event] = [Cleared("rejoin")] if self._rejoined else []
+            if r in resync:
+                events = [Cleared("resync")]
             self._enqueue_events(
                 r, tracker.epoch, _cursor(tracker), events, msg_id=self._unique_id(r, tracker, "hello")
             )
@@ -309,43 +311,40 @@ class IngestService:
         """Ask `run()` to finish (publishing what is buffered first, for a few seconds)."""
         self._stop.set()
 
-    async def _recover(self, rank: int, has_replay: bool) -> tuple[SeqTracker, bool]:
-        """The rank's tracker, resuming after the last message on its subject; True when one was found."""
+    async def _recover(self, rank: int, has_replay: bool) -> RankCursor:
+        """The rank's cursor, resuming after the last decodable message on its subject (`recover_rank`)."""
         assert self._js is not None
         s = self.settings
         subject = subjects.events_subject(s.events_prefix, s.model, s.worker_id, rank)
-        js = self._js
-        try:
-            raw = await retry_start(
-                lambda: js.get_last_msg(s.stream, subject),
-                what=f"read the last message on {subject}",
-                name=f"ingest {s.worker_id}",
-                stop=self._stop,
+        seen: set[int] = set()
+
+        def undecodable(stream_seq: int, exc: Exception) -> None:
+            if stream_seq in seen:  # met again by a retried walk
+                return
+            seen.add(stream_seq)
+            self.counters.undecodable_stream_messages += 1
+            log.warning(
+                "worker %s rank %d: undecodable message at stream seq %d on %s (%s); skipped, recovering "
+                "from the message before it",
+                s.worker_id,
+                rank,
+                stream_seq,
+                subject,
+                exc,
             )
-        except nats.js.errors.NotFoundError:
-            return _fresh_tracker(has_replay), False
-        if raw is None:  # stopping
-            return _fresh_tracker(has_replay), False
-        try:
-            last = decode_message(raw.data or b"")
-        except WireError:
-            return _fresh_tracker(has_replay), False
-        if not isinstance(last, EventsMessage):
-            return _fresh_tracker(has_replay), False
-        log.info(
-            "ingest %s rank %d: resuming after epoch %d seq %d (from stream seq %s)",
-            s.worker_id,
-            rank,
-            last.epoch,
-            last.seq,
-            raw.seq,
+
+        cursor = await recover_rank(
+            self._js,
+            stream=s.stream,
+            subject=subject,
+            who=f"ingest {s.worker_id} rank {rank}",
+            has_replay=has_replay,
+            stop=self._stop,
+            on_undecodable=undecodable,
         )
-        # seq -1: this ingest announced the rank but saw no batch of the epoch; the next one due is 0.
-        if has_replay and last.seq >= 0 and last.ts > 0:
-            # The engine's batch `last.seq` carried `last.ts`; a replay that hands back that seq with another
-            # ts comes from a restarted engine (`_replay`).
-            self._rank_verify[rank] = (last.seq, last.ts)
-        return SeqTracker(epoch=last.epoch, last_seq=max(last.seq, -1), replay=has_replay), True
+        if cursor.verify is not None:
+            self._rank_verify[rank] = cursor.verify
+        return cursor
 
     # ------------------------------------------------------------------ ZMQ side
 
@@ -1273,12 +1272,6 @@ def _ack_seq(fut: asyncio.Future[Any]) -> int | None:
         return None
     res = fut.result()
     return res if isinstance(res, int) else int(res.seq)
-
-
-def _fresh_tracker(has_replay: bool, epoch: int = 0) -> SeqTracker:
-    """A tracker with no stored cursor: with a replay socket the next batch due is the engine's seq 0, so a
-    first live sequence above 0 replays what the engine still holds before going live."""
-    return SeqTracker(epoch=epoch, last_seq=-1 if has_replay else None, replay=has_replay)
 
 
 def _cursor(tracker: SeqTracker) -> int:

@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvmesh.runtime.liveness import probe_http, probe_replay
+from kvmesh.ingest.probes import probe_http, probe_replay
 from kvmesh.sim.publisher import EventPublisher
 
 pytestmark = pytest.mark.anyio

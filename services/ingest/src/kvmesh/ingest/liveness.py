@@ -2,7 +2,7 @@
 
 The async shell around `kvmesh.core.liveness`: the ingest calls `EngineWatch.heard` whenever a rank's
 sockets deliver something (a live burst, a replay reply); `EngineWatch.run` probes a rank once it has been
-silent for the policy's bound (its replay socket with `kvmesh.runtime.liveness.probe_replay`, or the
+silent for the policy's bound (its replay socket with `kvmesh.ingest.probes.probe_replay`, or the
 engine's HTTP page with `probe_http` when it has no replay socket) and calls ``on_change`` on every change
 of state. A rank with neither probe target is never judged: silence alone proves nothing.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import zmq.asyncio
 
 from kvmesh.core.liveness import EngineLiveness, LivenessChange, LivenessPolicy
-from kvmesh.runtime.liveness import probe_http, probe_replay
+from kvmesh.ingest.probes import probe_http, probe_replay
 
 log = logging.getLogger("kvmesh.ingest")
 

@@ -165,4 +165,4 @@ async def eventually(
 def overlaps(reply: RouteReply) -> dict[str, int]:
     """Map ``worker_id/dp_rank`` → overlap_blocks from an explained reply."""
     assert reply.scores is not None
-    return {f"{s['worker_id']}/{s['dp_rank']}": s["overlap_blocks"] for s in reply.scores}
+    return {f"{s.worker_id}/{s.dp_rank}": s.overlap_blocks for s in reply.scores}

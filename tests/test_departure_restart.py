@@ -10,10 +10,11 @@ import pytest
 from tests.indexers import BS, MODEL, group, wait_for
 
 from kvmesh.client import NoWorkersError, Router
+from kvmesh.core.protocol import WorkerRecord
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.service import RouterService
 from kvmesh.runtime import subjects
-from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, heartbeat, open_registry, registry_keys
+from kvmesh.runtime.registry import RegistrySettings, heartbeat, open_registry, registry_keys
 from kvmesh.runtime.snapshots import SnapshotStore
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]

@@ -82,11 +82,11 @@ async def test_route_answers_exact_overlaps_through_evictions_and_clear(
             await p.router.finish("r-1")
             r2 = await eventually(
                 lambda: p.route(P2, explain=True),
-                lambda r: all(s["load"]["active_blocks"] == 0 for s in r.scores or []),
+                lambda r: all(s.load.active_blocks == 0 for s in r.scores or []),
             )
             assert (r2.worker_id, r2.overlap_blocks) == ("worker-b", 3)
             assert overlaps(r2) == {"worker-a/0": 2, "worker-b/0": 3}
-            assert r2.scores is not None and [s["cost"] for s in r2.scores] == [0.0, 1.0]
+            assert r2.scores is not None and [s.cost for s in r2.scores] == [0.0, 1.0]
 
             # Q fills A's 16-block pool: P1's four cached blocks are evicted (four BlockRemoved).
             assert (await a.serve_request(Q, 0))["cached_tokens"] == 0
@@ -212,8 +212,8 @@ async def test_candidates_follow_the_worker_registry(nats_url: str, uid: str) ->
     of its DP ranks, and a worker whose key is gone leaves at once."""
     import msgspec
 
+    from kvmesh.core.protocol import WorkerRecord
     from kvmesh.runtime import subjects
-    from kvmesh.runtime.registry import WorkerRecord
     from kvmesh.sim.publisher import EventPublisher
 
     pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
@@ -314,8 +314,8 @@ async def test_a_deleted_registry_bucket_voids_what_it_said(nats_url: str, uid: 
     and its worker comes back."""
     import msgspec
 
+    from kvmesh.core.protocol import WorkerRecord
     from kvmesh.runtime import subjects
-    from kvmesh.runtime.registry import WorkerRecord
 
     worker = SimWorker("w", num_blocks=16, block_size=BS, endpoint="tcp://127.0.0.1:*", seed=1)
     try:

@@ -17,11 +17,11 @@ from tests.pipeline import Pipeline, eventually
 from tests.test_ingest_faults import BS, T, U, blk, clean_pipeline, expect, stored
 from tests.test_ingest_registry import route_or_error
 
+from kvmesh.core.protocol import WorkerRecord
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.service import IngestService
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
-from kvmesh.runtime.registry import WorkerRecord
 from kvmesh.sim.publisher import EventPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]

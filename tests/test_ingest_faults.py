@@ -567,12 +567,12 @@ async def test_blocks_on_slower_tiers_count_with_their_weight(nats_url: str, uid
                 lambda: p.route(prompt, explain=True), lambda r: overlaps(r) == {"g/0": 8, "c/0": 5}
             )
             assert r.scores is not None
-            by = {s["worker_id"]: s for s in r.scores}
-            assert (by["g"]["cached_tokens_by_tier"], by["g"]["weighted_cached_tokens"]) == (
+            by = {s.worker_id: s for s in r.scores}
+            assert (by["g"].cached_tokens_by_tier, by["g"].weighted_cached_tokens) == (
                 {"GPU": 16, "CPU": 16},
                 24.0,
             )
-            assert (by["c"]["cached_tokens_by_tier"], by["c"]["weighted_cached_tokens"]) == (
+            assert (by["c"].cached_tokens_by_tier, by["c"].weighted_cached_tokens) == (
                 {"CPU": 20},
                 10.0,
             )
@@ -583,8 +583,8 @@ async def test_blocks_on_slower_tiers_count_with_their_weight(nats_url: str, uid
                 lambda: p.route(prompt, explain=True), lambda r: overlaps(r) == {"g/0": 4, "c/0": 5}
             )
             assert r.scores is not None
-            by = {s["worker_id"]: s for s in r.scores}
-            assert (by["g"]["cached_tokens_by_tier"], by["g"]["weighted_cached_tokens"]) == (
+            by = {s.worker_id: s for s in r.scores}
+            assert (by["g"].cached_tokens_by_tier, by["g"].weighted_cached_tokens) == (
                 {"GPU": 16},
                 16.0,
             )

@@ -19,6 +19,7 @@ from tests.test_ingest_faults import BS, T, U, blk, clean_pipeline, expect, stor
 
 from kvmesh.client import RouteError
 from kvmesh.core.events import EventsMessage, decode_message
+from kvmesh.core.protocol import WorkerRecord
 from kvmesh.core.wire import EngineBatch, encode_batch
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.service import IngestService
@@ -26,7 +27,6 @@ from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
 from kvmesh.runtime.registry import (
     RegistrySettings,
-    WorkerRecord,
     deregister,
     heartbeat,
     key_present,

@@ -12,8 +12,9 @@ import pytest
 from tests.indexers import MODEL, Group, group, wait_for
 
 from kvmesh.cli import replay_command, reset_command, snapshot_command, status_command
+from kvmesh.core.protocol import WorkerRecord
 from kvmesh.runtime import subjects
-from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, heartbeat, open_registry
+from kvmesh.runtime.registry import RegistrySettings, heartbeat, open_registry
 from kvmesh.runtime.snapshots import SnapshotStore, snapshot_name
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]

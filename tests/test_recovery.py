@@ -171,7 +171,7 @@ async def test_local_index_router_restores_from_the_indexers_snapshot_and_follow
             remote = await g.match(f"r{uid}.match", PROMPT)
             assert reply.index_seq == remote["index_seq"] == 55
             assert reply.scores is not None
-            assert {(s["worker_id"], s["overlap_blocks"]) for s in reply.scores} == {
+            assert {(s.worker_id, s.overlap_blocks) for s in reply.scores} == {
                 (c[0], c[2]) for c in remote["candidates"]
             }
         finally:

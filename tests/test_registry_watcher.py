@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
+from kvmesh.core.protocol import WorkerRecord
 from kvmesh.runtime import subjects
-from kvmesh.runtime.registry import MAX_DP_RANKS, RegistryWatcher, WorkerRecord
+from kvmesh.runtime.registry import MAX_DP_RANKS, RegistryWatcher
 
 
 def _put(w: RegistryWatcher, worker: str, model: str = "m", dp_ranks: int = 1) -> None:

@@ -7,8 +7,9 @@ import time
 import pytest
 from tests.indexers import MODEL, group, wait_for
 
+from kvmesh.core.protocol import WorkerRecord
 from kvmesh.runtime import subjects
-from kvmesh.runtime.registry import RegistrySettings, WorkerRecord, heartbeat, open_registry
+from kvmesh.runtime.registry import RegistrySettings, heartbeat, open_registry
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 

@@ -39,12 +39,12 @@ async def test_holders_of_two_block_sizes_report_their_own_cached_tokens(
 
             def cached(r: RouteReply) -> dict[str, int]:
                 assert r.scores is not None
-                return {s["worker_id"]: s["cached_tokens"] for s in r.scores}
+                return {s.worker_id: s.cached_tokens for s in r.scores}
 
             reply = await eventually(probe, lambda r: cached(r) == {"w16": 48, "w32": 32})
             assert (reply.worker_id, reply.cached_tokens) == ("w16", 48)
             assert reply.scores is not None
-            assert {s["worker_id"]: s["overlap_blocks"] for s in reply.scores} == {"w16": 3, "w32": 1}
+            assert {s.worker_id: s.overlap_blocks for s in reply.scores} == {"w16": 3, "w32": 1}
     finally:
         small.close()
         large.close()

@@ -20,7 +20,7 @@ from kvmesh.client import (
     UnavailableError,
     UnknownModelError,
 )
-from kvmesh.core.load import WorkerLoad
+from kvmesh.core.protocol import WorkerLoad
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.service import RouterService
 from kvmesh.runtime.metrics import MetricsLoadPublisher, publish_load
@@ -158,7 +158,7 @@ async def test_hot_prefix_spreads_and_accounting_is_shared(nats_url: str, uid: s
         assert picks == ["a", "b", "a", "a", "b", "a", "b", "a"]
         assert r1.ledger.load("a", 0).blocks == r0.ledger.load("a", 0).blocks == 25
         explained = await c1.route("m", HOT, explain=True)
-        assert [(s["worker_id"], s["load"], s["cost"]) for s in explained.scores or []] == [
+        assert [(s.worker_id, msgspec.to_builtins(s.load), s.cost) for s in explained.scores or []] == [
             ("a", {"active_prefill_tokens": 80, "active_blocks": 25, "active_requests": 5}, 31.0),
             ("b", {"active_prefill_tokens": 240, "active_blocks": 15, "active_requests": 3}, 35.0),
         ]
@@ -193,7 +193,7 @@ async def test_unfinished_requests_expire(nats_url: str, uid: str) -> None:
         assert r0.ledger.stats().active == 1
         await asyncio.sleep(0.3)
         reply = await f.client(0).route("m", HOT, explain=True)
-        assert reply.scores is not None and all(s["load"]["active_blocks"] == 0 for s in reply.scores)
+        assert reply.scores is not None and all(s.load.active_blocks == 0 for s in reply.scores)
 
 
 METRICS = """\
@@ -237,8 +237,8 @@ async def test_engine_load_scraped_from_a_metrics_endpoint_makes_a_busy(nats_url
             await until(lambda: len(r0.engine_loads) == 1)
             reply = await f.client(0).route("m", HOT, explain=True)
             assert reply.worker_id == "b"
-            a = next(s for s in reply.scores or [] if s["worker_id"] == "a")
-            assert (a["busy"], a["load"]["kv_usage"], a["load"]["running"], a["cost"]) == (
+            a = next(s for s in reply.scores or [] if s.worker_id == "a")
+            assert (a.busy, a.load.kv_usage, a.load.running, a.cost) == (
                 True,
                 0.97,
                 12,
@@ -367,7 +367,7 @@ async def test_tiers_reported_by_the_index_are_weighted(nats_url: str, uid: str)
         reply = await f.client(0).route("m", list(range(64)), explain=True)
         assert reply.worker_id == "b"
         assert [
-            (s["worker_id"], s["cached_tokens_by_tier"], s["weighted_cached_tokens"], s["cost"])
+            (s.worker_id, s.cached_tokens_by_tier, s.weighted_cached_tokens, s.cost)
             for s in reply.scores or []
         ] == [
             ("b", {"GPU": 48}, 48.0, 1.0),

@@ -15,12 +15,13 @@ import pytest
 from tests.pipeline import Pipeline, eventually, overlaps, pipeline
 
 from kvmesh.client import Router
+from kvmesh.core.protocol import WorkerRecord
 from kvmesh.core.route import IDLE_CANDIDATES
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.service import RouterService
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
-from kvmesh.runtime.registry import MAX_DP_RANKS, RegistryWatcher, WorkerRecord
+from kvmesh.runtime.registry import MAX_DP_RANKS, RegistryWatcher
 from kvmesh.sim.engine import SimWorker
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -82,7 +83,7 @@ async def test_thousands_of_empty_ranks_neither_slow_routes_nor_beat_the_holder(
             total = EMPTY_RECORDS * MAX_DP_RANKS + 1
             first = await eventually(
                 lambda: p.route(P1, explain=True),
-                lambda r: r.selection is not None and r.selection["total"] == total,
+                lambda r: r.selection is not None and r.selection.total == total,
             )
             assert (first.worker_id, first.dp_rank, first.overlap_blocks, first.cached_tokens) == (
                 "w",
@@ -91,7 +92,7 @@ async def test_thousands_of_empty_ranks_neither_slow_routes_nor_beat_the_holder(
                 16,
             )
             assert first.mode == "exact" and first.degraded_reason is None
-            assert first.selection == {
+            assert msgspec.to_builtins(first.selection) == {
                 "total": total,
                 "considered": 1 + IDLE_CANDIDATES,
                 "cut": total - 1 - IDLE_CANDIDATES,
@@ -100,13 +101,13 @@ async def test_thousands_of_empty_ranks_neither_slow_routes_nor_beat_the_holder(
                 "skipped_total": 0,
             }
             assert first.scores is not None and len(first.scores) == 1 + IDLE_CANDIDATES
-            assert first.scores[0]["worker_id"] == "w"
-            assert all(s["overlap_blocks"] == 0 for s in first.scores[1:])
+            assert first.scores[0].worker_id == "w"
+            assert all(s.overlap_blocks == 0 for s in first.scores[1:])
 
             # A prompt nobody holds: the known worker and the drawn empty ranks tie on cost; the tie still
             # answers at once (which rank wins is the seeded tie-break's).
             cold = await p.route(list(range(5000, 5016)), explain=True)
-            assert cold.selection is not None and cold.selection["considered"] == 1 + IDLE_CANDIDATES
+            assert cold.selection is not None and cold.selection.considered == 1 + IDLE_CANDIDATES
 
             took = []
             for i in range(50):
@@ -139,11 +140,11 @@ async def test_candidates_beyond_the_bound_are_cut_holders_first_and_warned_once
             await register_empty(p, 2, 100)
             r = await eventually(
                 lambda: p.route(P1, explain=True),
-                lambda r: r.overlap_blocks == 4 and r.selection is not None and r.selection["total"] == 201,
+                lambda r: r.overlap_blocks == 4 and r.selection is not None and r.selection.total == 201,
             )
             assert r.worker_id == "w"
             assert r.selection is not None
-            assert (r.selection["considered"], r.selection["cut"], r.selection["bounded"]) == (8, 193, True)
+            assert (r.selection.considered, r.selection.cut, r.selection.bounded) == (8, 193, True)
             for _ in range(5):
                 await p.route(P1)
             warned = [x.getMessage() for x in caplog.records if "--max-candidates" in x.getMessage()]
@@ -174,13 +175,13 @@ async def test_a_requested_candidate_among_many_empty_ranks_is_always_considered
             await register_empty(p, 8, 512)
             await eventually(
                 lambda: p.route(P1, explain=True),
-                lambda r: r.selection is not None and r.selection["total"] == 8 * 512 + 1,
+                lambda r: r.selection is not None and r.selection.total == 8 * 512 + 1,
             )
             for i in range(8):
                 r = await p.route(P1, candidates=[f"empty-{i:02d}"], explain=True)
                 assert r.worker_id == f"empty-{i:02d}"
                 assert r.selection is not None
-                assert (r.selection["total"], r.selection["considered"]) == (512, IDLE_CANDIDATES)
+                assert (r.selection.total, r.selection.considered) == (512, IDLE_CANDIDATES)
     finally:
         worker.close()
 

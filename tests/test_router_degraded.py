@@ -16,8 +16,8 @@ from kvmesh.cli import router_status
 from kvmesh.client import NoWorkersError
 from kvmesh.core.events import EventsMessage, Stored, encode_message
 from kvmesh.core.hashing import local_block_hashes
+from kvmesh.core.protocol import WorkerRecord
 from kvmesh.runtime import subjects
-from kvmesh.runtime.registry import WorkerRecord
 from kvmesh.sim.publisher import EventPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -72,7 +72,7 @@ async def status_of(p: Pipeline) -> dict[str, Any]:
 
 def health(reply: Any) -> dict[str, dict[str, str]]:
     """Map ``worker_id/dp_rank`` → health from an explained reply."""
-    return {f"{s['worker_id']}/{s['dp_rank']}": s["health"] for s in reply.scores or []}
+    return {f"{s.worker_id}/{s.dp_rank}": msgspec.to_builtins(s.health) for s in reply.scores or []}
 
 
 async def test_stale_ranks_are_skipped_and_a_model_of_stale_ranks_has_no_live_workers(
@@ -94,14 +94,14 @@ async def test_stale_ranks_are_skipped_and_a_model_of_stale_ranks_has_no_live_wo
             )
             assert (r.worker_id, r.mode) == ("w", "exact")
             assert r.selection is not None
-            assert r.selection["skipped"] == [{"worker_id": "s", "dp_rank": 1, "reason": f"stale: {SILENT}"}]
-            assert r.selection["skipped_total"] == 1
+            assert msgspec.to_builtins(r.selection.skipped) == [{"worker_id": "s", "dp_rank": 1, "reason": f"stale: {SILENT}"}]
+            assert r.selection.skipped_total == 1
 
             await put_record(p, "w", stale_ranks={0: SILENT})
             r = await eventually(lambda: p.route(P1, explain=True), lambda r: overlaps(r) == {"s/0": 0})
             assert (r.worker_id, r.dp_rank, r.overlap_blocks, r.mode) == ("s", 0, 0, "exact")
             assert r.selection is not None
-            assert r.selection["skipped"] == [
+            assert msgspec.to_builtins(r.selection.skipped) == [
                 {"worker_id": "w", "dp_rank": 0, "reason": f"stale: {SILENT}"},
                 {"worker_id": "s", "dp_rank": 1, "reason": f"stale: {SILENT}"},
             ]

@@ -5,15 +5,12 @@ from __future__ import annotations
 from kvmesh.core.load import (
     ActiveLoad,
     EngineLoads,
-    LedgerEntry,
-    LedgerSnapshot,
     LoadLedger,
     PrefixCounters,
-    Routed,
-    WorkerLoad,
     decode_prometheus_text,
     from_vllm_metrics,
 )
+from kvmesh.core.protocol import LedgerEntry, LedgerSnapshot, Routed, WorkerLoad
 
 
 def routed(rid: str, w: str = "a", dp: int = 0, prefill: int = 100, blocks: int = 8) -> Routed:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.core.load import ActiveLoad, LoadLedger, Routed
+from kvmesh.core.load import ActiveLoad, LoadLedger
+from kvmesh.core.protocol import Routed
 
 
 def routed(rid: str, w: str = "a", prefill: int = 100, blocks: int = 8) -> Routed:

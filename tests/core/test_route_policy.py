@@ -8,10 +8,12 @@ import math
 import pytest
 
 from kvmesh.core.errors import RequestError
-from kvmesh.core.load import ActiveLoad, LoadLedger, Routed, WorkerLoad
+from kvmesh.core.load import ActiveLoad, LoadLedger
+from kvmesh.core.protocol import Routed, WorkerLoad
 from kvmesh.core.route import (
     Candidate,
     Policy,
+    apply_override,
     decide,
     merge_candidates,
     parse_route_request,
@@ -266,7 +268,7 @@ def test_tier_weights_override_merges() -> None:
     """A request's tier_weights override merges into the router's, case-insensitively."""
     req = parse_route_request(b'{"model": "m", "token_ids": [1], "policy": {"tier_weights": {"cpu": 1.0}}}')
     assert req.policy is not None
-    pol = req.policy.apply(Policy())
+    pol = apply_override(Policy(), req.policy)
     assert dict(pol.tier_weights) == {"GPU": 1.0, "CPU": 1.0, "DISK": 0.25}
 
 
@@ -413,7 +415,7 @@ def test_policy_override_applies_only_given_terms() -> None:
         b'{"model": "m", "token_ids": [1], "policy": {"overlap_weight": 2, "temperature": 0.5}}'
     )
     assert req.policy is not None
-    pol = req.policy.apply(Policy(decode_weight=3.0))
+    pol = apply_override(Policy(decode_weight=3.0), req.policy)
     assert (pol.overlap_weight, pol.decode_weight, pol.temperature, pol.busy_waiting) == (2.0, 3.0, 0.5, 8)
 
 

@@ -6,12 +6,12 @@ import itertools
 
 import pytest
 
+from kvmesh.core.errors import SnapshotError
 from kvmesh.core.events import Cleared, Event, EventsMessage, IndexReset, Removed, Stored, WorkerRemoved
 from kvmesh.core.hashing import local_block_hashes
 from kvmesh.core.snapshot import (
     FORMAT_VERSION,
     HEADER_SIZE,
-    SnapshotError,
     decode_snapshot,
     encode_snapshot,
     read_header,

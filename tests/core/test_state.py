@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.core.errors import RequestError
+from kvmesh.core.errors import RequestError, UnknownModelError
 from kvmesh.core.events import (
     Cleared,
     Event,
@@ -16,7 +16,7 @@ from kvmesh.core.events import (
     encode_message,
 )
 from kvmesh.core.hashing import local_block_hashes
-from kvmesh.core.state import HolderMatch, IndexState, MatchResult, UnknownModelError
+from kvmesh.core.state import HolderMatch, IndexState, MatchResult
 
 MODEL = "llama"
 BS = 4

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -44,8 +43,16 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client
 
-from kvmesh.core.errors import KvmeshError
-from kvmesh.core.load import RequestRef
+from kvmesh.core.errors import (
+    BadRequestError,
+    InternalError,
+    NoWorkersError,
+    ProtocolError,
+    RouteError,
+    UnavailableError,
+    UnknownModelError,
+)
+from kvmesh.core.protocol import PolicyOverride, RequestRef, RouteReply, RouteRequest, decode_answer, encode
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import (
     AuthorizationError,
@@ -81,99 +88,17 @@ __all__ = [
 ]
 
 
-class RouteError(KvmeshError):
-    """An error reply of the route API; ``code`` is its code, ``message`` the router's text."""
-
-    code = "internal"
-
-    def __init__(self, message: str, *, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        if code is not None:
-            self.code = code
-
-
-class BadRequestError(RouteError, ValueError):
-    """The request was invalid (``bad_request``)."""
-
-    code = "bad_request"
-
-
-class UnknownModelError(RouteError, LookupError):
-    """No worker serves the model (``unknown_model``)."""
-
-    code = "unknown_model"
-
-
-class NoWorkersError(RouteError, LookupError):
-    """No candidate worker is left (``no_workers``)."""
-
-    code = "no_workers"
-
-
-class UnavailableError(RouteError):
-    """No router or indexer could answer in time (``unavailable``)."""
-
-    code = "unavailable"
-
-
-class InternalError(RouteError):
-    """The router failed (``internal``)."""
-
-    code = "internal"
-
-
-_ERRORS: dict[str, type[RouteError]] = {
-    c.code: c for c in (BadRequestError, UnknownModelError, NoWorkersError, UnavailableError, InternalError)
-}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RouteReply:
-    """A successful route answer (see the route API)."""
-
-    request_id: str | None
-    worker_id: str
-    dp_rank: int
-    overlap_blocks: int
-    cached_tokens: int
-    block_size: int
-    index_seq: int
-    scores: list[dict[str, Any]] | None = field(default=None)
-    mode: str = "exact"
-    """``"exact"``; ``"degraded"`` (the router's index lags the stream beyond its bound, or the chosen holder's
-    index is stale or incomplete: see `degraded_reason`); ``"load_only"`` (no trustworthy index: routed on load
-    alone). Replies of routers that predate it decode as ``"exact"``."""
-    degraded_reason: str | None = None
-    """Why the mode is not ``"exact"`` (None when it is)."""
-    selection: dict[str, Any] | None = None
-    """With ``explain``: candidates ``total``, ``considered``, ``cut``, ``bounded`` and the stale ranks
-    ``skipped`` (``worker_id``, ``dp_rank``, ``reason``; ``skipped_total`` counts them all)."""
-
-
 def reply_from_json(data: bytes) -> RouteReply:
-    """Turn a route reply body into a `RouteReply`, or raise the `RouteError` it carries."""
+    """Turn a route reply body into a `RouteReply`, or raise the `RouteError` it carries.
+
+    Raises:
+        RouteError: the subclass for the reply's error code (`InternalError` for a code unknown here).
+        InternalError: the reply is not a route reply at all (a `ProtocolError` underneath).
+    """
     try:
-        body = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
-        raise InternalError(f"router reply is not JSON: {exc}") from exc
-    if "error" in body:
-        err = body["error"]
-        code = err.get("code", "internal")
-        raise _ERRORS.get(code, InternalError)(err.get("message", ""), code=code)
-    return RouteReply(
-        request_id=body.get("request_id"),
-        worker_id=body["worker_id"],
-        dp_rank=body["dp_rank"],
-        overlap_blocks=body["overlap_blocks"],
-        cached_tokens=body["cached_tokens"],
-        block_size=body["block_size"],
-        index_seq=body["index_seq"],
-        scores=body.get("scores"),
-        mode=body.get("mode", "exact"),
-        degraded_reason=body.get("degraded_reason"),
-        selection=body.get("selection"),
-    )
+        return decode_answer(data, RouteReply)
+    except ProtocolError as exc:
+        raise InternalError(f"router reply does not decode: {exc}") from exc
 
 
 class Router:
@@ -260,19 +185,21 @@ class Router:
             RouteError: the subclass for the reply's error code; `UnavailableError` also when no router
                 answered within the timeout.
         """
-        body: dict[str, Any] = {"model": model, "token_ids": list(token_ids)}
-        for k, v in (
-            ("lora_name", lora_name),
-            ("cache_salt", cache_salt),
-            ("request_id", request_id),
-            ("candidates", list(candidates) if candidates is not None else None),
-            ("policy", dict(policy) if policy is not None else None),
-        ):
-            if v is not None:
-                body[k] = v
-        if explain:
-            body["explain"] = True
-        return reply_from_json(await self.request_raw(msgspec.json.encode(body)))
+        try:
+            overrides = None if policy is None else msgspec.convert(dict(policy), PolicyOverride)
+        except msgspec.ValidationError as exc:
+            raise BadRequestError(f"invalid policy: {exc}") from exc
+        body = RouteRequest(
+            model=model,
+            token_ids=list(token_ids),
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            candidates=list(candidates) if candidates is not None else None,
+            request_id=request_id,
+            explain=explain,
+            policy=overrides,
+        )
+        return reply_from_json(await self.request_raw(encode(body)))
 
     async def request_raw(self, body: bytes) -> bytes:
         """Send a raw route request body and return the raw reply body.
@@ -306,7 +233,7 @@ class Router:
         try:
             await self._nc.publish(
                 subjects.requests_subject(self._requests_prefix, event),
-                msgspec.json.encode(RequestRef(request_id=request_id)),
+                encode(RequestRef(request_id=request_id)),
             )
         except nats.errors.Error as exc:
             raise UnavailableError(f"cannot publish {event} for {request_id!r}: {exc}") from exc

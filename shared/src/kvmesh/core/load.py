@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-import msgspec
+from kvmesh.core.protocol import LedgerEntry, LedgerSnapshot, Routed, WorkerLoad
 
 DEFAULT_REQUEST_TTL_S: Final[float] = 300.0
 DEFAULT_LOAD_TTL_S: Final[float] = 10.0
@@ -49,60 +49,6 @@ Key = tuple[str, int]
 
 
 # ---------------------------------------------------------------------------------------- wire messages
-
-
-class WorkerLoad(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
-    """One engine's load report (JSON body on ``kvmesh.load.<worker>``); unknown fields are ignored."""
-
-    worker_id: str
-    dp_rank: int = 0
-    model: str | None = None
-    running: int | None = None
-    """Requests the engine is running (decoding or prefilling)."""
-    waiting: int | None = None
-    """Requests queued in the engine, not yet scheduled."""
-    kv_usage: float | None = None
-    """Fraction of the engine's KV-cache blocks in use, 0–1."""
-    prefix_hit_rate: float | None = None
-    """Fraction of prompt tokens found in the prefix cache, 0–1 (informational)."""
-
-
-class Routed(msgspec.Struct, kw_only=True, frozen=True):
-    """A router sent ``request_id`` to (worker, dp rank); body of ``kvmesh.requests.routed``."""
-
-    request_id: str
-    worker_id: str
-    dp_rank: int
-    prefill_tokens: int
-    """Prompt tokens the worker has to compute (prompt tokens − cached tokens), ≥ 0."""
-    blocks: int
-    """KV blocks the request occupies while it runs: ceil(prompt tokens / block size)."""
-
-
-class RequestRef(msgspec.Struct, kw_only=True, frozen=True):
-    """Body of ``kvmesh.requests.prefill_done`` and ``kvmesh.requests.finished``."""
-
-    request_id: str
-
-
-class LedgerEntry(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
-    """One in-flight request in a ledger snapshot (``kvmesh.requests.sync`` reply)."""
-
-    request_id: str
-    worker_id: str
-    dp_rank: int
-    prefill_tokens: int
-    """Remaining active prefill tokens (0 once prefill is done)."""
-    blocks: int
-    age_s: float
-    """Seconds since the request was routed, as seen by the replica that answered."""
-
-
-class LedgerSnapshot(msgspec.Struct, kw_only=True, frozen=True):
-    """Reply of ``kvmesh.requests.sync``: every in-flight request a replica holds."""
-
-    entries: list[LedgerEntry]
-    version: int = 1
 
 
 # ---------------------------------------------------------------------------------------- ledger

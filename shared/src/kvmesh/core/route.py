@@ -53,29 +53,19 @@ import random
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Final
+from typing import Any, Final
 
 import msgspec
 import xxhash
 
 from kvmesh.core.errors import RequestError
-from kvmesh.core.load import ZERO_LOAD, ActiveLoad, WorkerLoad
+from kvmesh.core.load import ZERO_LOAD, ActiveLoad
+from kvmesh.core.protocol import PolicyOverride, RouteRequest, WorkerLoad
 
 DEFAULT_MAX_TOKENS: Final[int] = 1_048_576
-MAX_TOKEN_ID: Final[int] = 2**32 - 1
 GPU_TIER: Final[str] = "GPU"
 UNKNOWN_TIER_WEIGHT: Final[float] = 0.5
 """Weight of a block on a tier missing from `Policy.tier_weights`."""
-
-ERROR_STATUS: Final[dict[str, int]] = {
-    "bad_request": 400,
-    "unknown_model": 404,
-    "no_workers": 404,
-    "unavailable": 503,
-    "internal": 500,
-}
-"""Route error codes and the numeric ``Nats-Service-Error-Code`` each is sent with."""
-
 
 # ---------------------------------------------------------------------------------------- policy
 
@@ -120,47 +110,7 @@ class Policy:
         return self.tier_weights.get(medium.upper(), UNKNOWN_TIER_WEIGHT)
 
 
-class PolicyOverride(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Per-request overrides of `Policy` (the request's ``policy`` object); None keeps the router's value."""
-
-    overlap_weight: float | None = None
-    decode_weight: float | None = None
-    temperature: float | None = None
-    tier_weights: dict[str, float] | None = None
-    busy_kv_usage: float | None = None
-    busy_waiting: int | None = None
-
-    def apply(self, base: Policy) -> Policy:
-        """Return ``base`` with every non-None override set (tier weights merge into the base's)."""
-        changes: dict[str, Any] = {
-            f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None
-        }
-        if "tier_weights" in changes:
-            changes["tier_weights"] = {
-                **base.tier_weights,
-                **{k.upper(): v for k, v in changes["tier_weights"].items()},
-            }
-        return replace(base, **changes) if changes else base
-
-
 # ---------------------------------------------------------------------------------------- request
-
-
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
-"""A token id, checked while decoding (in C: a 4,096-token prompt costs no Python-level pass)."""
-
-
-class RouteRequest(msgspec.Struct, kw_only=True):
-    """A parsed route request."""
-
-    model: str
-    token_ids: list[TokenId]
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    candidates: list[str] | None = None
-    request_id: str | None = None
-    explain: bool = False
-    policy: PolicyOverride | None = None
 
 
 _decoder = msgspec.json.Decoder(RouteRequest)
@@ -216,11 +166,27 @@ def parse_route_request(
             field="token_ids",
         )
     if req.policy is not None:
-        problems = req.policy.apply(base_policy or Policy()).problems()
+        problems = apply_override(base_policy or Policy(), req.policy).problems()
         if problems:
             first = problems[0].split(" ", 1)[0]
             raise RequestError("policy." + "; policy.".join(problems), field=f"policy.{first}")
     return req
+
+
+def apply_override(base: Policy, override: PolicyOverride | None) -> Policy:
+    """Return ``base`` with every non-None field of a request's ``policy`` set (tier weights merge into the
+    base's, upper-cased)."""
+    if override is None:
+        return base
+    changes: dict[str, Any] = {
+        f: getattr(override, f) for f in override.__struct_fields__ if getattr(override, f) is not None
+    }
+    if "tier_weights" in changes:
+        changes["tier_weights"] = {
+            **base.tier_weights,
+            **{k.upper(): v for k, v in changes["tier_weights"].items()},
+        }
+    return replace(base, **changes) if changes else base
 
 
 def route_seed(request_id: str | None, body: bytes) -> int:
@@ -433,11 +399,6 @@ def merge_candidates(indexed: Sequence[Candidate], live: Sequence[tuple[str, int
         Candidate(worker_id=w, dp_rank=r, overlap_blocks=0, cached_blocks=0) for w, r in sorted(keep - seen)
     )
     return out
-
-
-def error_body(code: str, message: str) -> dict[str, Any]:
-    """Return the JSON error reply of the route API."""
-    return {"error": {"code": code, "message": message}}
 
 
 # ---------------------------------------------------------------------------------------- candidates

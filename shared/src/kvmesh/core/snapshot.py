@@ -44,7 +44,7 @@ from typing import Final
 import msgspec
 import xxhash
 
-from kvmesh.core.errors import KvmeshError
+from kvmesh.core.errors import SnapshotError
 from kvmesh.core.hashing import SEED
 from kvmesh.core.index import Holder, HolderExport, IndexExport, TierExport
 from kvmesh.core.state import StateExport, WorkerExport
@@ -59,18 +59,6 @@ _OLD_FORMATS: Final[dict[int, str]] = {
 }
 _CHUNK: Final[int] = 65_536
 """Ints packed per C call, so a thread encoding a snapshot gives the GIL back every millisecond or so."""
-
-
-class SnapshotError(KvmeshError, ValueError):
-    """The bytes are not a whole, verified snapshot of a format this build reads.
-
-    Attributes:
-        reason: ``"truncated"``, ``"magic"``, ``"version"``, ``"checksum"`` or ``"body"``.
-    """
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

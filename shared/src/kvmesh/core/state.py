@@ -93,6 +93,7 @@ from typing import Final
 
 import xxhash
 
+from kvmesh.core.errors import UnknownModelError
 from kvmesh.core.events import (
     Cleared,
     EventsMessage,
@@ -259,10 +260,6 @@ class StateExport:
     """Stream sequence after which messages were lost (see `IndexState.mark_gap`), or None."""
     healed: tuple[tuple[str, int], ...]
     """Holders rebuilt from nothing since the gap."""
-
-
-class UnknownModelError(KeyError):
-    """The model has no worker in the index."""
 
 
 class IndexState:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Protocol, TypeVar
 
-from kvmesh.core.errors import KvmeshError
-from kvmesh.runtime.config import ConfigError, add_arguments, load, to_dict
+from kvmesh.core.errors import ConfigError, KvmeshError
+from kvmesh.runtime.config import add_arguments, load, to_dict
 
 S = TypeVar("S")
 

@@ -13,25 +13,17 @@ import argparse
 import dataclasses
 import json
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 
-from kvmesh.core.errors import KvmeshError
+from kvmesh.core.errors import ConfigError
 
 SHARED_FIELDS = frozenset({"nats_url", "log_level", "route_subject", "match_subject", "stream"})
 
 T = TypeVar("T")
-
-
-class ConfigError(KvmeshError, ValueError):
-    """Settings that cannot be used; ``problems`` lists every one found."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
-        self.problems = list(problems)
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, secret: bool = False) -> Any:

@@ -24,7 +24,8 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client
 
-from kvmesh.core.load import PrefixCounters, WorkerLoad, from_vllm_metrics
+from kvmesh.core.load import PrefixCounters, from_vllm_metrics
+from kvmesh.core.protocol import WorkerLoad
 from kvmesh.runtime import subjects
 
 log = logging.getLogger("kvmesh.runtime.metrics")

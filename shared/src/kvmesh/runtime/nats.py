@@ -1,16 +1,7 @@
 """NATS plumbing shared by the services: connecting, the events stream, error mapping.
 
-TransportError (KvmeshError)       something between us and NATS failed
- ├ ConnectError                     the first connection could not be made (``reason`` says why)
- │  ├ BadURLError                   the URL is not nats://, tls://, ws:// or wss:// (also ValueError)
- │  ├ UnknownHostError              the host name does not resolve
- │  ├ ConnectRefusedError           nothing listens on the port
- │  ├ ConnectTimeoutError           no answer in time (a firewall, a host that is down)
- │  ├ NotNatsServerError            something answers that is not a NATS client port (the monitoring port)
- │  ├ AuthorizationError            the server refused the credentials
- │  └ TLSError                      tls:// asked for TLS and the server offers none, or the handshake failed
- ├ ConnectionClosedForGood          the client closed its connection and will not reconnect
- └ StreamUnavailableError           the events stream does not exist (yet) or JetStream is off
+nats-py's exceptions become kvmesh's `TransportError` subtree here (drawn in `kvmesh.core.errors`, where the
+classes live; they are re-exported from this module).
 
 Every URL this module logs or puts in an error goes through `redact_url` first: credentials never reach logs.
 """
@@ -35,21 +26,48 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from kvmesh.core.errors import KvmeshError
+from kvmesh.core.errors import (
+    AuthorizationError,
+    BadURLError,
+    ConnectError,
+    ConnectionClosedForGood,
+    ConnectRefusedError,
+    ConnectTimeoutError,
+    NotNatsServerError,
+    StreamUnavailableError,
+    TLSError,
+    TransportError,
+    UnknownHostError,
+)
 from kvmesh.runtime import subjects
 from kvmesh.runtime.snapshots import DEFAULT_STREAM_MAX_AGE_S, DEFAULT_STREAM_MAX_BYTES
+
+__all__ = [
+    "DEFAULT_NATS_URL",
+    "AuthorizationError",
+    "BadURLError",
+    "ConnectError",
+    "ConnectRefusedError",
+    "ConnectTimeoutError",
+    "ConnectionClosedForGood",
+    "NotNatsServerError",
+    "StreamSettings",
+    "StreamUnavailableError",
+    "TLSError",
+    "TransportError",
+    "UnknownHostError",
+    "close_quietly",
+    "connect",
+    "ensure_stream",
+    "redact_url",
+    "split_servers",
+    "wait_closed",
+    "wait_for_stream",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NATS_URL: Final[str] = "nats://127.0.0.1:4222"
-
-
-class TransportError(KvmeshError):
-    """A NATS or ZMQ operation failed."""
-
-
-class StreamUnavailableError(TransportError):
-    """The events stream does not exist (yet), or JetStream is not enabled on the server."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,64 +86,6 @@ class StreamSettings:
     """Window in which a repeated ``Nats-Msg-Id`` is dropped by the server (seconds)."""
     memory: bool = False
     """Memory storage instead of file storage (tests, demos)."""
-
-
-class ConnectError(TransportError):
-    """The first connection to NATS could not be made.
-
-    Attributes:
-        reason: a short code: ``bad_url``, ``unknown_host``, ``refused``, ``timeout``, ``not_nats``,
-            ``authorization``, ``tls`` or ``unreachable`` (anything else).
-        servers: the server URL(s) as given, credentials redacted.
-    """
-
-    reason = "unreachable"
-
-    def __init__(self, message: str, *, servers: str = "") -> None:
-        super().__init__(message)
-        self.servers = servers
-
-
-class BadURLError(ConnectError, ValueError):
-    """The URL cannot name a NATS server (a scheme other than nats://, tls://, ws://, wss://, no host)."""
-
-    reason = "bad_url"
-
-
-class UnknownHostError(ConnectError):
-    """The server's host name does not resolve."""
-
-    reason = "unknown_host"
-
-
-class ConnectRefusedError(ConnectError):
-    """Nothing listens on the server's port (connection refused)."""
-
-    reason = "refused"
-
-
-class ConnectTimeoutError(ConnectError):
-    """The server did not answer within the connect timeout (a firewall that drops, a host that is down)."""
-
-    reason = "timeout"
-
-
-class NotNatsServerError(ConnectError):
-    """Something answers on the port but it is not a NATS client port (for example the HTTP monitoring port)."""
-
-    reason = "not_nats"
-
-
-class AuthorizationError(ConnectError):
-    """The server refused the credentials (user and password, token, nkey or creds file)."""
-
-    reason = "authorization"
-
-
-class TLSError(ConnectError):
-    """A tls:// URL asked for TLS and the server offers none, or the TLS handshake failed."""
-
-    reason = "tls"
 
 
 _SCHEMES: Final[frozenset[str]] = frozenset({"nats", "tls", "ws", "wss"})
@@ -509,11 +469,6 @@ async def close_quietly(nc: Client, *, timeout_s: float = 2.0) -> None:
     if not nc.is_closed:
         with contextlib.suppress(Exception):
             await nc.close()
-
-
-class ConnectionClosedForGood(TransportError):
-    """The NATS client closed its connection and will not reconnect (nats-py does this on some server errors,
-    e.g. a publish over the max payload); a service raises it so its supervisor restarts the process."""
 
 
 async def wait_closed(nc: Client, *, poll_s: float = 1.0) -> None:

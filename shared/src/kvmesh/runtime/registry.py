@@ -26,28 +26,12 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from kvmesh.core.events import WorkerRemoved, encode_message
+from kvmesh.core.protocol import WorkerRecord
 from kvmesh.core.route import RankSet, RegisteredWorker
 from kvmesh.runtime import subjects
 from kvmesh.runtime.snapshots import open_kv
 
 log = logging.getLogger(__name__)
-
-
-class WorkerRecord(msgspec.Struct, kw_only=True, frozen=True):
-    """What an ingest registers for its worker (the KV value, JSON)."""
-
-    worker_id: str
-    model: str
-    dp_ranks: int
-    """Data-parallel ranks the ingest reads."""
-    block_size: int | None
-    incarnation: int
-    """Highest engine epoch of the worker's ranks when this heartbeat was sent."""
-    heartbeat_ts: float = 0.0
-    """Wall-clock time of the heartbeat (seconds since the epoch)."""
-    stale_ranks: dict[int, str] = msgspec.field(default_factory=dict)
-    """dp_rank → why its engine is stale (silent and not answering liveness probes; `kvmesh.core.liveness`).
-    Routers do not route to a stale rank; empty when every rank is live."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,628 @@
+"""Every payload that crosses a process boundary, as frozen msgspec Structs, and one way to decode them.
+
+Producers encode these Structs and consumers decode them with `decode`; nothing between processes is an
+unnamed dict. Each top-level message has a ``version`` (absent on the wire means 1, so version-1 bytes are the
+same as before the field existed); `decode` refuses a later version than this build reads.
+
+=================================  ========================================  ========  =====================
+subject                            body                                      encoding  reply
+=================================  ========================================  ========  =====================
+``kvmesh.route``                   `RouteRequest`                            JSON      `RouteReply` or
+                                                                                       `ErrorReply`
+``kvmesh.match`` (indexers)        `MatchRequest`                            msgpack   `MatchReply` or
+                                                                                       `ErrorReply`
+``kvmesh.status``                  (empty)                                   JSON      `IngestStatus`,
+                                                                                       `IndexerStatus`
+``$SRV.STATS.kvmesh-router``       (nats micro)                              JSON      `RouterStats` as the
+                                                                                       endpoint's ``data``
+``kvmesh.snapshot``                `SnapshotRequest`                         JSON      `SnapshotResult`
+``kvmesh.requests.routed``         `Routed`                                  JSON      —
+``kvmesh.requests.prefill_done``   `RequestRef`                              JSON      —
+``kvmesh.requests.finished``       `RequestRef`                              JSON      —
+``kvmesh.requests.sync``           (empty)                                   JSON      `LedgerSnapshot`
+``kvmesh.load.<worker>``           `WorkerLoad`                              JSON      —
+registry KV value                  `WorkerRecord`                            JSON      —
+``kvmesh.events.…`` (stream)       `EventsMessage`, `WorkerRemoved`,         msgpack   —
+                                   `IndexReset` (`kvmesh.core.events`)
+snapshot objects                   `kvmesh.core.snapshot` (binary format)    binary    —
+=================================  ========================================  ========  =====================
+
+The stream messages and snapshots keep their own modules (they have their own schema versions and hot
+decoders) and are re-exported here, so this module names every inter-process payload.
+
+Errors: a request that does not decode raises `RequestError` (answered ``bad_request``); any other payload
+raises `ProtocolError`; both name the field at fault when msgspec says which.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from kvmesh.core.errors import (
+    ROUTE_ERRORS,
+    ProtocolError,
+    RequestError,
+    route_error,
+)
+from kvmesh.core.events import EventsMessage, IndexReset, WorkerRemoved
+
+__all__ = [
+    "ERROR_STATUS",
+    "MAX_TOKEN_ID",
+    "PROTOCOL_VERSION",
+    "EngineStatus",
+    "ErrorBody",
+    "ErrorReply",
+    "EventsMessage",
+    "HealthExplain",
+    "HolderStatus",
+    "IndexReset",
+    "IndexerStatus",
+    "IngestRankStatus",
+    "IngestStatus",
+    "LedgerEntry",
+    "LedgerSnapshot",
+    "LedgerStats",
+    "LoadExplain",
+    "MatchHolder",
+    "MatchReply",
+    "MatchRequest",
+    "Message",
+    "PolicyOverride",
+    "RequestRef",
+    "RouteReply",
+    "RouteRequest",
+    "Routed",
+    "RouterIndexStats",
+    "RouterStats",
+    "ScoreExplain",
+    "SelectionExplain",
+    "SkippedCandidate",
+    "SnapshotRequest",
+    "SnapshotResult",
+    "TokenId",
+    "WorkerLoad",
+    "WorkerRecord",
+    "WorkerRemoved",
+    "decode",
+    "encode",
+    "error_reply",
+    "raise_for_error",
+]
+
+PROTOCOL_VERSION: Final[int] = 1
+"""The highest ``version`` of every message below that this build reads and writes."""
+
+MAX_TOKEN_ID: Final[int] = 2**32 - 1
+
+ERROR_STATUS: Final[dict[str, int]] = {cls.code: cls.status for cls in ROUTE_ERRORS}
+"""Error code → the numeric ``Nats-Service-Error-Code`` it is sent with (from `kvmesh.core.errors`'s classes:
+``bad_request`` 400, ``unknown_model`` 404, ``no_workers`` 404, ``unavailable`` 503, ``internal`` 500)."""
+
+
+class Message(msgspec.Struct, kw_only=True, frozen=True):
+    """Base of every top-level message: the optional ``version`` (UNSET on the wire means 1)."""
+
+    version: int | UnsetType = UNSET
+    """Protocol version of the message; absent means 1 (`PROTOCOL_VERSION` is the newest this build reads)."""
+
+    REQUEST: ClassVar[bool] = False
+    """Whether a bad body is the sender's fault (`RequestError`, ``bad_request``) rather than a peer's."""
+
+
+# ---------------------------------------------------------------------------------------- route API
+
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+"""A token id, checked while decoding (in C: a 4,096-token prompt costs no Python-level pass)."""
+
+
+class PolicyOverride(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Per-request overrides of the router's `kvmesh.core.route.Policy` (the request's ``policy`` object);
+    None keeps the router's value. Unknown keys are refused (`RequestError` naming ``policy.<key>``)."""
+
+    overlap_weight: float | None = None
+    decode_weight: float | None = None
+    temperature: float | None = None
+    tier_weights: dict[str, float] | None = None
+    busy_kv_usage: float | None = None
+    busy_waiting: int | None = None
+
+
+class RouteRequest(Message, kw_only=True, frozen=True, omit_defaults=True):
+    """Body of ``kvmesh.route``: which worker for these tokens?"""
+
+    REQUEST: ClassVar[bool] = True
+
+    model: str
+    token_ids: list[TokenId]
+    """The prompt's token ids, each in ``[0, 2**32)``."""
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    candidates: list[str] | None = None
+    """Worker ids to choose among (None: every worker of the model)."""
+    request_id: str | None = None
+    """Load accounting: the route counts on the chosen worker until `RequestRef` notes end it."""
+    explain: bool = False
+    policy: PolicyOverride | None = None
+
+
+class HealthExplain(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A holder's state in an explained reply: ``exact``, ``stale`` or ``incomplete``, and why when not exact."""
+
+    state: str
+    reason: str | None = None
+
+
+class LoadExplain(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A candidate's load in an explained reply: the routers' own accounting, plus the engine's last report
+    (each engine field absent when the engine did not report it)."""
+
+    active_prefill_tokens: int
+    active_blocks: int
+    active_requests: int
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None
+    prefix_hit_rate: float | None = None
+
+
+class ScoreExplain(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """One candidate's score in an explained reply (eligible candidates first, best first)."""
+
+    worker_id: str
+    dp_rank: int
+    overlap_blocks: int
+    cached_tokens: int
+    """Leading prompt tokens cached, unweighted (``overlap_blocks`` × the candidate's block size)."""
+    cached_tokens_by_tier: dict[str, int]
+    weighted_cached_tokens: float
+    """``cached_tokens`` weighted by storage tier (the policy's ``tier_weights``)."""
+    cached_blocks: int
+    """All blocks indexed for the candidate (its cache size)."""
+    load: LoadExplain
+    prefill_blocks: float
+    decode_blocks: float
+    busy: bool
+    cost: float
+    health: HealthExplain
+    probability: float | None = None
+    """Chance of being sampled (temperature > 0, eligible candidates only)."""
+
+
+class SkippedCandidate(msgspec.Struct, kw_only=True, frozen=True):
+    """A registered rank the route did not consider, and why (``"stale: …"``)."""
+
+    worker_id: str
+    dp_rank: int
+    reason: str
+
+
+class SelectionExplain(msgspec.Struct, kw_only=True, frozen=True):
+    """How the candidates were bounded (explained replies): ``total`` worth scoring, ``considered``, ``cut``."""
+
+    total: int
+    considered: int
+    cut: int
+    bounded: bool
+    skipped: list[SkippedCandidate]
+    skipped_total: int
+
+
+class RouteReply(Message, kw_only=True, frozen=True, omit_defaults=True):
+    """A successful route answer (``scores``, ``degraded_reason`` and ``selection`` are absent on the wire when
+    None)."""
+
+    request_id: str | None
+    worker_id: str
+    dp_rank: int
+    overlap_blocks: int
+    cached_tokens: int
+    block_size: int
+    index_seq: int
+    """Stream sequence the answering index had applied."""
+    scores: list[ScoreExplain] | None = None
+    """With ``explain``: every candidate's score."""
+    mode: str
+    """``"exact"``; ``"degraded"`` (the index lags the stream beyond the router's bound, or the chosen holder is
+    stale or incomplete: see ``degraded_reason``); ``"load_only"`` (no trustworthy index: routed on load
+    alone)."""
+    degraded_reason: str | None = None
+    """Why the mode is not ``"exact"``."""
+    selection: SelectionExplain | None = None
+    """With ``explain``: how the candidates were bounded and which stale ranks were skipped."""
+
+
+class ErrorBody(msgspec.Struct, kw_only=True, frozen=True):
+    """The ``error`` object of an error reply: one of `ERROR_STATUS`'s codes and a message."""
+
+    code: str
+    message: str
+
+
+class ErrorReply(Message, kw_only=True, frozen=True, omit_defaults=True):
+    """An error reply of the route or match API (sent with ``Nats-Service-Error-Code`` = ``ERROR_STATUS[code]``)."""
+
+    error: ErrorBody
+    request_id: str | None = None
+    """The request's id, when it had one short enough to repeat (absent otherwise)."""
+
+
+def error_reply(code: str, message: str, *, request_id: str | None = None) -> ErrorReply:
+    """Return the error reply for ``code`` (a key of `ERROR_STATUS`)."""
+    return ErrorReply(error=ErrorBody(code=code, message=message), request_id=request_id)
+
+
+def raise_for_error(reply: ErrorReply) -> None:
+    """Raise the `RouteError` subclass an error reply carries (`InternalError` for a code unknown here)."""
+    raise route_error(reply.error.code, reply.error.message)
+
+
+# ---------------------------------------------------------------------------------------- match API
+
+
+class MatchRequest(Message, kw_only=True, frozen=True):
+    """Body of an indexer's match subject (msgpack), sent by routers with ``--index remote``."""
+
+    REQUEST: ClassVar[bool] = True
+
+    model: str
+    token_ids: bytes | list[int]
+    """Token ids packed as little-endian uint32, or as a list of ints (when the packed form would not fit)."""
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class MatchHolder(msgspec.Struct, frozen=True, array_like=True):
+    """One holder of a match reply, as an array ``[worker_id, dp_rank, overlap_blocks, cached_blocks, tiers,
+    block_size, health]``; indexers before kvmesh 0.1 sent 4 to 6 elements, which decode with the defaults."""
+
+    worker_id: str
+    dp_rank: int
+    overlap_blocks: int
+    cached_blocks: int
+    tiers: dict[str, int] | None = None
+    """Overlap blocks per storage medium, or None: all on GPU."""
+    block_size: int = 0
+    """The holder's own block size (0: the model's)."""
+    health: str | None = None
+    """None when the index's picture of the holder is exact, else why not."""
+
+
+class MatchReply(Message, kw_only=True, frozen=True):
+    """An indexer's match answer (msgpack)."""
+
+    index_seq: int
+    block_size: int
+    prompt_blocks: int
+    replica: str = ""
+    candidates: list[MatchHolder] = msgspec.field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------- status
+
+
+class EngineStatus(msgspec.Struct, kw_only=True, frozen=True):
+    """An ingest rank's engine liveness: ``live``, ``stale``, ``gone`` or ``unprobed``; why; probes sent."""
+
+    state: str
+    reason: str
+    probes: int
+
+
+class IngestRankStatus(msgspec.Struct, kw_only=True, frozen=True):
+    """One dp_rank of an ingest: its ZMQ endpoint, engine epoch and sequence, and counters."""
+
+    endpoint: str
+    epoch: int
+    last_seq: int | None
+    replaying: bool
+    block_size: int | None
+    sequence: dict[str, int]
+    """`kvmesh.core.sequencing.TrackerStats` fields."""
+    events: dict[str, int]
+    """`kvmesh.core.normalize.NormalizeStats` fields."""
+    engine: EngineStatus
+
+
+class IngestStatus(Message, kw_only=True, frozen=True):
+    """An ingest's answer on ``kvmesh.status``."""
+
+    worker_id: str
+    model: str
+    outbox: int
+    """Messages waiting for, or in, the publish window."""
+    counters: dict[str, int]
+    ranks: dict[str, IngestRankStatus]
+    """dp_rank (as a string: JSON keys) → its status."""
+
+
+class IndexerStatus(Message, kw_only=True, frozen=True):
+    """An indexer replica's answer on ``kvmesh.status``."""
+
+    replica: str
+    stream: str
+    ready: bool
+    applied_seq: int
+    blocks: int
+    digest: str
+    """The index's order-independent digest, 16 hex digits (equal digests: equal indexes)."""
+    models: dict[str, list[int]]
+    """Model → its block sizes."""
+    counters: dict[str, int]
+    workers: dict[str, dict[str, Any]]
+    complete: bool
+    incomplete: list[str]
+    holder_health: dict[str, str]
+    reset_epoch: int
+    read_messages: int
+    resubscribes: int
+    stream_id: str
+    rebuilds: int
+    recovery: dict[str, Any]
+    snapshots: dict[str, Any]
+    snapshot_writer: bool
+
+
+class HolderStatus(msgspec.Struct, kw_only=True, frozen=True):
+    """A holder that is not exact in a router's view: ``stale`` or ``incomplete``, and why."""
+
+    state: str
+    reason: str
+
+
+class RouterIndexStats(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """The index part of a router's stats (``mode`` ``local``: its replica; ``remote``: the indexers); fields of
+    the other mode are absent."""
+
+    route_mode: str
+    """The mode a route would get now (``exact``, ``degraded``, ``load_only``)."""
+    holders: dict[str, HolderStatus]
+    """``"worker/rank"`` → state, for holders that are not exact (at most 64 listed)."""
+    holders_not_exact: int
+    mode: str
+    route_subject: str
+    degraded_reason: str | None = None
+    match_subject: str | None = None
+    lag_messages: int | None = None
+    lag_s: float | None = None
+    stream: str | None = None
+    applied_seq: int | None = None
+    blocks: int | None = None
+    read_messages: int | None = None
+    decode_errors: int | None = None
+    apply_errors: int | None = None
+    recovery: dict[str, Any] | None = None
+
+
+class LedgerStats(msgspec.Struct, kw_only=True, frozen=True):
+    """Request lifecycle notes a router has counted."""
+
+    routed: int
+    prefill_done: int
+    finished: int
+    expired: int
+    unknown: int
+
+
+class RouterStats(Message, kw_only=True, frozen=True):
+    """The ``data`` of a router's route endpoint in ``$SRV.STATS`` (what `kvmesh status` shows)."""
+
+    routed: int
+    errors: dict[str, int]
+    in_flight: int
+    ledger: LedgerStats
+    engine_reports: int
+    modes: dict[str, int]
+    candidates_cut: dict[str, int]
+    index: RouterIndexStats
+
+
+# ---------------------------------------------------------------------------------------- snapshots
+
+
+class SnapshotRequest(Message, kw_only=True, frozen=True):
+    """Body of ``kvmesh.snapshot`` (``kvmesh snapshot``): the stream whose replicas should write one (None: all)."""
+
+    REQUEST: ClassVar[bool] = True
+
+    stream: str | None = None
+
+
+class SnapshotResult(Message, kw_only=True, frozen=True):
+    """One replica's answer to a snapshot request: written (with its costs) or not (with the reason)."""
+
+    written: bool
+    replica: str = ""
+    stream: str = ""
+    reason: str | UnsetType = UNSET
+    """Why nothing was written."""
+    error: str | UnsetType = UNSET
+    """The failure's exception name, when writing failed."""
+    name: str | UnsetType = UNSET
+    """The snapshot object's name."""
+    stream_id: str | UnsetType = UNSET
+    applied_seq: int | UnsetType = UNSET
+    bytes: int | UnsetType = UNSET
+    stall_ms: float | UnsetType = UNSET
+    """Milliseconds the index was held to export it."""
+    encode_ms: float | UnsetType = UNSET
+    store_ms: float | UnsetType = UNSET
+    deleted: int | UnsetType = UNSET
+    """Older snapshots deleted (``--snapshot-keep``)."""
+    purged_before: int | UnsetType | None = UNSET
+    """Stream sequence before which messages were purged (None: no purge)."""
+
+
+# ---------------------------------------------------------------------------------------- lifecycle and load
+
+
+class Routed(Message, kw_only=True, frozen=True):
+    """A router sent ``request_id`` to (worker, dp_rank); body of ``kvmesh.requests.routed``."""
+
+    request_id: str
+    worker_id: str
+    dp_rank: int
+    prefill_tokens: int
+    """Prompt tokens the worker has to compute (prompt tokens − cached tokens), ≥ 0."""
+    blocks: int
+    """KV blocks the request occupies while it runs: ceil(prompt tokens / block size)."""
+
+
+class RequestRef(Message, kw_only=True, frozen=True):
+    """Body of ``kvmesh.requests.prefill_done`` and ``kvmesh.requests.finished``."""
+
+    request_id: str
+
+
+class LedgerEntry(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
+    """One in-flight request in a ledger snapshot (``kvmesh.requests.sync`` reply)."""
+
+    request_id: str
+    worker_id: str
+    dp_rank: int
+    prefill_tokens: int
+    """Remaining active prefill tokens (0 once prefill is done)."""
+    blocks: int
+    age_s: float
+    """Seconds since the request was routed, as seen by the replica that answered."""
+
+
+class LedgerSnapshot(msgspec.Struct, kw_only=True, frozen=True):
+    """Reply of ``kvmesh.requests.sync``: every in-flight request a router replica holds."""
+
+    entries: list[LedgerEntry]
+    version: int = 1
+
+
+class WorkerLoad(Message, kw_only=True, frozen=True, omit_defaults=True):
+    """One engine's load report (JSON body on ``kvmesh.load.<worker>``); unknown fields are ignored."""
+
+    worker_id: str
+    dp_rank: int = 0
+    model: str | None = None
+    running: int | None = None
+    """Requests the engine is running (decoding or prefilling)."""
+    waiting: int | None = None
+    """Requests queued in the engine, not yet scheduled."""
+    kv_usage: float | None = None
+    """Fraction of the engine's KV-cache blocks in use, 0–1."""
+    prefix_hit_rate: float | None = None
+    """Fraction of prompt tokens found in the prefix cache, 0–1 (informational)."""
+
+
+class WorkerRecord(Message, kw_only=True, frozen=True):
+    """What an ingest registers for its worker (the registry KV value, JSON)."""
+
+    worker_id: str
+    model: str
+    dp_ranks: int
+    """Data-parallel ranks the ingest reads."""
+    block_size: int | None
+    incarnation: int
+    """Highest engine epoch of the worker's ranks when this heartbeat was sent."""
+    heartbeat_ts: float = 0.0
+    """Wall-clock time of the heartbeat (seconds since the epoch)."""
+    stale_ranks: dict[int, str] = msgspec.field(default_factory=dict)
+    """dp_rank → why its engine is stale (silent and not answering liveness probes; `kvmesh.core.liveness`).
+    Routers do not route to a stale rank; empty when every rank is live."""
+
+
+# ---------------------------------------------------------------------------------------- codec
+
+M = TypeVar("M", bound=msgspec.Struct)
+
+_json = msgspec.json.Encoder()
+_msgpack = msgspec.msgpack.Encoder()
+_decoders: dict[tuple[type[Any], str], msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any]] = {}
+_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z_.\[\]0-9]*)`")
+_MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
+
+
+def encode(msg: msgspec.Struct, *, format: Literal["json", "msgpack"] = "json") -> bytes:
+    """Encode a message of this module as JSON (default) or msgpack."""
+    return _json.encode(msg) if format == "json" else _msgpack.encode(msg)
+
+
+def _decoder(kind: type[Any], format: str) -> msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any]:
+    dec = _decoders.get((kind, format))
+    if dec is None:
+        dec = msgspec.json.Decoder(kind) if format == "json" else msgspec.msgpack.Decoder(kind)
+        _decoders[(kind, format)] = dec
+    return dec
+
+
+def _field_of(text: str) -> str | None:
+    m = _PATH.search(text)
+    name = m.group(1) if m else None
+    u = _UNKNOWN.search(text)
+    if u is not None:
+        return f"{name}.{u.group(1)}" if name else u.group(1)
+    missing = _MISSING.search(text)
+    if missing is not None:
+        return f"{name}.{missing.group(1)}" if name else missing.group(1)
+    return name
+
+
+def decode(data: bytes, kind: type[M], *, format: Literal["json", "msgpack"] = "json") -> M:
+    """Decode ``data`` into the message type ``kind``.
+
+    Args:
+        data: the payload as received.
+        kind: a message Struct of this module (`RouteRequest`, `MatchReply`, …).
+        format: ``"json"`` or ``"msgpack"`` (see the module table for each subject's encoding).
+
+    Raises:
+        RequestError: ``kind`` is a request (`RouteRequest`, `MatchRequest`, `SnapshotRequest`) and ``data``
+            does not decode into it (``field`` names the culprit when msgspec says which).
+        ProtocolError: the same for any other message, or its ``version`` is later than `PROTOCOL_VERSION`.
+    """
+    error = RequestError if getattr(kind, "REQUEST", False) else ProtocolError
+    try:
+        msg: M = _decoder(kind, format).decode(data)
+    except msgspec.ValidationError as exc:
+        raise error(f"bad {kind.__name__}: {exc}", field=_field_of(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        what = "JSON" if format == "json" else "msgpack"
+        raise error(f"bad {kind.__name__}: not {what}: {exc}") from exc
+    except RecursionError as exc:  # msgspec gives up on input nested deeper than it can decode
+        raise error(f"bad {kind.__name__}: nested too deeply to decode") from exc
+    version = getattr(msg, "version", UNSET)
+    if version is not UNSET and version > PROTOCOL_VERSION:
+        raise error(
+            f"{kind.__name__} of version {version}: this kvmesh reads up to version {PROTOCOL_VERSION}",
+            field="version",
+        )
+    return msg
+
+
+def decode_answer(
+    data: bytes, kind: type[M], *, format: Literal["json", "msgpack"] = "json"
+) -> M:
+    """Decode a reply that is either ``kind`` or an `ErrorReply`.
+
+    Raises:
+        RouteError: the subclass for the error reply's code.
+        ProtocolError: the reply is neither.
+    """
+    if _looks_like_error(data, format):
+        raise_for_error(decode(data, ErrorReply, format=format))
+    return decode(data, kind, format=format)
+
+
+class _ErrorProbe(msgspec.Struct):
+    error: ErrorBody | UnsetType = UNSET
+
+
+def _looks_like_error(data: bytes, format: str) -> bool:
+    try:
+        probe: _ErrorProbe = _decoder(_ErrorProbe, format).decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return False
+    return probe.error is not UNSET
+

@@ -1,0 +1,387 @@
+"""The router's answer, sans I/O: match answer → candidates → decision → reply and explain.
+
+Nothing here touches NATS, the event loop or a clock. The service (`kvmesh.router.endpoint`) reads the time,
+the registry and the index, passes what they say in, and carries out what comes back: it raises the error,
+notes the candidate bound, counts the mode, records and publishes the `Routed` note, sends the reply.
+
+One route, in order:
+
+1. `refuse_without_live_ranks` — before any match: a model whose registered ranks are all stale or gone;
+2. the match answer (`MatchAnswer`), built by `match_answer` from the local replica's `MatchResult`, from an
+   indexer's reply (`parse_match_reply`), or empty for a registered model the index lacks
+   (`serves_unindexed`);
+3. `route_answer` — ``load_only`` zeroes the overlaps, the request's ``candidates`` narrow them, the bound
+   chooses (`kvmesh.core.route.select_candidates`), `kvmesh.core.route.decide` picks, each scored holder's
+   health (`kvmesh.router.health.holder_state`) may turn ``exact`` into ``degraded``, and the reply (with
+   explain when asked) is shaped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvmesh.core.errors import InternalError, NoWorkersError, RouteError
+from kvmesh.core.load import ActiveLoad, EngineLoads, LoadLedger
+from kvmesh.core.protocol import (
+    ERROR_STATUS,
+    HealthExplain,
+    LoadExplain,
+    MatchReply,
+    Routed,
+    RouteReply,
+    RouteRequest,
+    ScoreExplain,
+    SelectionExplain,
+    SkippedCandidate,
+    WorkerLoad,
+    decode_answer,
+)
+from kvmesh.core.route import (
+    Candidate,
+    Decision,
+    Policy,
+    RankSet,
+    Score,
+    Selection,
+    apply_override,
+    decide,
+    route_seed,
+    select_candidates,
+)
+from kvmesh.router.health import HolderState, RecordLike, holder_state
+
+Key = tuple[str, int]
+"""(worker id, dp rank)."""
+
+
+# ---------------------------------------------------------------------------------------- match answer
+
+
+class HolderLike(Protocol):
+    """One holder of a match answer, as the local index (`HolderMatch`) or an indexer reply row gives it."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def dp_rank(self) -> int: ...
+    @property
+    def overlap_blocks(self) -> int: ...
+    @property
+    def cached_blocks(self) -> int: ...
+    @property
+    def tiers(self) -> Mapping[str, int] | None: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def health(self) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MatchAnswer:
+    """What the index says about a prompt, whichever index answered."""
+
+    index_seq: int
+    """Stream sequence the answering index had applied."""
+    block_size: int
+    """Tokens per block of the model's index (0: not known)."""
+    candidates: tuple[Candidate, ...]
+    """Every holder of the model the index knows, with its overlap."""
+
+
+def match_answer(index_seq: int, block_size: int, holders: Iterable[HolderLike]) -> MatchAnswer:
+    """Return the match answer of an index at ``index_seq`` (the one place holders become `Candidate`s)."""
+    return MatchAnswer(
+        index_seq=index_seq,
+        block_size=block_size,
+        candidates=tuple(
+            Candidate(
+                worker_id=h.worker_id,
+                dp_rank=h.dp_rank,
+                overlap_blocks=h.overlap_blocks,
+                cached_blocks=h.cached_blocks,
+                tiers=h.tiers,
+                health=h.health,
+                block_size=h.block_size,
+            )
+            for h in holders
+        ),
+    )
+
+
+def parse_match_reply(data: bytes) -> MatchAnswer:
+    """Return the match answer of an indexer's msgpack reply (`MatchReply`, or an `ErrorReply`).
+
+    Raises:
+        RouteError: the indexer answered an error (a code the route API does not know becomes `InternalError`).
+        ProtocolError: the reply is neither (the caller answers ``internal``).
+    """
+    try:
+        reply = decode_answer(data, MatchReply, format="msgpack")
+    except RouteError as exc:
+        if exc.code not in ERROR_STATUS:
+            raise InternalError(exc.message) from exc
+        raise
+    return match_answer(reply.index_seq, reply.block_size, reply.candidates)
+
+
+def serves_unindexed(exc: RouteError, ranks: RankSet | None) -> bool:
+    """Whether a model the index does not know is routed anyway: live registered ranks, nothing cached.
+
+    After `kvmesh reset` forgot every worker, heartbeating workers would otherwise be refused until an engine
+    stores again.
+    """
+    return exc.code == "unknown_model" and ranks is not None and ranks.live_count > 0
+
+
+def registered_block_size(records: Mapping[str, RecordLike] | None, model: str) -> int:
+    """Return the block size the registry's workers of ``model`` report (0 when none does)."""
+    for record in (records or {}).values():
+        if record.model == model and record.block_size:
+            return record.block_size
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- refusals
+
+
+def refuse_without_live_ranks(parsed: RouteRequest, ranks: RankSet | None) -> RouteError | None:
+    """Return the ``no_workers`` refusal of a model with registered ranks none of which is live, else None.
+
+    Only without ``candidates`` in the request (those are checked against the ranks they name).
+    """
+    if ranks is None or ranks.live_count != 0 or parsed.candidates:
+        return None
+    if ranks.stale_count:
+        sw, sr, why = ranks.stale_listed[0]  # a registered rank (a record may name others)
+        return NoWorkersError(
+            f"no live workers: every registered rank of model {parsed.model!r} "
+            f"({ranks.stale_count}) has a stale engine (e.g. {sw}/{sr}: {why})",
+        )
+    return NoWorkersError(
+        f"every worker of model {parsed.model!r} has left the worker registry (heartbeats stopped)",
+    )
+
+
+# ---------------------------------------------------------------------------------------- decision
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteOutcome:
+    """What one route comes to; the service carries it out in this order.
+
+    1. ``selection`` (when not None): note the candidate bound (`Selection.bounded`);
+    2. ``error`` (when not None): answer it, nothing else;
+    3. count ``mode``, record and publish ``routed`` (when not None), send ``reply``.
+    """
+
+    selection: Selection | None = None
+    error: RouteError | None = None
+    mode: str = "exact"
+    reply: RouteReply | None = None
+    routed: Routed | None = None
+    """The lifecycle note of a request with a ``request_id``: record it, then tell every replica."""
+
+
+def route_answer(
+    parsed: RouteRequest,
+    body: bytes,
+    match: MatchAnswer,
+    ranks: RankSet | None,
+    *,
+    index_mode: tuple[str, str | None],
+    policy: Policy,
+    max_candidates: int,
+    ledger: LoadLedger,
+    engine_loads: EngineLoads,
+    now: float,
+    wall: float,
+    records: Mapping[str, RecordLike] | None,
+    heartbeat_late_s: float,
+) -> RouteOutcome:
+    """Decide one route from what the router knows at ``now``.
+
+    Args:
+        parsed: the request; ``body``: its bytes (the seed when it has no ``request_id``).
+        match: the index's answer for the prompt.
+        ranks: the model's registered ranks, or None (no registry opinion: the index's holders as they are).
+        index_mode: the router's own mode before a holder is chosen (`kvmesh.router.health.index_mode`).
+        policy: the router's cost policy (the request's overrides are applied here).
+        max_candidates: the most candidates scored.
+        ledger, engine_loads: router-side and engine-reported load (read only; expire them before).
+        now: monotonic seconds of the ledger and the engine loads; ``wall``: seconds since the epoch
+            (heartbeat ages).
+        records: the registry's worker records by worker id (heartbeats), or None.
+        heartbeat_late_s: heartbeat age at which a holder is stale (0: off).
+    """
+    mode, mode_reason = index_mode
+    indexed: Sequence[Candidate] = match.candidates
+    if mode == "load_only":
+        indexed = [
+            Candidate(worker_id=c.worker_id, dp_rank=c.dp_rank, overlap_blocks=0, cached_blocks=0)
+            for c in indexed
+        ]
+    seed = route_seed(parsed.request_id, body)
+
+    def loaded(worker_id: str, dp_rank: int) -> bool:
+        return (
+            ledger.load(worker_id, dp_rank, now_s=now).requests > 0
+            or engine_loads.get(worker_id, dp_rank, now) is not None
+        )
+
+    offered = bool(indexed) or (ranks is not None and ranks.live_count > 0)
+    if parsed.candidates is not None:  # narrowed before the bound, so a requested worker is never cut
+        allow = set(parsed.candidates)
+        indexed = [c for c in indexed if c.worker_id in allow]
+        ranks = ranks.only(parsed.candidates) if ranks is not None else None
+        if ranks is not None and ranks.live_count == 0 and ranks.stale_count:
+            sw, sr, why = ranks.stale_listed[0]
+            return RouteOutcome(
+                error=NoWorkersError(
+                    f"no live workers among the candidates {parsed.candidates}: every registered rank of them "
+                    f"({ranks.stale_count}) has a stale engine (e.g. {sw}/{sr}: {why})",
+                )
+            )
+    selection = select_candidates(indexed, ranks, max_candidates=max_candidates, seed=seed, loaded=loaded)
+    candidates = selection.candidates
+    active: dict[Key, ActiveLoad] = {}
+    engine: dict[Key, WorkerLoad] = {}
+    for c in candidates:
+        a = ledger.load(c.worker_id, c.dp_rank, excluding=parsed.request_id, now_s=now)
+        if a.requests:
+            active[(c.worker_id, c.dp_rank)] = a
+        e = engine_loads.get(c.worker_id, c.dp_rank, now)
+        if e is not None:
+            engine[(c.worker_id, c.dp_rank)] = e
+    block_size = match.block_size
+    prompt_tokens = len(parsed.token_ids)
+    decision = decide(
+        candidates,
+        prompt_tokens=prompt_tokens,
+        block_size=block_size,
+        policy=apply_override(policy, parsed.policy),
+        active=active,
+        engine=engine,
+        seed=seed,
+        allowed=parsed.candidates,
+    )
+    if decision is None:
+        if parsed.candidates is not None and offered:
+            message = f"none of the candidates {parsed.candidates} serves {parsed.model!r}"
+        else:
+            message = f"no worker serves model {parsed.model!r}"
+        return RouteOutcome(selection=selection, error=NoWorkersError(message))
+    lagging = mode == "degraded"
+    beats = records if ranks is not None else None
+    states = {
+        (c.worker_id, c.dp_rank): holder_state(
+            c, lagging=lagging, records=beats, heartbeat_late_s=heartbeat_late_s, wall=wall
+        )
+        for c in candidates
+    }
+    w = decision.winner
+    state, holder_why = states[(w.worker_id, w.dp_rank)]
+    if mode == "exact" and state != "exact":
+        mode = "degraded"
+        mode_reason = f"the chosen holder {w.worker_id}/{w.dp_rank} is {state}: {holder_why}"
+    routed = None
+    if parsed.request_id is not None:
+        routed = Routed(
+            request_id=parsed.request_id,
+            worker_id=w.worker_id,
+            dp_rank=w.dp_rank,
+            prefill_tokens=max(prompt_tokens - w.overlap_tokens, 0),
+            blocks=-(-prompt_tokens // max(block_size, 1)),
+        )
+    reply = route_reply(
+        parsed,
+        decision,
+        match,
+        states,
+        mode=mode,
+        degraded_reason=mode_reason,
+        selection=explain_selection(selection) if parsed.explain else None,
+    )
+    return RouteOutcome(selection=selection, mode=mode, reply=reply, routed=routed)
+
+
+# ---------------------------------------------------------------------------------------- reply
+
+
+def route_reply(
+    parsed: RouteRequest,
+    decision: Decision,
+    match: MatchAnswer,
+    states: Mapping[Key, HolderState],
+    *,
+    mode: str,
+    degraded_reason: str | None,
+    selection: SelectionExplain | None,
+) -> RouteReply:
+    """Return the reply: the winner, the mode and why not exact, and with explain each score and the
+    selection."""
+    w = decision.winner
+    return RouteReply(
+        request_id=parsed.request_id,
+        worker_id=w.worker_id,
+        dp_rank=w.dp_rank,
+        overlap_blocks=w.overlap_blocks,
+        cached_tokens=w.overlap_tokens,
+        block_size=match.block_size,
+        index_seq=match.index_seq,
+        scores=[
+            explain_score(s, states.get((s.worker_id, s.dp_rank), ("exact", None))) for s in decision.scores
+        ]
+        if parsed.explain
+        else None,
+        mode=mode,
+        degraded_reason=degraded_reason,
+        selection=selection,
+    )
+
+
+def explain_score(s: Score, state: HolderState) -> ScoreExplain:
+    """Return one scored candidate as explain lists it: affinity, load (the engine's report where one is
+    fresh), cost and health."""
+    e = s.engine
+    load = LoadExplain(
+        active_prefill_tokens=s.active.prefill_tokens,
+        active_blocks=s.active.blocks,
+        active_requests=s.active.requests,
+        running=e.running if e is not None else None,
+        waiting=e.waiting if e is not None else None,
+        kv_usage=e.kv_usage if e is not None else None,
+        prefix_hit_rate=e.prefix_hit_rate if e is not None else None,
+    )
+    return ScoreExplain(
+        worker_id=s.worker_id,
+        dp_rank=s.dp_rank,
+        overlap_blocks=s.overlap_blocks,
+        cached_tokens=s.overlap_tokens,
+        cached_tokens_by_tier=dict(s.tier_tokens),
+        weighted_cached_tokens=s.cached_tokens,
+        cached_blocks=s.cached_blocks,
+        load=load,
+        prefill_blocks=s.prefill_blocks,
+        decode_blocks=s.decode_blocks,
+        busy=s.busy,
+        cost=s.cost,
+        health=HealthExplain(state=state[0], reason=state[1]),
+        probability=s.probability,
+    )
+
+
+def explain_selection(selection: Selection) -> SelectionExplain:
+    """Return explain's ``selection``: candidates worth scoring, scored, cut, and the stale ranks skipped."""
+    return SelectionExplain(
+        total=selection.total,
+        considered=len(selection.candidates),
+        cut=selection.cut,
+        bounded=selection.bounded,
+        skipped=[
+            SkippedCandidate(worker_id=sw, dp_rank=sr, reason=f"stale: {sreason}")
+            for sw, sr, sreason in selection.skipped
+        ],
+        skipped_total=selection.skipped_total,
+    )

@@ -1,0 +1,130 @@
+"""The router's shared accounting: request lifecycle notes, engine load reports and the start-up sync.
+
+Plain subscriptions (no queue group), so every replica sees every note:
+
+* ``<requests_prefix>.routed`` — `Routed`, published by the replica that routed a request with a
+  ``request_id`` (after recording it itself, before it replies: `LifecycleNotes.routed`);
+* ``<requests_prefix>.prefill_done`` / ``.finished`` — `RequestRef`, published by clients;
+* ``<requests_prefix>.sync`` — a starting replica asks its peers for their ledger (`LedgerSnapshot`,
+  msgpack); it subscribes to the notes first, so nothing falls between the snapshot and the live notes;
+* ``<load_prefix>.<worker>`` — engine load reports (`WorkerLoad`, JSON).
+
+An undecodable note is logged (a load report at debug level) and dropped; nothing else is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from kvmesh.core.errors import ProtocolError
+from kvmesh.core.load import EngineLoads, LoadLedger
+from kvmesh.core.protocol import LedgerSnapshot, RequestRef, Routed, WorkerLoad, decode, encode
+from kvmesh.router.config import RouterSettings
+from kvmesh.runtime import subjects
+
+log = logging.getLogger("kvmesh.router")
+
+
+class LifecycleNotes:
+    """Keeps a replica's ledger and engine loads in step with every other replica's.
+
+    Args:
+        settings: the router's settings (subject prefixes, sync timeout).
+        ledger: the replica's ledger of routed requests.
+        engine_loads: the engines' load reports.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        ledger: LoadLedger,
+        engine_loads: EngineLoads,
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.settings = settings
+        self.ledger = ledger
+        self.engine_loads = engine_loads
+        self._clock = clock
+        self._nc: Client | None = None
+        self.synced_requests = 0
+        """In-flight requests restored from a peer's ledger at start-up."""
+
+    def _subject(self, event: str) -> str:
+        return subjects.requests_subject(self.settings.requests_prefix, event)
+
+    async def subscribe(self, nc: Client) -> list[Subscription]:
+        """Subscribe to the lifecycle notes and the load reports; return the subscriptions."""
+        self._nc = nc
+        return [
+            await nc.subscribe(self._subject("routed"), cb=self._on_routed),
+            await nc.subscribe(self._subject("prefill_done"), cb=self._on_prefill_done),
+            await nc.subscribe(self._subject("finished"), cb=self._on_finished),
+            await nc.subscribe(f"{self.settings.load_prefix}.>", cb=self._on_load),
+        ]
+
+    async def sync_from_peers(self, nc: Client) -> None:
+        """Ask one peer replica for its in-flight requests (none answering is fine: first replica)."""
+        s = self.settings
+        if s.sync_timeout_s <= 0:
+            return
+        try:
+            msg = await nc.request(self._subject("sync"), b"", timeout=s.sync_timeout_s)
+            snap = decode(msg.data, LedgerSnapshot, format="msgpack")
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
+            return
+        except ProtocolError as exc:
+            log.warning("router: undecodable accounting snapshot from a peer: %s", exc)
+            return
+        self.synced_requests = self.ledger.restore(snap, self._clock())
+
+    async def serve_sync(self, nc: Client) -> Subscription:
+        """Answer later replicas' sync requests with this replica's ledger; return the subscription."""
+        return await nc.subscribe(self._subject("sync"), cb=self._on_sync)
+
+    async def routed(self, event: Routed) -> None:
+        """Record a request this replica routed and tell every replica (before the client hears back)."""
+        self.ledger.routed(event, self._clock())
+        if self._nc is None:
+            return
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.publish(self._subject("routed"), encode(event))
+
+    async def _on_sync(self, msg: Msg) -> None:
+        if msg.reply:
+            now = self._clock()
+            self.ledger.expire(now)
+            with contextlib.suppress(nats.errors.Error):
+                await msg.respond(encode(self.ledger.snapshot(now), format="msgpack"))
+
+    async def _on_routed(self, msg: Msg) -> None:
+        try:
+            event = decode(msg.data, Routed)
+        except ProtocolError:
+            log.warning("router: undecodable routed event on %s", msg.subject)
+            return
+        self.ledger.routed(event, self._clock())
+
+    async def _on_prefill_done(self, msg: Msg) -> None:
+        with contextlib.suppress(ProtocolError):
+            self.ledger.prefill_done(decode(msg.data, RequestRef).request_id, self._clock())
+
+    async def _on_finished(self, msg: Msg) -> None:
+        with contextlib.suppress(ProtocolError):
+            self.ledger.finished(decode(msg.data, RequestRef).request_id, self._clock())
+
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            report = decode(msg.data, WorkerLoad)
+        except ProtocolError:
+            log.debug("router: undecodable load report on %s", msg.subject)
+            return
+        self.engine_loads.update(report, self._clock())

@@ -1,0 +1,98 @@
+"""The router's ``$SRV.STATS`` data (what `kvmesh status` shows), sans I/O: the shell gathers, this shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.core import load
+from kvmesh.core.protocol import HolderStatus, LedgerStats, RouterIndexStats, RouterStats
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaFigures:
+    """The local replica's figures at one moment (``--index local``)."""
+
+    stream: str
+    applied_seq: int
+    blocks: int
+    read_messages: int
+    decode_errors: int
+    apply_errors: int
+    recovery: dict[str, Any]
+    lag_messages: int
+    lag_s: float
+
+
+def index_stats(
+    route_mode: str,
+    degraded_reason: str | None,
+    holders: tuple[dict[str, HolderStatus], int],
+    *,
+    route_subject: str,
+    match_subject: str,
+    replica: ReplicaFigures | None,
+) -> RouterIndexStats:
+    """Return the stats' ``index``: the route mode, the non-exact holders and their count
+    (`kvmesh.router.health.holders_status`), and where the overlaps come from (``mode`` ``remote``: the
+    indexers on ``match_subject``; ``local``: the replica's sequence, size, counters and lag, seconds
+    rounded to the millisecond)."""
+    listed, total = holders
+    if replica is None:
+        return RouterIndexStats(
+            route_mode=route_mode,
+            holders=listed,
+            holders_not_exact=total,
+            mode="remote",
+            route_subject=route_subject,
+            degraded_reason=degraded_reason,
+            match_subject=match_subject,
+        )
+    return RouterIndexStats(
+        route_mode=route_mode,
+        holders=listed,
+        holders_not_exact=total,
+        mode="local",
+        route_subject=route_subject,
+        degraded_reason=degraded_reason,
+        lag_messages=replica.lag_messages,
+        lag_s=round(replica.lag_s, 3),
+        stream=replica.stream,
+        applied_seq=replica.applied_seq,
+        blocks=replica.blocks,
+        read_messages=replica.read_messages,
+        decode_errors=replica.decode_errors,
+        apply_errors=replica.apply_errors,
+        recovery=replica.recovery,
+    )
+
+
+def router_stats(
+    *,
+    routed: int,
+    errors: Mapping[str, int],
+    ledger: load.LedgerStats,
+    engine_reports: int,
+    modes: Mapping[str, int],
+    candidates_cut: Mapping[str, int],
+    index: RouterIndexStats,
+) -> RouterStats:
+    """Return the route endpoint's stats: replies, error replies per code, the shared ledger's counters and
+    in-flight requests, engine reports held, replies per mode, candidates cut per model, and ``index``."""
+    return RouterStats(
+        routed=routed,
+        errors=dict(errors),
+        in_flight=ledger.active,
+        ledger=LedgerStats(
+            routed=ledger.routed,
+            prefill_done=ledger.prefill_done,
+            finished=ledger.finished,
+            expired=ledger.expired,
+            unknown=ledger.unknown,
+        ),
+        engine_reports=engine_reports,
+        modes=dict(modes),
+        candidates_cut=dict(candidates_cut),
+        index=index,
+    )

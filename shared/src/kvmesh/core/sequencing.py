@@ -199,6 +199,17 @@ class SeqTracker:
             self.gap_end = self.live_high if self.live_high is not None else 0
         return [NewEpoch(self.epoch, 0), StartReplay(0)]
 
+    def rejoin(self, epoch: int) -> None:
+        """Continue under incarnation ``epoch`` with the cursor kept: the ingest started a new incarnation of
+        its worker (a rejoin after the worker left the registry), announced by its own Cleared.
+
+        Raises:
+            ValueError: ``epoch`` is not above the current epoch (incarnations only rise).
+        """
+        if epoch <= self.epoch:
+            raise ValueError(f"epoch {epoch} is not above the current epoch {self.epoch}")
+        self.epoch = epoch
+
     def on_replay_end(self, reason: str = "replay_incomplete") -> list[Action]:
         """The replay ended (end marker, timeout, or error) — resynchronise if anything is still missing."""
         actions: list[Action] = []

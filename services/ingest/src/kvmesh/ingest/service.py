@@ -1185,7 +1185,7 @@ class IngestService:
         """
         epoch = max((r.tracker.epoch for r in self._ranks.values()), default=0) + 1
         for rank in self._ranks.values():
-            rank.tracker.epoch = epoch
+            rank.tracker.rejoin(epoch)
             self._enqueue_clear(rank, reason)
 
     async def _still_registered(self) -> bool:

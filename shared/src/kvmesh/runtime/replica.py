@@ -30,7 +30,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 
-from kvmesh.core.events import decode_message
+from kvmesh.core.apply import Skipped, StreamApplier
 from kvmesh.core.state import IndexState
 from kvmesh.runtime import subjects
 from kvmesh.runtime.snapshots import SnapshotStore, plan_recovery, stream_id
@@ -117,10 +117,7 @@ class StreamReplica:
         on_message: Callable[[], None] | None = None,
     ) -> None:
         self.state = IndexState()
-        self.read_messages = 0
-        """Stream messages the consumer received."""
-        self.decode_errors = 0
-        self.apply_errors = 0
+        self._applier = StreamApplier()
         self.resubscribes = 0
         """Times the consumer stalled and was re-created (NATS restarts)."""
         self.rebuilds = 0
@@ -138,6 +135,21 @@ class StreamReplica:
         self._on_message = on_message
         self._target_seq = 0
         self._caught_up = asyncio.Event()
+
+    @property
+    def read_messages(self) -> int:
+        """Stream messages the consumer received."""
+        return self._applier.messages
+
+    @property
+    def decode_errors(self) -> int:
+        """Stream messages that did not decode (skipped)."""
+        return self._applier.decode_errors
+
+    @property
+    def apply_errors(self) -> int:
+        """Stream messages that failed to apply (skipped)."""
+        return self._applier.apply_errors
 
     @property
     def caught_up(self) -> bool:
@@ -319,29 +331,33 @@ class StreamReplica:
                 return
 
     async def _consume(self, sub: Any) -> None:
-        state = self.state
+        applier = self._applier
         on_message = self._on_message
         async for msg in sub.messages:
             seq = msg.metadata.sequence.stream
-            self.read_messages += 1
             if on_message is not None:
                 on_message()
             if seq >= self._target_seq or getattr(msg.metadata, "num_pending", None) == 0:
                 # Waiters wake only at our next await, after this message has been applied below. Nothing
                 # pending also counts: the start-up target may have been deleted from the stream.
                 self._caught_up.set()
-            try:
-                message = decode_message(msg.data)
-            except Exception as exc:  # MessageDecodeError, or anything a hostile payload provokes
-                self.decode_errors += 1
-                state.applied_seq = max(state.applied_seq, seq)
-                log.warning(
-                    "%s: stream seq %d (%s) undecodable, skipped: %s", self._name, seq, msg.subject, exc
-                )
-                continue
-            try:
-                state.apply(seq, message)
-            except Exception:
-                self.apply_errors += 1
-                state.applied_seq = max(state.applied_seq, seq)
-                log.exception("%s: stream seq %d (%s) failed to apply, skipped", self._name, seq, msg.subject)
+            skipped = applier.apply(self.state, seq, msg.data)
+            if skipped is not None:
+                log_skipped(self._name, skipped, msg.subject)
+
+
+def log_skipped(name: str, skipped: Skipped, subject: str) -> None:
+    """Log a stream message the apply path skipped, with its sequence and subject (a traceback when it failed
+    to apply: that is a bug, where an undecodable message is bad input)."""
+    if skipped.kind == "undecodable":
+        log.warning(
+            "%s: stream seq %d (%s) undecodable, skipped: %s", name, skipped.seq, subject, skipped.error
+        )
+    else:
+        log.error(
+            "%s: stream seq %d (%s) failed to apply, skipped",
+            name,
+            skipped.seq,
+            subject,
+            exc_info=skipped.error,
+        )

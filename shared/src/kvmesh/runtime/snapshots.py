@@ -48,9 +48,9 @@ from nats.js.api import (
     StorageType,
 )
 
-from kvmesh.core.errors import MessageDecodeError
-from kvmesh.core.events import decode_message
-from kvmesh.core.snapshot import SnapshotError, decode_snapshot
+from kvmesh.core.apply import StreamApplier
+from kvmesh.core.errors import SnapshotError
+from kvmesh.core.snapshot import decode_snapshot
 from kvmesh.core.state import IndexState, StateExport
 from kvmesh.runtime import subjects
 
@@ -545,13 +545,14 @@ async def replay_stream(
 ) -> ReplayStats:
     """Apply the stream's messages ``start_seq .. to_seq`` to a state with an ordered consumer (no durable one).
 
-    Messages that do not decode or fail to apply are counted and skipped, as the indexer does.
+    Messages that do not decode or fail to apply are counted and skipped by the indexer's own apply path
+    (`kvmesh.core.apply.StreamApplier`).
 
     Raises:
         TimeoutError: no message arrived for ``timeout_s`` seconds before ``to_seq`` was applied.
     """
     t0 = time.perf_counter()
-    counts = [0, 0, 0]  # messages, decode errors, apply errors
+    applier = StreamApplier()
     if to_seq < start_seq or state.applied_seq >= to_seq:
         return ReplayStats(messages=0, decode_errors=0, apply_errors=0, seconds=0.0)
     done = asyncio.Event()
@@ -562,17 +563,9 @@ async def replay_stream(
         if seq > to_seq:  # delivered ahead of our unsubscribe: not part of this replay
             done.set()
             return
-        counts[0] += 1
         if on_message is not None:
             on_message(seq)
-        try:
-            state.apply(seq, decode_message(msg.data))
-        except MessageDecodeError:
-            counts[1] += 1
-            state.applied_seq = max(state.applied_seq, seq)
-        except Exception:
-            counts[2] += 1
-            state.applied_seq = max(state.applied_seq, seq)
+        applier.apply(state, seq, msg.data)
         if state.applied_seq >= to_seq:
             done.set()
 
@@ -590,20 +583,19 @@ async def replay_stream(
     try:
         seen = -1
         while not done.is_set():
-            if counts[0] == seen:
+            if applier.messages == seen:
                 raise TimeoutError(
                     f"stream {stream}: nothing after seq {state.applied_seq} within {timeout_s:g} s"
                 )
-            seen = counts[0]
+            seen = applier.messages
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), timeout_s)
     finally:
         with contextlib.suppress(nats.errors.Error):
             await sub.unsubscribe()
-    messages, decode_errors, apply_errors = counts
     return ReplayStats(
-        messages=messages,
-        decode_errors=decode_errors,
-        apply_errors=apply_errors,
+        messages=applier.messages,
+        decode_errors=applier.decode_errors,
+        apply_errors=applier.apply_errors,
         seconds=time.perf_counter() - t0,
     )

@@ -1,0 +1,150 @@
+"""The indexer's registry watch: publish `WorkerRemoved` when a worker's key goes, reconcile the members.
+
+Every replica watches the worker registry (`kvmesh.runtime.registry`). When a registered worker's key expires
+or is deleted it publishes the worker's removal (`kvmesh.indexer.policy.removal_on_delete`). A worker whose
+key any replica saw is recorded durably as a ``member-<worker>`` object in the snapshot bucket; once the
+watch has delivered the keys that exist, every member without a key that is still live in the index is
+removed, and one that is not is forgotten (`policy.reconcile_member`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import msgspec
+
+from kvmesh.core.protocol import WorkerRecord
+from kvmesh.indexer import policy
+from kvmesh.indexer.config import IndexerSettings
+from kvmesh.runtime import subjects
+from kvmesh.runtime.registry import WATCH_INACTIVE_S, publish_removal
+from kvmesh.runtime.replica import StreamReplica
+from kvmesh.runtime.snapshots import SnapshotStore
+
+log = logging.getLogger("kvmesh.indexer")
+
+RETRY_S = 1.0
+"""Pause before a failed registry watch is started again (seconds)."""
+
+
+class RegistryWatch:
+    """One replica's watch of the worker registry.
+
+    Args:
+        settings: the replica's settings (stream, events prefix).
+        replica: this replica's name (log lines).
+        js: a JetStream context (removals are published into the events stream).
+        kv: the registry KV bucket.
+        store: the snapshot bucket holding the ``member-<worker>`` objects.
+        stream: the replica whose index says which workers are live.
+        stop: set by the owner; ends `run`.
+    """
+
+    def __init__(
+        self,
+        settings: IndexerSettings,
+        replica: str,
+        *,
+        js: Any,
+        kv: Any,
+        store: SnapshotStore,
+        stream: StreamReplica,
+        stop: asyncio.Event,
+    ) -> None:
+        self.settings = settings
+        self.replica = replica
+        self.removals_published = 0
+        """`WorkerRemoved` messages this replica published."""
+        self._js = js
+        self._kv = kv
+        self._store = store
+        self._stream = stream
+        self._stop = stop
+        self._registry: dict[str, WorkerRecord] = {}
+        self._members: dict[str, str] = {}
+        """Registry members (worker id → model), mirrored from the snapshot bucket."""
+
+    async def run(self) -> None:
+        """Watch until stopped; a failed watch is logged and started again after `RETRY_S`."""
+        while not self._stop.is_set():
+            try:
+                self._members = await self._store.members()
+                watcher = await self._kv.watchall(inactive_threshold=WATCH_INACTIVE_S)
+                sync = policy.RegistrySync()
+                async for entry in watcher:
+                    if entry is None:
+                        if sync.end_of_initial():
+                            await self._reconcile(sync.registered)
+                        continue
+                    sync.seen(
+                        subjects.from_kv_key(entry.key), present=entry.operation is None and bool(entry.value)
+                    )
+                    await self._on_entry(entry)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("indexer %s: registry watch failed (%r); restarting", self.replica, exc)
+                await asyncio.sleep(RETRY_S)
+
+    async def _reconcile(self, registered: set[str]) -> None:
+        """Remove every member live in the index that has no key now; forget those that are not live.
+
+        A worker that never heartbeated (a stream fed directly, without a registry) is no member and stays.
+        """
+        for worker, model in sorted(self._members.items()):
+            action = policy.reconcile_member(worker, model, registered, self._stream.state.live_worker)
+            if isinstance(action, policy.Forget):
+                await self._store.delete_member(worker)
+                self._members.pop(worker, None)
+            elif action is not None:
+                seq = await self._publish(action)
+                log.warning(
+                    "indexer %s: worker %s (a registry member) has no registry key: published its removal "
+                    "(incarnation %d) at seq %d",
+                    self.replica,
+                    worker,
+                    action.incarnation,
+                    seq,
+                )
+
+    async def _on_entry(self, entry: Any) -> None:
+        worker = subjects.from_kv_key(entry.key)
+        if entry.operation is None:
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                put = msgspec.json.decode(entry.value or b"", type=WorkerRecord)
+                self._registry[worker] = put
+                if worker not in self._members:
+                    await self._store.put_member(worker, put.model)
+                    self._members[worker] = put.model
+            return
+        record = self._registry.pop(worker, None)
+        removal = policy.removal_on_delete(worker, entry.operation, record, self._stream.state.live_worker)
+        if removal is None:
+            return
+        seq = await self._publish(removal)
+        log.warning(
+            "indexer %s: worker %s %s from the registry: published its removal (incarnation %d) at seq %d",
+            self.replica,
+            worker,
+            removal.reason,
+            removal.incarnation,
+            seq,
+        )
+
+    async def _publish(self, removal: policy.Removal) -> int:
+        seq = await publish_removal(
+            self._js,
+            stream=self.settings.stream,
+            events_prefix=self.settings.events_prefix,
+            worker_id=removal.worker_id,
+            model=removal.model,
+            incarnation=removal.incarnation,
+            reason=removal.reason,
+        )
+        self.removals_published += 1
+        return seq

@@ -6,7 +6,7 @@ UV_ENV := UV_PYTHON_DOWNLOADS=never UV_PYTHON=$(PYTHON)
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-bench up test test-faults lint check lock clean
+.PHONY: install install-bench up test test-fast test-faults lint check lock clean
 
 install: $(STAMP)
 
@@ -30,18 +30,29 @@ up: install
 test: install
 	$(VENV)/bin/python -m pytest --ignore=tests/test_faults.py $(PYTEST_ARGS)
 
+# The pure tests: no nats-server, no ZMQ, no child processes (tests/core holds the sans-I/O unit and property
+# tests; the others check layering, packaging and the registry watcher's pure part). Under 30 s.
+FAST_TESTS := tests/core tests/test_layering.py tests/test_packaging.py tests/test_registry_watcher.py
+
+test-fast: install
+	$(VENV)/bin/python -m pytest $(FAST_TESTS) $(PYTEST_ARGS)
+
 # The fault suite: the whole fleet as processes on a 3-node NATS cluster, each component kind killed -9 during
 # traffic, the index checked against what the engines published (tests/test_faults.py; a few minutes).
 test-faults: install
 	$(VENV)/bin/python -m pytest tests/test_faults.py $(PYTEST_ARGS)
 
+# ruff, ruff format, mypy --strict (sources of every member and tests/, as pyproject.toml's [tool.mypy] lists
+# them), import-linter (the layering contracts).
 lint: install
 	$(VENV)/bin/ruff check shared services tools tests
 	$(VENV)/bin/ruff format --check shared services tools tests
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-check: lint test
+# The gate: lint, then the README's test command. Run in order (also under make -j).
+check: lint
+	$(MAKE) test
 
 clean:
 	rm -rf $(VENV) .uv

@@ -17,9 +17,9 @@ import nats.js.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 from tests.pipeline import Pipeline, eventually
-from tests.test_cluster import Cluster
 from tests.test_ingest_faults import BS, blk, clean_pipeline, stored
 
+from kvmesh.bench.fleet import Cluster
 from kvmesh.core.events import Cleared, EventsMessage, decode_message
 from kvmesh.core.state import IndexState
 from kvmesh.ingest.config import IngestSettings

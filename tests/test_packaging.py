@@ -112,7 +112,8 @@ def test_tools_commands_are_kvmesh_commands_entry_points() -> None:
         "up": "kvmesh.up:command",
         "bench": "kvmesh.bench.cli:command",
     }
-    assert {eps[name].dist.name for name in ("sim", "up", "bench") if eps[name].dist} == {"kvmesh-tools"}
+    dists = [eps[name].dist for name in ("sim", "up", "bench")]
+    assert [d.name if d is not None else None for d in dists] == ["kvmesh-tools"] * 3
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert eps["bench"].load()(["--help"], prog="kvmesh bench") == 0

@@ -7,8 +7,9 @@ import contextlib
 
 import pytest
 from tests.indexers import BS, MODEL, Group, group, wait_for
-from tests.test_cluster import Cluster, _expected, _until_js_ready, feed
+from tests.test_cluster import _expected, _until_js_ready, feed
 
+from kvmesh.bench.fleet import Cluster
 from kvmesh.client import Router
 from kvmesh.indexer.service import IndexerService
 from kvmesh.router.config import RouterSettings

@@ -52,6 +52,7 @@ def test_prefill_is_serial_and_batch_limit_queues() -> None:
     assert r[2].admitted_s is None
     w.advance(100.0)
     assert r[2].admitted_s == pytest.approx(r[0].finished_s)
+    assert r[0].finished_s is not None
     assert r[2].first_token_s == pytest.approx(r[0].finished_s + 0.1)
     assert all(x.finished_s is not None for x in r)
 

@@ -1,4 +1,12 @@
-"""The common shell of every service command: parse, load settings, configure logging, run until signalled."""
+"""The one lifecycle of every service: parse, load settings, configure logging, run until signalled.
+
+`run_service` parses a service's settings and calls `run_async`, which runs the service on a fresh event loop:
+SIGINT/SIGTERM ask it to stop (a grace period, then cancellation; a second signal cancels at once), and a
+`KvmeshError` or a stray nats-py error ends the process with exit code 1 and one log line (mapped through
+`kvmesh.runtime.nats.transport_error`), never a raw traceback. Inside the service, `supervise` runs its
+background loops in one `asyncio.TaskGroup` until the service is asked to stop, a loop fails, or the NATS
+connection is closed for good (`ConnectionClosedForGood`: a supervisor restarts the process).
+"""
 
 from __future__ import annotations
 
@@ -9,12 +17,15 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Protocol, TypeVar
 
-from kvmesh.core.errors import ConfigError, KvmeshError
+from nats.aio.client import Client
+
+from kvmesh.core.errors import ConfigError, ConnectionClosedForGood, KvmeshError
 from kvmesh.runtime.config import add_arguments, load, to_dict
+from kvmesh.runtime.nats import NATS_ERRORS, transport_error, wait_closed
 
 S = TypeVar("S")
 
@@ -110,9 +121,55 @@ def run_async(svc: Service) -> int:
     except KvmeshError as exc:
         log.error("%s", exc)
         return 1
+    except NATS_ERRORS as exc:  # one the service did not map itself: still one line, still exit 1
+        log.error("%s", transport_error(exc, "NATS"))
+        return 1
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+async def supervise(
+    nc: Client,
+    loops: Mapping[str, Coroutine[Any, Any, None]],
+    *,
+    stop: asyncio.Event,
+    name: str,
+    closed_poll_s: float = 1.0,
+) -> None:
+    """Run a service's background loops in one `asyncio.TaskGroup` until ``stop`` is set.
+
+    Args:
+        nc: the service's NATS connection, watched for being closed for good.
+        loops: loop name → coroutine; a loop that returns is done, one that raises fails the service.
+        stop: set by the service's ``stop()``; every loop still running is then cancelled.
+        name: the service as logs name it (``"indexer i-0"``).
+
+    Raises:
+        ConnectionClosedForGood: ``nc`` was closed for good (not merely reconnecting) before ``stop``.
+        Exception: the first exception a loop raised (the other loops are cancelled), unwrapped from the
+            task group's exception group when it is the only one.
+    """
+
+    async def closed() -> None:
+        await wait_closed(nc, poll_s=closed_poll_s)
+        if not stop.is_set():
+            raise ConnectionClosedForGood(f"{name}: the NATS connection was closed for good; exiting")
+
+    async def until_stopped(tasks: list[asyncio.Task[None]]) -> None:
+        await stop.wait()
+        for t in tasks:
+            t.cancel()
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(coro, name=f"{name}: {loop}") for loop, coro in loops.items()]
+            tasks.append(tg.create_task(closed(), name=f"{name}: connection"))
+            tg.create_task(until_stopped(tasks), name=f"{name}: stop")
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 def print_json(obj: Any) -> None:

@@ -44,6 +44,7 @@ from kvmesh.runtime.snapshots import DEFAULT_STREAM_MAX_AGE_S, DEFAULT_STREAM_MA
 
 __all__ = [
     "DEFAULT_NATS_URL",
+    "NATS_ERRORS",
     "AuthorizationError",
     "BadURLError",
     "ConnectError",
@@ -56,13 +57,18 @@ __all__ = [
     "TLSError",
     "TransportError",
     "UnknownHostError",
+    "bucket_stream",
     "close_quietly",
     "connect",
+    "count_endpoint_error",
     "ensure_stream",
+    "micro_endpoint",
     "redact_url",
     "split_servers",
+    "transport_error",
     "wait_closed",
     "wait_for_stream",
+    "withdraw_buffered_publishes",
 ]
 
 log = logging.getLogger(__name__)
@@ -475,3 +481,85 @@ async def wait_closed(nc: Client, *, poll_s: float = 1.0) -> None:
     """Return once ``nc`` is closed for good (not merely reconnecting)."""
     while not nc.is_closed:  # noqa: ASYNC110 - nats-py has no awaitable "closed"; its callback is set at connect
         await asyncio.sleep(poll_s)
+
+
+# ---------------------------------------------------------------------------------------- error mapping
+
+
+def transport_error(exc: BaseException, what: str) -> TransportError:
+    """Map a nats-py exception to kvmesh's `TransportError` subtree (httpx's habit: one boundary).
+
+    Args:
+        exc: what nats-py raised.
+        what: the operation, for the message (``"publish to kvmesh.events.m.w.0"``).
+
+    Returns:
+        `ConnectionClosedForGood` when the client closed for good, `StreamUnavailableError` when JetStream
+        answered that the stream or the service is not there, else a plain `TransportError`; the message
+        names the operation and the nats-py error (never credentials: nats-py errors carry none).
+    """
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, nats.errors.ConnectionClosedError):
+        return ConnectionClosedForGood(f"{what}: the NATS connection is closed for good ({detail})")
+    if isinstance(exc, nats.js.errors.NotFoundError | nats.js.errors.ServiceUnavailableError):
+        return StreamUnavailableError(f"{what}: {detail}")
+    if isinstance(exc, nats.errors.NoRespondersError):
+        return TransportError(f"{what}: no responders (is JetStream enabled, the service running?)")
+    if isinstance(exc, nats.errors.TimeoutError | TimeoutError):
+        return TransportError(f"{what}: timed out")
+    return TransportError(f"{what}: {type(exc).__name__}: {detail}")
+
+
+NATS_ERRORS: Final[tuple[type[BaseException], ...]] = (nats.errors.Error,)
+"""What `transport_error` maps: every nats-py error (JetStream errors derive from it)."""
+
+
+# ---------------------------------------------------------------------------------------- nats-py internals
+#
+# The only place kvmesh touches nats-py's private attributes; tests/test_nats_internals.py fails loudly when a
+# nats-py release renames any of them.
+
+
+def withdraw_buffered_publishes(nc: Client, js: JetStreamContext) -> int:
+    """Take this JetStream context's unsent publishes out of the client's reconnect buffer; returns how many.
+
+    nats-py re-sends what it buffered as soon as it reconnects, before the caller learns of it; an ingest that
+    re-sends its unacknowledged window itself, in order, must withdraw them or they land out of order. Only
+    publishes whose reply subject is ``js``'s ack inbox are withdrawn (other traffic stays). nats-py has no
+    public way to do this: it reads ``js._async_reply_prefix``, ``nc._pending`` and
+    ``nc._pending_data_size``.
+    """
+    prefix = getattr(js, "_async_reply_prefix", None)
+    if not prefix:
+        return 0
+    marker = b" " + bytes(prefix)
+    pending: list[bytes] = nc._pending
+    keep = [c for c in pending if not (c.startswith((b"HPUB ", b"PUB ")) and marker in c[: c.find(b"\r\n")])]
+    if len(keep) != len(pending):
+        nc._pending = keep
+        nc._pending_data_size = sum(len(c) for c in keep)
+    return len(pending) - len(keep)
+
+
+def bucket_stream(kv: Any) -> tuple[JetStreamContext, str, str]:
+    """(JetStream context, stream name, key subject prefix) of a nats-py ``KeyValue`` (no public accessor:
+    ``kv._js``, ``kv._stream``, ``kv._pre``)."""
+    return kv._js, kv._stream, kv._pre
+
+
+def micro_endpoint(service: Any, name: str) -> Any:
+    """The nats-py micro ``Endpoint`` object named ``name`` of a started service (``service._endpoints``)."""
+    for endpoint in service._endpoints:
+        if endpoint._name == name:
+            return endpoint
+    raise LookupError(f"the service has no endpoint {name!r}")
+
+
+def count_endpoint_error(endpoint: Any, text: str) -> None:
+    """Count an error on a nats-py micro endpoint, as ``$SRV.STATS`` shows it (``num_errors``, ``last_error``).
+
+    nats.micro counts an error only when a handler raises; a service that answers its errors itself (the
+    router) counts them here (``endpoint._num_errors``, ``endpoint._last_error``).
+    """
+    endpoint._num_errors += 1
+    endpoint._last_error = text

@@ -29,6 +29,7 @@ from kvmesh.core.events import WorkerRemoved, encode_message
 from kvmesh.core.protocol import WorkerRecord
 from kvmesh.core.route import RankSet, RegisteredWorker
 from kvmesh.runtime import subjects
+from kvmesh.runtime.nats import bucket_stream
 from kvmesh.runtime.snapshots import open_kv
 
 log = logging.getLogger(__name__)
@@ -114,11 +115,6 @@ async def list_workers(kv: Any) -> dict[str, WorkerRecord]:
     return out
 
 
-def _bucket_stream(kv: Any) -> tuple[JetStreamContext, str, str]:
-    """(JetStream context, stream name, key subject prefix) of a nats-py KeyValue (no public accessor)."""
-    return kv._js, kv._stream, kv._pre
-
-
 async def registry_keys(kv: Any) -> set[str]:
     """Return the keys with a message in the bucket (empty when none); creates no consumer.
 
@@ -128,7 +124,7 @@ async def registry_keys(kv: Any) -> set[str]:
     Raises:
         nats.errors.Error: the bucket's stream cannot be read (timeout, no responders, deleted).
     """
-    js, stream, prefix = _bucket_stream(kv)
+    js, stream, prefix = bucket_stream(kv)
     info = await js.stream_info(stream, subjects_filter=f"{prefix}>")
     return {subject[len(prefix) :] for subject in (info.state.subjects or {}) if subject.startswith(prefix)}
 
@@ -150,7 +146,7 @@ async def key_present(kv: Any, worker_id: str) -> bool:
             return False
         # A 404 from the server (no message on the key's subject); nats-py also maps a missing stream
         # to this error on a non-direct get, which is no answer about the key: check the stream is there.
-        js, stream, _ = _bucket_stream(kv)
+        js, stream, _ = bucket_stream(kv)
         await js.stream_info(stream)  # raises NotFoundError if the bucket itself is gone
         return False
     return bool(entry.value)  # an empty value is a server marker (the key aged out)

@@ -480,11 +480,11 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ queries
 
-    def match(self, seq_hashes: Iterable[int]) -> dict[Holder, int]:
+    def match(self, prompt_keys: Iterable[int]) -> dict[Holder, int]:
         """Count, per holder, how many leading blocks of a prompt it holds (on any tier).
 
         Args:
-            seq_hashes: the prompt's prefix keys (`kvmesh.core.hashing.prompt_prefix_keys`, or the lazy
+            prompt_keys: the prompt's prefix keys (`kvmesh.core.hashing.prompt_prefix_keys`, or the lazy
                 `kvmesh.core.hashing.iter_prompt_prefix_keys`: consumed only as far as some holder matches).
 
         Returns:
@@ -492,18 +492,18 @@ class PrefixIndex:
             A holder missing block *i* scores *i* even if it holds later blocks.
         """
         if self._tiered:
-            return {h: o.blocks for h, o in self._match_tiered(seq_hashes).items()}
-        return self._match_default(seq_hashes)
+            return {h: o.blocks for h, o in self._match_tiered(prompt_keys).items()}
+        return self._match_default(prompt_keys)
 
-    def match_tiers(self, seq_hashes: Iterable[int]) -> dict[Holder, Overlap]:
+    def match_tiers(self, prompt_keys: Iterable[int]) -> dict[Holder, Overlap]:
         """Like `match`, with each holder's overlap blocks per tier (see the module docstring).
 
         Returns:
             ``{holder: Overlap(blocks, tiers)}`` for holders with at least one leading block.
         """
         if self._tiered:
-            return self._match_tiered(seq_hashes)
-        return {h: Overlap(n, None) for h, n in self._match_default(seq_hashes).items()}
+            return self._match_tiered(prompt_keys)
+        return {h: Overlap(n, None) for h, n in self._match_default(prompt_keys).items()}
 
     def holders(self) -> list[Holder]:
         """Return every holder with indexed blocks or held events, sorted."""

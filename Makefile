@@ -30,9 +30,11 @@ up: install
 test: install
 	$(VENV)/bin/python -m pytest --ignore=tests/test_faults.py $(PYTEST_ARGS)
 
-# The pure tests: no nats-server, no ZMQ, no child processes (tests/core holds the sans-I/O unit and property
-# tests; the others check layering, packaging and the registry watcher's pure part). Under 30 s.
-FAST_TESTS := tests/core tests/test_layering.py tests/test_packaging.py tests/test_registry_watcher.py
+# The pure tests: no nats-server, no ZMQ, no child processes: tests/core (the core's unit and property tests),
+# the services' sans-I/O policy, layering and packaging. Under 30 s. A new pure test file joins this list.
+FAST_TESTS := tests/core tests/test_layering.py tests/test_packaging.py tests/test_registry_watcher.py \
+	$(wildcard tests/test_indexer_policy.py tests/test_indexer_apply.py tests/test_router_answer.py \
+	tests/ingest/test_outbox.py)
 
 test-fast: install
 	$(VENV)/bin/python -m pytest $(FAST_TESTS) $(PYTEST_ARGS)

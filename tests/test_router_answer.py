@@ -26,6 +26,7 @@ from kvmesh.router.answer import (
     MatchAnswer,
     RouteOutcome,
     match_answer,
+    match_request,
     parse_match_reply,
     refuse_without_live_ranks,
     registered_block_size,
@@ -206,6 +207,23 @@ def test_an_indexer_error_reply_raises_its_route_error_and_an_unknown_code_is_in
     assert (internal.value.code, internal.value.message) == ("internal", "boom")
     with pytest.raises(ProtocolError):
         parse_match_reply(b"\xc1 not msgpack")
+
+
+def test_a_match_request_packs_the_token_ids_unless_that_would_not_fit() -> None:
+    """The match query carries the token ids as little-endian uint32 when they fit the max payload with the
+    rest of the query, else as a list; its msgpack bytes are the match API's (every field, None as nil)."""
+    parsed = request(lora_name="ad", cache_salt=None)
+    packed = b"".join(t.to_bytes(4, "little") for t in TOKENS)
+    fits = match_request(parsed, 64 + 128 + 4 * 3)  # 64 packed bytes + the overhead bound of "m" and "ad"
+    assert fits.token_ids == packed
+    assert encode(fits, format="msgpack") == msgspec.msgpack.encode(
+        {"model": "m", "token_ids": packed, "lora_name": "ad", "cache_salt": None}
+    )
+    too_big = match_request(parsed, 64 + 128 + 4 * 3 - 1)
+    assert too_big.token_ids == TOKENS
+    assert encode(too_big, format="msgpack") == msgspec.msgpack.encode(
+        {"model": "m", "token_ids": TOKENS, "lora_name": "ad", "cache_salt": None}
+    )
 
 
 def test_a_registered_model_the_index_lacks_is_routed_with_nothing_cached() -> None:

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvmesh.core.errors import InternalError, NoWorkersError, RouteError
+from kvmesh.core.hashing import pack_tokens
 from kvmesh.core.load import ActiveLoad, EngineLoads, LoadLedger
 from kvmesh.core.protocol import (
     ERROR_STATUS,
     HealthExplain,
     LoadExplain,
     MatchReply,
+    MatchRequest,
     Routed,
     RouteReply,
     RouteRequest,
@@ -124,6 +126,21 @@ def parse_match_reply(data: bytes) -> MatchAnswer:
             raise InternalError(exc.message) from exc
         raise
     return match_answer(reply.index_seq, reply.block_size, reply.candidates)
+
+
+def match_request(parsed: RouteRequest, max_payload: int) -> MatchRequest:
+    """Return the match query for ``parsed`` (``--index remote``): its token ids packed as little-endian
+    uint32, which spares both ends per-token work, or as a list of ints when the packed form would not fit
+    ``max_payload`` bytes (a msgpack list is smaller for ids below 128; the JSON request did fit)."""
+    packed = pack_tokens(parsed.token_ids)  # the ids were checked by parse_route_request
+    strings = (parsed.model, parsed.lora_name or "", parsed.cache_salt or "")
+    overhead = 128 + sum(4 * len(x) for x in strings)  # an upper bound on the rest of the request
+    return MatchRequest(
+        model=parsed.model,
+        token_ids=packed if len(packed) + overhead <= max_payload else parsed.token_ids,
+        lora_name=parsed.lora_name,
+        cache_salt=parsed.cache_salt,
+    )
 
 
 def serves_unindexed(exc: RouteError, ranks: RankSet | None) -> bool:

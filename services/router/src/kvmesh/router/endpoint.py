@@ -29,12 +29,10 @@ from kvmesh.core.errors import (
     UnknownModelError,
     clip_echo,
 )
-from kvmesh.core.hashing import pack_tokens
 from kvmesh.core.load import EngineLoads, LoadLedger
 from kvmesh.core.protocol import (
     ERROR_STATUS,
     HolderStatus,
-    MatchRequest,
     RouteReply,
     RouteRequest,
     encode,
@@ -44,6 +42,7 @@ from kvmesh.core.route import Policy, RankSet, Selection, parse_route_request
 from kvmesh.router.answer import (
     MatchAnswer,
     match_answer,
+    match_request,
     parse_match_reply,
     refuse_without_live_ranks,
     registered_block_size,
@@ -303,18 +302,7 @@ class RouteEndpoint:
                 raise BadRequestError(str(exc)) from exc
             return match_answer(result.index_seq, result.block_size, result.candidates)
         assert self._nc is not None
-        # Packed uint32 spares both ends per-token work; a msgpack list is smaller for ids below 128 and is sent
-        # when the packed form would not fit the server's max payload (the JSON request did).
-        packed = pack_tokens(parsed.token_ids)  # the ids were checked by parse_route_request
-        tokens: bytes | list[int] = (
-            packed if len(packed) + _match_overhead(parsed) <= self._nc.max_payload else parsed.token_ids
-        )
-        query = encode(
-            MatchRequest(
-                model=parsed.model, token_ids=tokens, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt
-            ),
-            format="msgpack",
-        )
+        query = encode(match_request(parsed, self._nc.max_payload), format="msgpack")
         timeout = self.settings.match_timeout_s
         try:
             msg = await asyncio.wait_for(
@@ -325,9 +313,3 @@ class RouteEndpoint:
         except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise UnavailableError(f"no indexer answered within {timeout:g} s") from exc
         return parse_match_reply(msg.data)
-
-
-def _match_overhead(parsed: RouteRequest) -> int:
-    """An upper bound on the bytes of a match request besides its token ids."""
-    strings = (parsed.model, parsed.lora_name or "", parsed.cache_salt or "")
-    return 128 + sum(4 * len(x) for x in strings)

@@ -1,9 +1,19 @@
 """The router service: ``kvmesh.route`` requests → indexer match → cost over affinity and load → JSON reply.
 
 A NATS micro service (``kvmesh-router``, queue group ``kvmesh-router``) with one endpoint, ``route``, so
-``$SRV.PING``, ``$SRV.INFO`` and ``$SRV.STATS`` find it (the endpoint's stats ``data`` carries the ledger's
-counters). Every error reply carries ``{"error": {"code", "message"}}`` and the NATS service-error headers
+``$SRV.PING``, ``$SRV.INFO`` and ``$SRV.STATS`` find it (the endpoint's stats ``data`` is a
+`kvmesh.core.protocol.RouterStats`). Every error reply is an `ErrorReply` with the NATS service-error headers
 (``Nats-Service-Error``: ``"<code>: <message>"``; ``Nats-Service-Error-Code``: 400/404/503/500).
+
+The modules, policy apart from I/O:
+
+* `kvmesh.router.answer` (pure) — the match answer, candidates, decision, reply and explain;
+* `kvmesh.router.health` (pure) — replica lag, the route mode, each holder's state;
+* `kvmesh.router.stats` (pure) — the ``$SRV.STATS`` data;
+* `kvmesh.router.endpoint` — the ``route`` endpoint: parse, match, carry out the answer, reply;
+* `kvmesh.router.local_index` — the in-process replica's start and the lag watch (``--index local``);
+* `kvmesh.router.notes` — the lifecycle notes, load reports and the start-up sync;
+* this module — the connection, the registry watcher, the micro service and the lifecycle of the rest.
 
 Load, shared by every replica (plain subscriptions, no queue group, so each replica sees every event):
 

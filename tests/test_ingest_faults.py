@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import socket
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -519,28 +518,6 @@ async def test_overlong_sequence_frame_is_dropped_and_reading_goes_on(nats_url: 
     finally:
         pub.close(linger=0)
         ctx.term()
-
-
-def test_split_cuts_long_removals_and_stored_runs_within_the_bound() -> None:
-    """A 150,000-hash BlockRemoved and a 5,000-block BlockStored split into parts, the chain intact."""
-    from kvmesh.core.events import Removed, Stored
-    from kvmesh.ingest.service import _split_events
-
-    stored_ev = Stored(list(range(5000)), None, list(range(10_000, 15_000)))
-    removed_ev = Removed(list(range(20_000, 170_000)))
-    parts = _split_events([stored_ev, removed_ev], 10)
-    flat = [e for part in parts for e in part]
-    assert sum(len(e.engine_hashes) for e in flat if isinstance(e, Removed)) == 150_000
-    stores = [e for e in flat if isinstance(e, Stored)]
-    assert [h for e in stores for h in e.engine_hashes] == list(range(5000))
-    assert all(b.parent == a.engine_hashes[-1] for a, b in itertools.pairwise(stores))
-    assert stores[0].parent is None
-    weights = [
-        sum(2 * len(e.engine_hashes) if isinstance(e, Stored) else len(e.engine_hashes) for e in part)
-        for part in parts
-    ]
-    assert max(weights) <= -(-160_000 // 10)
-    assert len(parts) == 11  # "about" parts: the stored run fills the first part exactly, then 10 of removals
 
 
 # ---------------------------------------------------------------------------------------------- tiers

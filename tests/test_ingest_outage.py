@@ -160,7 +160,7 @@ async def test_batch_larger_than_max_payload_is_split_with_its_chain_intact(tmp_
         async with file_pipeline(server, uid) as p:
             ing = await p.start_ingest(W, pub.endpoint, pub.replay_endpoint, block_size=BS)
             await pub.wait_for_subscribers(1)
-            assert ing._max_payload == 65536
+            assert ing.batches.max_payload == 65536
             await start_indexer(p)
             await p.start_router()
             pub.publish(
@@ -225,7 +225,9 @@ async def test_nats_outage_buffers_and_publishes_everything_in_order(tmp_path: P
                 publish([stored([(1 << 50) + i], transient[i - 10])])
             await eventually(lambda: asyncio.sleep(0, ing.counters.batches), lambda b: b == 31, timeout_s=30)
             # sent, never acknowledged:
-            await eventually(lambda: asyncio.sleep(0, len(ing._inflight)), lambda n: n == 20, timeout_s=30)
+            await eventually(
+                lambda: asyncio.sleep(0, len(ing.publisher.window)), lambda n: n == 20, timeout_s=30
+            )
             server.kill()  # the in-flight publishes die with it
             await wait_disconnected(ing)
             for i in range(20, 30):

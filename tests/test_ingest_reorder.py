@@ -249,7 +249,7 @@ async def test_r3_leader_killed_under_traffic_keeps_every_rank_in_engine_order(
             timeout_s=60,
         )
         await eventually(
-            lambda: asyncio.sleep(0, [len(ing._outbox) + len(ing._inflight) for ing in ingests]),
+            lambda: asyncio.sleep(0, [ing.publisher.unacknowledged for ing in ingests]),
             lambda q: q == [0] * 4,
             timeout_s=60,
         )

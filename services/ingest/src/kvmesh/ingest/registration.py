@@ -1,0 +1,200 @@
+"""The ingest's registry side: its worker's heartbeat, its start-up check, its clean-stop removal.
+
+The worker's registry key is kept alive every TTL/3 with a `WorkerRecord` (ranks, incarnation, stale ranks).
+A key that vanished while the ingest was away (TTL expired: the worker was removed from the index) starts a
+new incarnation on every rank. When every engine rank is gone the ingest leaves the registry and rejoins,
+as a new incarnation, once the engine answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nats.js import JetStreamContext
+
+from kvmesh.core.liveness import LivenessChange
+from kvmesh.core.protocol import WorkerRecord
+from kvmesh.ingest.batches import Rank
+from kvmesh.ingest.config import IngestSettings
+from kvmesh.ingest.liveness import EngineWatch
+from kvmesh.runtime import subjects
+from kvmesh.runtime.registry import RegistrySettings, deregister, heartbeat, key_present, open_registry
+
+log = logging.getLogger("kvmesh.ingest")
+
+STOP_S = 2.0
+"""Seconds a stopping ingest gives each registry call of its removal."""
+
+
+class Registration:
+    """One worker's registry key.
+
+    Args:
+        settings: worker, model, ranks, block size, TTL, bucket.
+        ranks: endpoint rank → its state (epochs and holder dp_ranks for the record).
+        rejoin: starts a new incarnation on every rank, called with the reason.
+    """
+
+    def __init__(
+        self, settings: IngestSettings, ranks: dict[int, Rank], rejoin: Callable[[str], None]
+    ) -> None:
+        self.settings = settings
+        self.ranks = ranks
+        self.rejoin = rejoin
+        self.js: JetStreamContext | None = None
+        self.stream_replicas = settings.stream_replicas
+        """Replicas of the events stream as it exists (what the registry bucket is created with)."""
+        self.watch: EngineWatch | None = None
+        """Engine liveness per rank (None with probing off)."""
+        self._kv: Any = None
+        self._beat_now = asyncio.Event()
+        """Set to send a heartbeat at once (an engine rank changed liveness)."""
+        self._left_for_dead = False
+        """True while every engine rank is gone and this ingest took the worker out of the registry."""
+        self._rejoined_live = False
+        """The engine came back and this ingest rejoined: the next heartbeat puts the key it had deleted."""
+
+    async def _open(self) -> Any:
+        """Open (creating when missing, with the stream's replica count) the registry bucket."""
+        assert self.js is not None
+        s = self.settings
+        return await open_registry(
+            self.js,
+            RegistrySettings(
+                bucket=s.registry_bucket or subjects.registry_bucket(s.stream),
+                ttl_s=s.worker_ttl_s,
+                memory=s.stream_memory,
+                replicas=self.stream_replicas,
+            ),
+        )
+
+    async def run(self) -> None:
+        """Heartbeat until cancelled (see the module docstring).
+
+        The liveness check is a direct get of the own key (`key_present`): it creates no consumer, and only
+        a definite "no such key / deleted / aged out" counts as gone; a timeout or an unreadable bucket
+        leaves the worker as it is.
+        """
+        s = self.settings
+        registered = False
+        while True:
+            try:
+                if self._kv is None:
+                    self._kv = await self._open()
+                kv = self._kv
+                if self.watch is not None and self.watch.all_gone():
+                    if not self._left_for_dead:
+                        # Routes to it would fail: leave now (watchers publish the removal) and rejoin as a
+                        # new incarnation once the engine answers again.
+                        self._left_for_dead = True
+                        log.error(
+                            "worker %s: every engine rank is gone; leaving the registry until it answers",
+                            s.worker_id,
+                        )
+                        await deregister(kv, s.worker_id)
+                    await self._wait_beat()
+                    continue
+                if self._rejoined_live:
+                    self._rejoined_live = False  # the key is missing because we deleted it: put it again
+                elif registered and not await self._key_present_or_unknown(kv):
+                    log.warning(
+                        "worker %s: registry entry expired; rejoining as a new incarnation", s.worker_id
+                    )
+                    self.rejoin("rejoin")
+                epochs = [r.tracker.epoch for r in self.ranks.values()]
+                await heartbeat(
+                    kv,
+                    WorkerRecord(
+                        worker_id=s.worker_id,
+                        model=s.model,
+                        dp_ranks=s.data_parallel_size,
+                        block_size=s.block_size,
+                        incarnation=max(epochs, default=0),
+                        heartbeat_ts=time.time(),
+                        stale_ranks=self.stale_ranks(),
+                    ),
+                )
+                registered = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Open (re-creating if needed) the bucket again next time: it may have been deleted.
+                self._kv = None
+                log.warning("worker %s: heartbeat failed (%r); retrying", s.worker_id, exc)
+            await self._wait_beat()
+
+    def on_engine_change(self, _rank: int, change: LivenessChange) -> None:
+        """An engine rank changed liveness: heartbeat at once. A worker that had left rejoins right away, as a
+        new incarnation, before the batch that brought it back is applied (a later rejoin would clear it)."""
+        if change.state == "live" and self._left_for_dead:
+            self._left_for_dead = False
+            self._rejoined_live = True
+            log.warning(
+                "worker %s: engine answers again; rejoining as a new incarnation", self.settings.worker_id
+            )
+            self.rejoin("rejoin")
+        self._beat_now.set()
+
+    async def _wait_beat(self) -> None:
+        """Sleep until the next heartbeat is due (TTL/3), or an engine rank changed liveness."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._beat_now.wait(), self.settings.worker_ttl_s / 3)
+        self._beat_now.clear()
+
+    def stale_ranks(self) -> dict[int, str]:
+        """dp_rank → why its engine is stale, for the registry record (routers skip those ranks)."""
+        if self.watch is None:
+            return {}
+        out = {}
+        for r, reason in self.watch.stale_ranks().items():
+            rank = self.ranks.get(r)
+            out[rank.holder_rank if rank is not None and rank.holder_rank >= 0 else r] = reason
+        return out
+
+    async def _key_present_or_unknown(self, kv: Any) -> bool:
+        """`key_present`, but True when there is no definite answer (the heartbeat is put regardless)."""
+        try:
+            return await key_present(kv, self.settings.worker_id)
+        except Exception as exc:
+            log.info(
+                "worker %s: registry check gave no answer (%r); heartbeating on", self.settings.worker_id, exc
+            )
+            return True
+
+    async def still_registered(self) -> bool:
+        """Whether this worker's registry key exists, asked at start before resuming a recovered cursor.
+
+        An answer that is not definite (timeout, bucket unreadable) counts as "not registered": a new
+        incarnation costs a clear and a replay, resuming a removed one loses every later message.
+        """
+        try:
+            self._kv = await self._open()
+            return await key_present(self._kv, self.settings.worker_id)
+        except Exception as exc:
+            self._kv = None
+            log.warning(
+                "worker %s: cannot read its registry key (%r); starting a new incarnation",
+                self.settings.worker_id,
+                exc,
+            )
+            return False
+
+    async def deregister(self) -> None:
+        """Delete this worker's registry key (a clean stop: watchers publish its removal at once)."""
+        s = self.settings
+        try:
+            kv = self._kv or await asyncio.wait_for(self._open(), STOP_S)
+            await asyncio.wait_for(deregister(kv, s.worker_id), STOP_S)
+            log.info("worker %s: deregistered", s.worker_id)
+        except Exception as exc:
+            log.warning(
+                "worker %s: could not delete its registry key (%r); it expires after %.1f s",
+                s.worker_id,
+                exc,
+                s.worker_ttl_s,
+            )

@@ -14,8 +14,8 @@ import contextlib
 import logging
 from typing import Any
 
-import msgspec
-
+from kvmesh.core import protocol
+from kvmesh.core.errors import ProtocolError
 from kvmesh.core.protocol import WorkerRecord
 from kvmesh.indexer import policy
 from kvmesh.indexer.config import IndexerSettings
@@ -115,8 +115,8 @@ class RegistryWatch:
     async def _on_entry(self, entry: Any) -> None:
         worker = subjects.from_kv_key(entry.key)
         if entry.operation is None:
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                put = msgspec.json.decode(entry.value or b"", type=WorkerRecord)
+            with contextlib.suppress(ProtocolError):  # not a record this build reads: ignored
+                put = protocol.decode(entry.value or b"", WorkerRecord)
                 self._registry[worker] = put
                 if worker not in self._members:
                     await self._store.put_member(worker, put.model)

@@ -26,10 +26,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
 from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
+from kvmesh.core.protocol import IndexerStatus
 from kvmesh.core.state import IndexState
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.indexer.endpoints import MatchEndpoint, status_reply, status_responder
@@ -249,7 +251,7 @@ class IndexerService:
             await service.add_endpoint(
                 EndpointConfig(name="match", subject=s.match_subject, handler=match.handle)
             )
-            subs.append(await nc.subscribe(subjects.STATUS_SUBJECT, cb=status_responder(self.status)))
+            subs.append(await nc.subscribe(subjects.STATUS_SUBJECT, cb=status_responder(self.status_message)))
             subs.append(await nc.subscribe(subjects.SNAPSHOT_SUBJECT, cb=writer.on_request))
             # The server must know every subscription before anyone is told we are ready. nats-py writes PING
             # straight to the socket but SUB through its pending buffer, so one flush can overtake the SUB.
@@ -318,7 +320,12 @@ class IndexerService:
         return await self._writer.snapshot(force=force)
 
     def status(self) -> dict[str, Any]:
-        """Return this replica's sequence, size, digest and counters (what `kvmesh status` shows)."""
+        """Return this replica's sequence, size, digest and counters (what `kvmesh status` shows), as a dict."""
+        out: dict[str, Any] = msgspec.to_builtins(self.status_message())
+        return out
+
+    def status_message(self) -> IndexerStatus:
+        """Return this replica's ``kvmesh status`` reply (`kvmesh.core.protocol.IndexerStatus`)."""
         return status_reply(
             replica=self.replica,
             stream=self.settings.stream,

@@ -18,6 +18,9 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
+from kvmesh.core import protocol
+from kvmesh.core.errors import RequestError
+from kvmesh.core.protocol import SnapshotRequest
 from kvmesh.core.snapshot import encode_snapshot
 from kvmesh.indexer import policy
 from kvmesh.indexer.config import IndexerSettings
@@ -233,9 +236,9 @@ class SnapshotWriter:
         ``"reason"`` and ``"error"`` (the exception's class name) when it failed.
         """
         try:
-            wanted = msgspec.json.decode(msg.data or b"{}", type=dict[str, Any]).get("stream")
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            wanted = None
+            wanted = protocol.decode(msg.data or b"{}", SnapshotRequest).stream
+        except RequestError:
+            wanted = None  # an unreadable request asks every group
         if wanted is not None and wanted != self.settings.stream:
             return  # another index group's request: its replicas answer
         try:

@@ -94,7 +94,9 @@ async def test_stale_ranks_are_skipped_and_a_model_of_stale_ranks_has_no_live_wo
             )
             assert (r.worker_id, r.mode) == ("w", "exact")
             assert r.selection is not None
-            assert msgspec.to_builtins(r.selection.skipped) == [{"worker_id": "s", "dp_rank": 1, "reason": f"stale: {SILENT}"}]
+            assert msgspec.to_builtins(r.selection.skipped) == [
+                {"worker_id": "s", "dp_rank": 1, "reason": f"stale: {SILENT}"}
+            ]
             assert r.selection.skipped_total == 1
 
             await put_record(p, "w", stale_ranks={0: SILENT})

@@ -220,7 +220,9 @@ def test_version_1_is_not_on_the_wire_and_a_later_version_is_refused() -> None:
         p.decode(b'{"request_id":"r","version":2}', p.RequestRef)
     assert info.value.field == "version"
     assert str(info.value) == "RequestRef of version 2: this kvmesh reads up to version 1"
-    assert p.decode(b'{"request_id":"r","version":1}', p.RequestRef) == p.RequestRef(request_id="r", version=1)
+    assert p.decode(b'{"request_id":"r","version":1}', p.RequestRef) == p.RequestRef(
+        request_id="r", version=1
+    )
 
 
 def test_a_bad_request_is_a_request_error_naming_the_field() -> None:

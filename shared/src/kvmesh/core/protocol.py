@@ -601,9 +601,7 @@ def decode(data: bytes, kind: type[M], *, format: Literal["json", "msgpack"] = "
     return msg
 
 
-def decode_answer(
-    data: bytes, kind: type[M], *, format: Literal["json", "msgpack"] = "json"
-) -> M:
+def decode_answer(data: bytes, kind: type[M], *, format: Literal["json", "msgpack"] = "json") -> M:
     """Decode a reply that is either ``kind`` or an `ErrorReply`.
 
     Raises:
@@ -625,4 +623,3 @@ def _looks_like_error(data: bytes, format: str) -> bool:
     except (msgspec.DecodeError, RecursionError):
         return False
     return probe.error is not UNSET
-

@@ -382,7 +382,8 @@ class RouterIndexStats(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=
     route_mode: str
     """The mode a route would get now (``exact``, ``degraded``, ``load_only``)."""
     holders: dict[str, HolderStatus]
-    """``"worker/rank"`` → state, for holders that are not exact (at most 64 listed)."""
+    """``"worker/rank"`` → state, for holders that are not exact (at most 100 listed, the router's
+    ``MAX_HOLDERS_LISTED``)."""
     holders_not_exact: int
     mode: str
     route_subject: str

@@ -17,7 +17,7 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Protocol, TypeVar
 
@@ -129,9 +129,13 @@ def run_async(svc: Service) -> int:
     return 0
 
 
+async def _coroutine(aw: Awaitable[None]) -> None:
+    await aw
+
+
 async def supervise(
     nc: Client,
-    loops: Mapping[str, Coroutine[Any, Any, None]],
+    loops: Mapping[str, Awaitable[None]],
     *,
     stop: asyncio.Event,
     name: str,
@@ -141,7 +145,8 @@ async def supervise(
 
     Args:
         nc: the service's NATS connection, watched for being closed for good.
-        loops: loop name → coroutine; a loop that returns is done, one that raises fails the service.
+        loops: loop name → coroutine (or a task the service started); a loop that returns is done, one that
+            raises fails the service.
         stop: set by the service's ``stop()``; every loop still running is then cancelled.
         name: the service as logs name it (``"indexer i-0"``).
 
@@ -163,7 +168,7 @@ async def supervise(
 
     try:
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(coro, name=f"{name}: {loop}") for loop, coro in loops.items()]
+            tasks = [tg.create_task(_coroutine(aw), name=f"{name}: {loop}") for loop, aw in loops.items()]
             tasks.append(tg.create_task(closed(), name=f"{name}: connection"))
             tg.create_task(until_stopped(tasks), name=f"{name}: stop")
     except BaseExceptionGroup as group:

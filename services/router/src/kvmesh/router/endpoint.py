@@ -53,6 +53,7 @@ from kvmesh.router.config import RouterSettings
 from kvmesh.router.health import RecordLike, heartbeat_late_after, holders_status, index_mode
 from kvmesh.router.local_index import LocalIndex
 from kvmesh.router.notes import LifecycleNotes
+from kvmesh.runtime.nats import count_endpoint_error
 from kvmesh.runtime.registry import RegistryWatcher
 
 log = logging.getLogger("kvmesh.router")
@@ -225,8 +226,7 @@ class RouteEndpoint:
         log.info("route %s: %s: %s", clip_echo(request_id or "-", 64), code, message)
         endpoint = self.micro_endpoint
         if endpoint is not None:  # so $SRV.STATS counts what the router counted
-            endpoint._num_errors += 1
-            endpoint._last_error = f"{code}: {message}"
+            count_endpoint_error(endpoint, f"{code}: {message}")
         await req.respond_error(str(ERROR_STATUS[code]), f"{code}: {message}", body)
 
     async def _route(self, parsed: RouteRequest, body: bytes) -> RouteReply:

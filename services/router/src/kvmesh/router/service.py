@@ -78,8 +78,8 @@ from kvmesh.router.local_index import LAG_CHECK_S, LocalIndex
 from kvmesh.router.notes import LifecycleNotes
 from kvmesh.router.stats import index_stats, router_stats
 from kvmesh.runtime import subjects
-from kvmesh.runtime.cli import VERSION
-from kvmesh.runtime.nats import ConnectionClosedForGood, connect, wait_closed
+from kvmesh.runtime.cli import VERSION, supervise
+from kvmesh.runtime.nats import connect, micro_endpoint
 from kvmesh.runtime.registry import RegistryWatcher
 from kvmesh.runtime.replica import StreamReplica
 from kvmesh.runtime.snapshots import SnapshotStore
@@ -198,7 +198,7 @@ class RouterService:
             EndpointConfig(name="route", subject=s.route_subject, handler=self.endpoint.on_route)
         )
         # nats.micro counts an error only when a handler raises; the router answers its errors itself.
-        self.endpoint.micro_endpoint = service._endpoints[-1]  # private: nats-py has no public way to count
+        self.endpoint.micro_endpoint = micro_endpoint(service, "route")
         # The server must know every subscription before anyone is told we are ready. nats-py writes PING
         # straight to the socket but SUB through its pending buffer, so one flush can overtake the SUB.
         await nc.flush()
@@ -211,17 +211,8 @@ class RouterService:
             self.synced_requests,
         )
         try:
-            stop_wait = asyncio.create_task(self._stop.wait())
-            closed = asyncio.create_task(wait_closed(nc))
-            await asyncio.wait(
-                {stop_wait, closed} | ({follow} if follow else set()), return_when=asyncio.FIRST_COMPLETED
-            )
-            stop_wait.cancel()
-            closed.cancel()
-            if follow is not None and follow.done() and not self._stop.is_set():
-                follow.result()  # the index replica failed: fail the router rather than serve a stale index
-            if closed.done() and not closed.cancelled() and not self._stop.is_set():
-                raise ConnectionClosedForGood("router: the NATS connection was closed for good; exiting")
+            # A failed index replica fails the router rather than let it serve a stale index.
+            await supervise(nc, {"index replica": follow} if follow else {}, stop=self._stop, name="router")
         finally:
             with contextlib.suppress(Exception):
                 await service.stop()

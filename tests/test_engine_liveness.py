@@ -85,14 +85,14 @@ async def test_a_dead_engine_goes_stale_then_leaves_then_rejoins_as_a_new_incarn
         assert stale is not None and list(stale.stale_ranks) == [0]
         assert stale.stale_ranks[0].startswith("engine silent for ")
         assert f"replay socket {replay} did not answer within 0.3 s" in stale.stale_ranks[0]
-        assert ing.status()["ranks"]["0"]["engine"]["state"] in ("stale", "gone")
+        assert ing.status().ranks["0"].engine.state in ("stale", "gone")
 
         # Gone: the key is deleted, the indexer removes the worker, nothing routes to it.
         await eventually(lambda: record(kv), lambda r: r is None)
         await eventually(lambda: route_or_error(p), lambda r: isinstance(r, str))
         assert p.indexer is not None
         assert p.indexer.state.live_worker(W) is None
-        assert ing.status()["ranks"]["0"]["engine"]["state"] == "gone"
+        assert ing.status().ranks["0"].engine.state == "gone"
 
         # The engine comes back on the same endpoints (its sequence starts again at 0).
         pub = EventPublisher(endpoint, replay)
@@ -102,7 +102,7 @@ async def test_a_dead_engine_goes_stale_then_leaves_then_rejoins_as_a_new_incarn
             await expect(p, [U, T], [{"w/0": 2}, {"w/0": 0}])
             back = await eventually(lambda: record(kv), lambda r: r is not None and not r.stale_ranks)
             assert back is not None and back.incarnation >= 1
-            assert ing.status()["ranks"]["0"]["engine"]["state"] == "live"
+            assert ing.status().ranks["0"].engine.state == "live"
         finally:
             pub.close()
 

@@ -141,7 +141,7 @@ async def test_gap_is_healed_by_replay(nats_url: str, uid: str) -> None:
         pub.publish([stored([3], blk(T, 2), parent=2)])
         pub.publish([stored([4], blk(T, 3), parent=3)])
         await expect(p, [T], [{"w/0": 4}])
-        seq = p.ingests[W].status()["ranks"]["0"]["sequence"]
+        seq = p.ingests[W].status().ranks["0"].sequence
         assert (seq["gaps"], seq["replays"], seq["healed"], seq["resyncs"], seq["replayed_batches"]) == (
             1,
             1,
@@ -163,7 +163,7 @@ async def test_gap_with_silent_replay_resyncs_after_timeout(nats_url: str, uid: 
         pub.publish([stored([3], blk(T, 2), parent=2)])  # parent lost: never attaches
         pub.publish([stored([10, 11], U)])
         await expect(p, [T, U], [{"w/0": 0}, {"w/0": 2}])
-        seq = p.ingests[W].status()["ranks"]["0"]["sequence"]
+        seq = p.ingests[W].status().ranks["0"].sequence
         assert (seq["gaps"], seq["replays"], seq["healed"], seq["resyncs"]) == (1, 1, 0, 1)
         pub.publish([stored([1], blk(T, 0))])
         await expect(p, [T, U], [{"w/0": 1}, {"w/0": 2}])
@@ -181,7 +181,7 @@ async def test_gap_with_truncated_replay_resyncs(nats_url: str, uid: str) -> Non
         pub.publish([stored([3], blk(T, 2), parent=2)])  # dropped, not replayed
         pub.publish([stored([10, 11], U)])
         await expect(p, [T, U], [{"w/0": 0}, {"w/0": 2}])
-        seq = p.ingests[W].status()["ranks"]["0"]["sequence"]
+        seq = p.ingests[W].status().ranks["0"].sequence
         assert (seq["gaps"], seq["healed"], seq["resyncs"], seq["replayed_batches"]) == (1, 0, 1, 1)
 
 
@@ -199,8 +199,8 @@ async def test_engine_restart_clears_and_reindexes(nats_url: str, uid: str) -> N
         assert pub.publish([stored([1], blk(T, 0))]) == 0
         assert pub.publish([stored([10, 11], U)]) == 1
         await expect(p, [T, U], [{"w/0": 1}, {"w/0": 2}])
-        st = p.ingests[W].status()["ranks"]["0"]
-        assert (st["epoch"], st["last_seq"], st["sequence"]["restarts"], st["sequence"]["duplicates"]) == (
+        st = p.ingests[W].status().ranks["0"]
+        assert (st.epoch, st.last_seq, st.sequence["restarts"], st.sequence["duplicates"]) == (
             1,
             1,
             1,
@@ -356,7 +356,7 @@ async def test_misaligned_wrong_size_and_sliding_window_events_are_not_indexed(
         await expect(p, [T, U], [{"w/0": 0}, {"w/0": 2}])
         ing = p.ingests[W]
         assert ing.counters.rejected_events == 3
-        ev = ing.status()["ranks"]["0"]["events"]
+        ev = ing.status().ranks["0"].events
         assert (
             ev["rejected_alignment"],
             ev["rejected_block_size"],
@@ -428,8 +428,8 @@ async def test_malformed_payload_is_counted_and_later_batches_apply(nats_url: st
         await expect(p, [T, U], [{"w/0": 0}, {"w/0": 2}])
         ing = p.ingests[W]
         assert ing.counters.decode_errors == 1
-        assert ing.status()["counters"]["decode_errors"] == 1
-        assert ing.status()["ranks"]["0"]["last_seq"] == 2
+        assert ing.status().counters["decode_errors"] == 1
+        assert ing.status().ranks["0"].last_seq == 2
 
 
 # ---------------------------------------------------------------------------------------------- unsized
@@ -486,7 +486,7 @@ async def test_consecutive_batches_coalesce_into_fewer_messages(nats_url: str, u
             assert reply.overlap_blocks == 40
             assert ing.counters.batches == 40
             assert ing.counters.published < 41  # the announcement plus fewer than one message per batch
-            assert ing.status()["ranks"]["0"]["last_seq"] == 39
+            assert ing.status().ranks["0"].last_seq == 39
     finally:
         pub.close()
 

@@ -51,7 +51,7 @@ async def test_malformed_block_stored_fields_drop_only_their_event(nats_url: str
         await expect(p, [T, U], [{"w/0": 4}, {"w/0": 0}])
         ing = p.ingests[W]
         assert ing.counters.decode_errors == 2
-        assert ing.status()["ranks"]["0"]["epoch"] == 0
+        assert ing.status().ranks["0"].epoch == 0
         # Nothing was cleared: a Cleared now would empty the worker, then block 0 of U indexes alone.
         pub.publish([AllBlocksCleared(), stored([10], blk(U, 0))])
         await expect(p, [T, U], [{"w/0": 0}, {"w/0": 1}])
@@ -70,5 +70,5 @@ async def test_empty_sequence_frame_is_dropped_not_an_engine_restart(nats_url: s
         await expect(p, [T, U], [{"w/0": 3}, {"w/0": 0}])
         ing = p.ingests[W]
         assert ing.counters.decode_errors == 1
-        st = ing.status()["ranks"]["0"]
-        assert (st["epoch"], st["last_seq"], st["sequence"]["restarts"]) == (0, 1, 0)
+        st = ing.status().ranks["0"]
+        assert (st.epoch, st.last_seq, st.sequence["restarts"]) == (0, 1, 0)

@@ -236,8 +236,8 @@ async def test_nats_outage_buffers_and_publishes_everything_in_order(tmp_path: P
             publish([removed(4)])
             assert publish_s < 0.5  # 41 engine publishes: none waited for NATS
             await eventually(lambda: asyncio.sleep(0, ing.counters.batches), lambda b: b == 52, timeout_s=30)
-            assert ing.status()["ranks"]["0"]["last_seq"] == 51  # ZMQ read on while NATS was down
-            assert ing.status()["outbox"] == 41
+            assert ing.status().ranks["0"].last_seq == 51  # ZMQ read on while NATS was down
+            assert ing.status().outbox == 41
             server.restart()
             await reindex(p)
             await expect(p, [T, chain_tokens, *transient], [{"w/0": 3}, {"w/0": 30}] + [{"w/0": 0}] * 10)
@@ -245,7 +245,7 @@ async def test_nats_outage_buffers_and_publishes_everything_in_order(tmp_path: P
             assert ing.counters.published == 1 + 52
             assert ing.counters.publish_retries == 20
             assert await stream_messages(server.url, p.stream) == 1 + 52
-            seq = ing.status()["ranks"]["0"]["sequence"]
+            seq = ing.status().ranks["0"].sequence
             assert (seq["gaps"], seq["resyncs"], seq["restarts"]) == (0, 0, 0)
     finally:
         pub.close()
@@ -274,7 +274,7 @@ async def test_outbox_overflow_drops_oldest_and_resynchronises(tmp_path: Path, u
                 pub.publish([stored([100 + i], prompt)])
             await eventually(lambda: asyncio.sleep(0, ing.counters.batches), lambda b: b == 8, timeout_s=30)
             assert ing.counters.dropped_batches == 4
-            assert ing.status()["outbox"] == 3
+            assert ing.status().outbox == 3
             server.restart()
             await reindex(p)
             await expect(p, [T, *prompts], [{"w/0": 0}] * 5 + [{"w/0": 1}] * 3, timeout_s=20)
@@ -329,9 +329,9 @@ async def test_restarted_ingest_resumes_without_republishing_or_losing(nats_url:
             pub.publish([stored([4], blk(T, 3), parent=3)])
             await expect(p, [T, U], [{"w/0": 4}, {"w/0": 2}])
             assert await stream_messages(nats_url, p.stream) == 7  # + hello + 3
-            st = ing.status()["ranks"]["0"]
-            assert (st["epoch"], st["last_seq"]) == (0, 4)
-            seq = st["sequence"]
+            st = ing.status().ranks["0"]
+            assert (st.epoch, st.last_seq) == (0, 4)
+            seq = st.sequence
             assert (seq["gaps"], seq["replays"], seq["healed"], seq["replayed_batches"], seq["resyncs"]) == (
                 1,
                 1,
@@ -358,7 +358,7 @@ async def test_ingest_restarted_before_any_batch_loses_nothing(nats_url: str, ui
             ing = await restartable_ingest(p, pub, 2)
             pub.publish([stored([3], blk(T, 2), parent=2)])
             await expect(p, [T], [{"w/0": 3}])
-            st = ing.status()["ranks"]["0"]
-            assert (st["epoch"], st["last_seq"], st["sequence"]["replayed_batches"]) == (0, 2, 2)
+            st = ing.status().ranks["0"]
+            assert (st.epoch, st.last_seq, st.sequence["replayed_batches"]) == (0, 2, 2)
     finally:
         pub.close()

@@ -60,13 +60,13 @@ async def test_undecodable_last_message_recovers_from_the_one_before(
             ing = await start(p, W, pub)
             assert f"stream seq {garbage_seq}" in caplog.text
             assert "undecodable" in caplog.text
-            st = ing.status()["ranks"]["0"]
-            assert (st["epoch"], st["last_seq"]) == (0, 1)
+            st = ing.status().ranks["0"]
+            assert (st.epoch, st.last_seq) == (0, 1)
             await pub.wait_for_subscribers(2)
             pub.publish([stored([3], blk(T, 2), parent=2)])
             at, msg = await eventually(lambda: last_on(js, p.stream, subject), lambda r: r[1].seq == 2)
             assert (at, msg.epoch, msg.first_seq, msg.block_size) == (garbage_seq + 2, 0, None, BS)
-            seq = ing.status()["ranks"]["0"]["sequence"]
+            seq = ing.status().ranks["0"].sequence
             assert (seq["gaps"], seq["replays"], seq["resyncs"], seq["restarts"]) == (0, 0, 0, 0)
             assert ing.counters.undecodable_stream_messages == 1
     finally:
@@ -90,8 +90,8 @@ async def test_only_undecodable_messages_resynchronise_the_rank(
             assert f"stream seq {second}" in caplog.text
             at, hello = await eventually(lambda: last_on(js, p.stream, subject), lambda r: r[0] > second)
             assert (at, hello.epoch, hello.seq, hello.events) == (second + 1, 1, -1, [Cleared("resync")])
-            st = ing.status()["ranks"]["0"]
-            assert (st["epoch"], st["last_seq"]) == (1, -1)
+            st = ing.status().ranks["0"]
+            assert (st.epoch, st.last_seq) == (1, -1)
             await pub.wait_for_subscribers(1)
             pub.publish([stored([1], blk(T, 0))])
             _, msg = await eventually(lambda: last_on(js, p.stream, subject), lambda r: r[1].seq == 0)

@@ -269,8 +269,8 @@ async def test_ingest_restarted_after_its_worker_was_removed_is_routable_again(
             await pub.wait_for_subscribers(2)
             pub.publish([stored([4], blk(T, 3), parent=3)])
             await expect(p, [T, U], [{"w/0": 4}, {"w/0": 0}])
-            st = ing.status()["ranks"]["0"]
-            assert (st["epoch"], st["last_seq"], st["sequence"]["replayed_batches"]) == (1, 3, 3)
+            st = ing.status().ranks["0"]
+            assert (st.epoch, st.last_seq, st.sequence["replayed_batches"]) == (1, 3, 3)
     finally:
         pub.close()
 
@@ -299,8 +299,8 @@ async def test_cleanly_restarted_ingest_rejoins_and_replays_the_engine_buffer(
             await expect(p, [T, U], [{"w/0": 4}, {"w/0": 2}])
             # hello + 2, the removal, the rejoin hello (a Cleared), seqs 0-3 replayed, seq 4 live
             assert (await js.stream_info(p.stream)).state.messages == 10
-            st = ing.status()["ranks"]["0"]
-            assert (st["epoch"], st["last_seq"], st["sequence"]["replayed_batches"]) == (1, 4, 4)
+            st = ing.status().ranks["0"]
+            assert (st.epoch, st.last_seq, st.sequence["replayed_batches"]) == (1, 4, 4)
     finally:
         pub.close()
 
@@ -366,7 +366,7 @@ async def test_fresh_ingest_replays_what_the_engine_published_before_it(nats_url
             await p.start_router()
             pub.publish([stored([4], blk(T, 3), parent=3)])
             await expect(p, [T], [{"w/0": 4}])
-            seq = ing.status()["ranks"]["0"]["sequence"]
+            seq = ing.status().ranks["0"].sequence
             assert (seq["replays"], seq["replayed_batches"], seq["healed"], seq["resyncs"]) == (1, 3, 1, 0)
     finally:
         pub.close()
@@ -397,8 +397,8 @@ async def test_engine_restarted_while_its_ingest_was_down_is_a_new_epoch(nats_ur
             await pub.wait_for_subscribers(2)
             pub.publish([stored([21], blk(v, 1), parent=20)])  # seq 3: a gap after the cursor
             await expect(p, [T, U, v], [{"w/0": 0}, {"w/0": 2}, {"w/0": 2}])
-            st = ing.status()["ranks"]["0"]
-            assert (st["epoch"], st["last_seq"], st["sequence"]["restarts"]) == (1, 3, 1)
+            st = ing.status().ranks["0"]
+            assert (st.epoch, st.last_seq, st.sequence["restarts"]) == (1, 3, 1)
     finally:
         pub.close()
 
@@ -422,11 +422,11 @@ async def test_replay_replies_of_another_topic_are_refused(nats_url: str, uid: s
             live.publish([stored([2], blk(T, 1), parent=1)])  # seq 1, lost live
             live.publish([stored([3], blk(T, 2), parent=2)])  # seq 2: gap, replay asks "engB" from 1
             await eventually(
-                lambda: asyncio.sleep(0, ing.status()["ranks"]["0"]),
-                lambda r: r["sequence"]["replays"] == 1 and not r["replaying"],
+                lambda: asyncio.sleep(0, ing.status().ranks["0"]),
+                lambda r: r.sequence["replays"] == 1 and not r.replaying,
             )
             assert ing.counters.bad_replay_topics == 2
-            seq = ing.status()["ranks"]["0"]["sequence"]
+            seq = ing.status().ranks["0"].sequence
             assert (seq["replayed_batches"], seq["resyncs"], seq["healed"]) == (0, 1, 0)
             msgs = [await js.get_msg(p.stream, seq=s) for s in range(1, await last_seq(js, p.stream) + 1)]
             decoded = [decode_message(m.data or b"") for m in msgs]

@@ -39,7 +39,7 @@ async def test_blocks_stored_by_an_engine_back_from_gone_survive_the_rejoin(nats
             pub.publish([stored([11, 12], U)])  # before any probe found the engine answering again
             back = await eventually(lambda: record(kv), lambda r: r is not None and not r.stale_ranks)
             assert back is not None
-            assert ing.status()["ranks"]["0"]["engine"]["state"] == "live"
+            assert ing.status().ranks["0"].engine.state == "live"
             await eventually(lambda: _settled(p), lambda ok: ok)
             assert await snapshot(p, [U, T]) == [{f"{W}/0": 2}, {f"{W}/0": 0}]
         finally:

@@ -6,6 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from tests.pipeline import eventually
 from tests.test_ingest_faults import ANY, BS, T, U, blk, stored
@@ -38,12 +39,12 @@ async def test_status_shows_exact_ingest_cursors_and_counters(
             await pub.wait_for_subscribers(1)
 
             async def rank0() -> dict[str, object]:
-                return dict(ing.status()["ranks"]["0"])
+                return msgspec.structs.asdict(ing.status().ranks["0"])
 
             async def drained() -> None:
                 # The outbox holds only 2 batches: let each step's batches out before the next step.
                 await eventually(
-                    lambda: asyncio.sleep(0, ing.status()["outbox"]), lambda n: n == 0, timeout_s=30
+                    lambda: asyncio.sleep(0, ing.status().outbox), lambda n: n == 0, timeout_s=30
                 )
 
             await drained()

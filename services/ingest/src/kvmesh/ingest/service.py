@@ -25,14 +25,15 @@ import os
 from collections.abc import Awaitable
 from typing import Any
 
-import msgspec
 import zmq.asyncio
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from kvmesh.core import protocol
 from kvmesh.core.endpoints import offset_endpoint
 from kvmesh.core.events import Cleared, Event
 from kvmesh.core.normalize import Normalizer
+from kvmesh.core.protocol import IngestStatus
 from kvmesh.core.sequencing import SeqTracker
 from kvmesh.ingest.batches import Batches, Rank
 from kvmesh.ingest.config import IngestSettings
@@ -284,7 +285,7 @@ class IngestService:
 
     # ------------------------------------------------------------------ status
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> IngestStatus:
         """Return this ingest's cursors and counters (what `kvmesh status` shows)."""
         engines = self._watch.ranks if self._watch is not None else {}
         return ingest_status(
@@ -293,7 +294,7 @@ class IngestService:
 
     async def _on_status(self, msg: Any) -> None:
         if msg.reply:
-            await msg.respond(msgspec.json.encode(self.status()))
+            await msg.respond(protocol.encode(self.status()))
 
 
 async def _true(op: Awaitable[Any]) -> bool:

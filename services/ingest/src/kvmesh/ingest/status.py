@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvmesh.core.protocol import EngineStatus, IngestRankStatus, IngestStatus
 
 if TYPE_CHECKING:
     from kvmesh.core.liveness import EngineLiveness
@@ -34,11 +36,11 @@ class IngestCounters:
     """Messages on this worker's subjects that did not decode at start (skipped by cursor recovery)."""
 
 
-def engine_status(live: EngineLiveness | None) -> dict[str, Any]:
+def engine_status(live: EngineLiveness | None) -> EngineStatus:
     """A rank's engine liveness: state (live, stale, gone or unprobed), why, probes sent."""
     if live is None:
-        return {"state": "unprobed", "reason": "", "probes": 0}
-    return {"state": live.state, "reason": live.reason, "probes": live.probes}
+        return EngineStatus(state="unprobed", reason="", probes=0)
+    return EngineStatus(state=live.state, reason=live.reason, probes=live.probes)
 
 
 def ingest_status(
@@ -47,25 +49,25 @@ def ingest_status(
     outbox: int,
     ranks: dict[int, Rank],
     engines: dict[int, EngineLiveness],
-) -> dict[str, Any]:
+) -> IngestStatus:
     """The status reply: worker, model, messages not yet acknowledged (``outbox``), counters, and per rank
     its endpoint, cursor (epoch, last_seq), replaying, block size, sequence and event counters, engine."""
-    return {
-        "worker_id": settings.worker_id,
-        "model": settings.model,
-        "outbox": outbox,
-        "counters": asdict(counters),
-        "ranks": {
-            str(r.rank): {
-                "endpoint": r.endpoint,
-                "epoch": r.tracker.epoch,
-                "last_seq": r.tracker.last_seq,
-                "replaying": r.tracker.replaying,
-                "block_size": r.normalizer.block_size,
-                "sequence": asdict(r.tracker.stats),
-                "events": asdict(r.normalizer.stats),
-                "engine": engine_status(engines.get(r.rank)),
-            }
+    return IngestStatus(
+        worker_id=settings.worker_id,
+        model=settings.model,
+        outbox=outbox,
+        counters=asdict(counters),
+        ranks={
+            str(r.rank): IngestRankStatus(
+                endpoint=r.endpoint,
+                epoch=r.tracker.epoch,
+                last_seq=r.tracker.last_seq,
+                replaying=r.tracker.replaying,
+                block_size=r.normalizer.block_size,
+                sequence=asdict(r.tracker.stats),
+                events=asdict(r.normalizer.stats),
+                engine=engine_status(engines.get(r.rank)),
+            )
             for r in ranks.values()
         },
-    }
+    )

@@ -151,7 +151,12 @@ SAMPLES: list[tuple[msgspec.Struct, str]] = [
         "json",
     ),
     (p.SnapshotRequest(stream="KV"), "json"),
-    (p.SnapshotResult(written=True, replica="i-0", stream="KV", name="s-1", purged_before=None), "json"),
+    (
+        p.SnapshotResult(
+            replica="i-0", stream="KV", written=True, name="s-1", deleted=["s-0"], purged_before=None
+        ),
+        "json",
+    ),
     (p.Routed(request_id="r", worker_id="w", dp_rank=0, prefill_tokens=10, blocks=2), "json"),
     (p.RequestRef(request_id="r"), "json"),
     (
@@ -250,6 +255,27 @@ def test_a_bad_reply_is_a_protocol_error_not_a_request_error() -> None:
     assert info.value.field == "model"
     with pytest.raises(ProtocolError, match="nested too deeply"):
         p.decode(b'{"recovery": {"x": ' + b"[" * 100_000, p.IndexerStatus)
+
+
+def test_a_match_holder_row_has_6_elements_without_health_and_7_with() -> None:
+    """encode writes a holder with no health as the 6-element row indexers always sent, one with health as 7."""
+    reply = p.MatchReply(
+        index_seq=5,
+        block_size=16,
+        prompt_blocks=4,
+        replica="i-0",
+        candidates=[
+            p.MatchHolder("w", 0, 2, 8, None, 16),
+            p.MatchHolder("v", 1, 0, 3, {"CPU": 1}, 32, "gap"),
+        ],
+    )
+    assert msgspec.msgpack.decode(p.encode(reply, format="msgpack")) == {
+        "index_seq": 5,
+        "block_size": 16,
+        "prompt_blocks": 4,
+        "replica": "i-0",
+        "candidates": [["w", 0, 2, 8, None, 16], ["v", 1, 0, 3, {"CPU": 1}, 32, "gap"]],
+    }
 
 
 def test_match_holders_of_older_indexers_decode_with_defaults() -> None:

@@ -64,12 +64,12 @@ class StreamApplier:
             message = decode_message(data)
         except Exception as exc:  # MessageDecodeError, or anything a hostile payload provokes
             self.decode_errors += 1
-            state.applied_seq = max(state.applied_seq, seq)
+            state.skip(seq)
             return Skipped(seq, "undecodable", exc)
         try:
             state.apply(seq, message)
         except Exception as exc:
             self.apply_errors += 1
-            state.applied_seq = max(state.applied_seq, seq)
+            state.skip(seq)
             return Skipped(seq, "failed", exc)
         return None

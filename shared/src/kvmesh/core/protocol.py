@@ -437,9 +437,9 @@ class SnapshotRequest(Message, kw_only=True, frozen=True):
 class SnapshotResult(Message, kw_only=True, frozen=True):
     """One replica's answer to a snapshot request: written (with its costs) or not (with the reason)."""
 
+    replica: str
+    stream: str
     written: bool
-    replica: str = ""
-    stream: str = ""
     reason: str | UnsetType = UNSET
     """Why nothing was written."""
     error: str | UnsetType = UNSET
@@ -453,8 +453,8 @@ class SnapshotResult(Message, kw_only=True, frozen=True):
     """Milliseconds the index was held to export it."""
     encode_ms: float | UnsetType = UNSET
     store_ms: float | UnsetType = UNSET
-    deleted: int | UnsetType = UNSET
-    """Older snapshots deleted (``--snapshot-keep``)."""
+    deleted: list[str] | UnsetType = UNSET
+    """Names of the older snapshots deleted (beyond ``--snapshot-keep``)."""
     purged_before: int | UnsetType | None = UNSET
     """Stream sequence before which messages were purged (None: no purge)."""
 
@@ -546,8 +546,32 @@ _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
 
 def encode(msg: msgspec.Struct, *, format: Literal["json", "msgpack"] = "json") -> bytes:
-    """Encode a message of this module as JSON (default) or msgpack."""
+    """Encode a message of this module as JSON (default) or msgpack.
+
+    A `MatchReply`'s holder rows end after ``block_size`` when their ``health`` is None (6 elements, as
+    indexers have always sent them), else carry it (7).
+    """
+    if isinstance(msg, MatchReply):
+        body: Any = _match_reply_body(msg)
+        return _json.encode(body) if format == "json" else _msgpack.encode(body)
     return _json.encode(msg) if format == "json" else _msgpack.encode(msg)
+
+
+def _match_reply_body(reply: MatchReply) -> dict[str, Any]:
+    out: dict[str, Any] = {} if reply.version is UNSET else {"version": reply.version}
+    out.update(
+        index_seq=reply.index_seq,
+        block_size=reply.block_size,
+        prompt_blocks=reply.prompt_blocks,
+        replica=reply.replica,
+        candidates=[
+            [c.worker_id, c.dp_rank, c.overlap_blocks, c.cached_blocks, c.tiers, c.block_size]
+            if c.health is None
+            else [c.worker_id, c.dp_rank, c.overlap_blocks, c.cached_blocks, c.tiers, c.block_size, c.health]
+            for c in reply.candidates
+        ],
+    )
+    return out
 
 
 def _decoder(kind: type[Any], format: str) -> msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any]:

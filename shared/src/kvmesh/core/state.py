@@ -301,6 +301,11 @@ class IndexState:
             self._apply_events(message)
         self._release_overdue()
 
+    def skip(self, stream_seq: int) -> None:
+        """Pass over a stream message that cannot be applied (undecodable, or its apply failed): the applied
+        sequence moves to ``stream_seq`` (never back), nothing else changes."""
+        self.applied_seq = max(self.applied_seq, stream_seq)
+
     def mark_gap(self, after_seq: int) -> None:
         """Record that messages after ``after_seq`` were lost (the stream no longer holds them).
 

@@ -3,8 +3,10 @@ member reconcile, registry removals and the match reply; no NATS."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from kvmesh.core import protocol
 from kvmesh.core.errors import RequestError
 from kvmesh.core.state import HolderMatch, MatchResult
 from kvmesh.indexer import policy
@@ -214,7 +216,8 @@ def test_the_match_reply_rows_carry_health_only_when_set() -> None:
             ),
         ),
     )
-    assert policy.match_reply(result, "r1") == {
+    wire = protocol.encode(policy.match_reply(result, "r1"), format="msgpack")
+    assert msgspec.msgpack.decode(wire) == {
         "index_seq": 9,
         "block_size": 4,
         "prompt_blocks": 3,

@@ -60,7 +60,7 @@ class MatchEndpoint:
         except RequestError as exc:
             await self._error(req, "bad_request", str(exc))
             return
-        await req.respond(self._encoder.encode(policy.match_reply(result, self.replica)))
+        await req.respond(protocol.encode(policy.match_reply(result, self.replica), format="msgpack"))
 
     async def _error(self, req: Request, code: str, message: str) -> None:
         message = clip_echo(message)  # it may repeat the request's model name

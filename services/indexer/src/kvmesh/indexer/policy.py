@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvmesh.core.errors import RequestError
+from kvmesh.core.protocol import MatchHolder, MatchReply
 from kvmesh.core.state import MatchResult
 
 # ---------------------------------------------------------------------------------------------- retention
@@ -244,20 +245,18 @@ def unpack_tokens(packed: bytes) -> array[int]:
     return tokens
 
 
-def match_reply(result: MatchResult, replica: str) -> dict[str, Any]:
-    """The match reply body: ``{"index_seq", "block_size", "prompt_blocks", "replica", "candidates"}``.
-
-    Each candidate is a row ``[worker_id, dp_rank, overlap_blocks, cached_blocks, tiers, block_size]`` plus
-    ``health`` as a seventh element only when the holder's index is not exact (what routers read).
-    """
-    return {
-        "index_seq": result.index_seq,
-        "block_size": result.block_size,
-        "prompt_blocks": result.prompt_blocks,
-        "replica": replica,
-        "candidates": [
-            [c.worker_id, c.dp_rank, c.overlap_blocks, c.cached_blocks, c.tiers, c.block_size]
-            + ([c.health] if c.health is not None else [])
+def match_reply(result: MatchResult, replica: str) -> MatchReply:
+    """The match reply: the index sequence, the model's block size, the prompt's blocks and one
+    `kvmesh.core.protocol.MatchHolder` per holder (its ``health`` only when the holder's index is not exact)."""
+    return MatchReply(
+        index_seq=result.index_seq,
+        block_size=result.block_size,
+        prompt_blocks=result.prompt_blocks,
+        replica=replica,
+        candidates=[
+            MatchHolder(
+                c.worker_id, c.dp_rank, c.overlap_blocks, c.cached_blocks, c.tiers, c.block_size, c.health
+            )
             for c in result.candidates
         ],
-    }
+    )

@@ -253,6 +253,5 @@ class SnapshotWriter:
             }
         if msg.reply:
             with contextlib.suppress(nats.errors.Error):
-                await msg.respond(
-                    msgspec.json.encode({"replica": self.replica, "stream": self.settings.stream, **result})
-                )
+                answer = {"replica": self.replica, "stream": self.settings.stream, **result}
+                await msg.respond(protocol.encode(msgspec.convert(answer, protocol.SnapshotResult)))

@@ -114,7 +114,7 @@ def free_port_pair() -> int:
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            port = int(s.getsockname()[1])
         if port >= 65535:
             continue
         try:

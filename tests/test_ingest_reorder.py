@@ -296,8 +296,12 @@ def fail_and_delay(ing: IngestService, fail: str, late: str, *, fail_s: float, l
             done.add(late)
             slow: asyncio.Future[Any] = loop.create_future()
 
+            def settle(f: asyncio.Future[Any]) -> None:
+                if not slow.done():
+                    slow.set_result(f.result())
+
             def relay(f: asyncio.Future[Any]) -> None:
-                loop.call_later(late_s, lambda: slow.done() or slow.set_result(f.result()))
+                loop.call_later(late_s, settle, f)
 
             ack.add_done_callback(relay)
             return slow

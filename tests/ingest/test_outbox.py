@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvmesh.core.events import Cleared, Event, EventsMessage, Removed, Stored, decode_message, encode_message
+from kvmesh.core.index import Holder
 from kvmesh.core.sequencing import Inversion
 from kvmesh.ingest.outbox import (
     PAYLOAD_HEADROOM,
@@ -24,10 +25,10 @@ from kvmesh.ingest.outbox import (
     split_events,
 )
 
-A = ("w", 0)
+A = Holder("w", 0)
 H = 2**60
 """Hashes from here encode in 9 bytes each."""
-B = ("w", 1)
+B = Holder("w", 1)
 
 
 @dataclass
@@ -58,12 +59,12 @@ class FakeAck:
         return True
 
 
-def out(holder: tuple[str, int], seq: int, epoch: int = 0) -> Outgoing:
+def out(holder: Holder, seq: int, epoch: int = 0) -> Outgoing:
     """A message of ``holder`` at engine seq ``seq`` (id ``holder-dp:seq``)."""
     return Outgoing("s", f"{holder[1]}:{seq}", b"x", holder, epoch, seq)
 
 
-def clear_of(holder: tuple[str, int], epoch: int, seq: int) -> Outgoing:
+def clear_of(holder: Holder, epoch: int, seq: int) -> Outgoing:
     """The overflow clear `Outbox.next` is given to build."""
     return Outgoing("s", f"clear {holder[1]}:{seq}", b"c", holder, epoch, seq)
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from kvmesh.core import wire
 from kvmesh.core.errors import WireError
 from kvmesh.core.events import Cleared, Event, EventsMessage, encode_message
+from kvmesh.core.index import Holder
 from kvmesh.core.normalize import BlockSizeMismatchError, Normalizer
 from kvmesh.core.sequencing import SeqTracker
 from kvmesh.ingest.config import IngestSettings
-from kvmesh.ingest.outbox import Coalesced, Coalescer, Holder, MessageIds, Outgoing, encode_under
+from kvmesh.ingest.outbox import Coalesced, Coalescer, MessageIds, Outgoing, encode_under
 from kvmesh.ingest.status import IngestCounters
 from kvmesh.runtime import subjects
 
@@ -237,7 +238,7 @@ class Batches:
         parts, split = encode_under(msg, base_id, self.max_payload)
         if split:
             self.counters.split_batches += 1
-        holder = (s.worker_id, dp_rank)
+        holder = Holder(s.worker_id, dp_rank)
         for part_id, data in parts:
             self.push(Outgoing(subject, part_id, data, holder, epoch, seq))
 

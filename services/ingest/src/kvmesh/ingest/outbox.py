@@ -28,10 +28,8 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 import msgspec
 
 from kvmesh.core.events import Event, EventsMessage, Removed, Stored, encode_message
+from kvmesh.core.index import Holder
 from kvmesh.core.sequencing import Inversion, StreamOrder
-
-Holder = tuple[str, int]
-"""(worker, dp_rank)."""
 
 COALESCE_MAX_EVENTS: Final[int] = 1024
 """Events per coalesced stream message before it is cut (the max-payload split still applies after)."""

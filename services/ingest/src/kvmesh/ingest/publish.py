@@ -15,9 +15,10 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from kvmesh.core.index import Holder
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.jetstream import delete_stored, withdraw_buffered_publishes
-from kvmesh.ingest.outbox import AckOutcome, AckWindow, Holder, MessageIds, Outbox, Outgoing
+from kvmesh.ingest.outbox import AckOutcome, AckWindow, MessageIds, Outbox, Outgoing
 from kvmesh.ingest.status import IngestCounters
 
 log = logging.getLogger("kvmesh.ingest")

@@ -16,7 +16,8 @@ from tests.pipeline import eventually
 from tests.test_ingest_faults import BS, T, blk, clean_pipeline, stored
 from tests.test_ingest_registry import ANY, W, js_client, start, stop
 
-from kvmesh.core.events import Cleared, EventsMessage, decode_message
+from kvmesh.core.events import Cleared, EventsMessage, decode_message, encode_message
+from kvmesh.ingest.recovery import walk_back
 from kvmesh.runtime import subjects
 from kvmesh.sim.publisher import EventPublisher
 
@@ -58,8 +59,7 @@ async def test_undecodable_last_message_recovers_from_the_one_before(
             await stop(p, W, clean=False)  # a crash: the worker stays registered
             garbage_seq = (await js.publish(subject, GARBAGE)).seq
             ing = await start(p, W, pub)
-            assert f"stream seq {garbage_seq}" in caplog.text
-            assert "undecodable" in caplog.text
+            assert f"rank 0: undecodable message at stream seq {garbage_seq} on {subject}" in caplog.text
             st = ing.status().ranks["0"]
             assert (st.epoch, st.last_seq) == (0, 1)
             await pub.wait_for_subscribers(2)
@@ -86,8 +86,9 @@ async def test_only_undecodable_messages_resynchronise_the_rank(
             first = (await js.publish(subject, GARBAGE)).seq
             second = (await js.publish(subject, GARBAGE + b"!")).seq
             ing = await start(p, W, pub)
-            assert f"stream seq {first}" in caplog.text
-            assert f"stream seq {second}" in caplog.text
+            for at in (second, first):  # walked back from the last
+                assert f"rank 0: undecodable message at stream seq {at} on {subject}" in caplog.text
+            assert caplog.text.index(f"stream seq {second} on") < caplog.text.index(f"stream seq {first} on")
             at, hello = await eventually(lambda: last_on(js, p.stream, subject), lambda r: r[0] > second)
             assert (at, hello.epoch, hello.seq, hello.events) == (second + 1, 1, -1, [Cleared("resync")])
             st = ing.status().ranks["0"]
@@ -99,3 +100,23 @@ async def test_only_undecodable_messages_resynchronise_the_rank(
             assert ing.counters.undecodable_stream_messages == 2
     finally:
         pub.close()
+
+
+async def test_walk_back_finds_the_last_decodable_message_past_other_subjects(
+    nats_url: str, uid: str
+) -> None:
+    """Rank 0's seq 7 at stream seq 1, 100 messages of rank 1, then garbage and a newer-version message on
+    rank 0: the walk back from the garbage returns stream seq 1 (two windows wide) and logs the one garbage."""
+    async with clean_pipeline(nats_url, uid) as p, js_client(nats_url) as js:
+        rank0 = subjects.events_subject(p.prefix, p.model, W, 0)
+        rank1 = subjects.events_subject(p.prefix, p.model, W, 1)
+        good = EventsMessage(worker_id=W, dp_rank=0, model=p.model, block_size=BS, epoch=3, seq=7, events=[])
+        assert (await js.publish(rank0, encode_message(good))).seq == 1
+        for _ in range(100):
+            await js.publish(rank1, encode_message(good))
+        assert (await js.publish(rank0, GARBAGE)).seq == 102
+        assert (await js.publish(rank0, GARBAGE + b"!")).seq == 103
+        met: list[int] = []
+        found = await walk_back(js, p.stream, rank0, 103, lambda seq, _exc: met.append(seq))
+        assert found == (1, good)
+        assert met == [102]

@@ -129,3 +129,38 @@ def test_a_kvmesh_error_exits_1_and_a_clean_run_0(caplog: pytest.LogCaptureFixtu
             return None
 
     assert run_async(_Fine(ValueError())) == 0
+
+
+async def test_a_loop_that_swallows_its_cancellation_is_left_behind_after_the_grace(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On stop, a loop that ignores cancellation gets stop_grace_s, is logged by name, and supervise returns."""
+    nc = await nats.connect(nats_url)
+    stop = asyncio.Event()
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue  # what a swallowed cancellation looks like
+
+    async def stopper() -> None:
+        stop.set()
+
+    stubborn_task = asyncio.ensure_future(stubborn())
+    try:
+        await asyncio.wait_for(
+            supervise(
+                nc, {"stubborn": stubborn_task, "stopper": stopper()}, stop=stop, name="t", stop_grace_s=0.2
+            ),
+            5,
+        )
+        assert not stubborn_task.done()
+        assert "t: stubborn did not stop within 0.2 s; left behind" in caplog.text
+    finally:
+        release.set()
+        stubborn_task.cancel()
+        await asyncio.wait({stubborn_task}, timeout=1)
+        await nc.close()

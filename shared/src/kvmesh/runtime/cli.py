@@ -129,8 +129,18 @@ def run_async(svc: Service) -> int:
     return 0
 
 
-async def _coroutine(aw: Awaitable[None]) -> None:
-    await aw
+async def _bounded(aw: Awaitable[None], name: str, grace_s: float) -> None:
+    """Await ``aw``; when cancelled, cancel it and give it at most ``grace_s`` seconds to end (nats-py can
+    swallow a cancellation inside a subscription or a request, and a task group would wait on it forever)."""
+    task = asyncio.ensure_future(aw)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.cancel()
+        _, stuck = await asyncio.wait({task}, timeout=grace_s)
+        if stuck:
+            logging.getLogger("kvmesh").warning("%s did not stop within %g s; left behind", name, grace_s)
+        raise
 
 
 async def supervise(
@@ -140,6 +150,7 @@ async def supervise(
     stop: asyncio.Event,
     name: str,
     closed_poll_s: float = 1.0,
+    stop_grace_s: float = 5.0,
 ) -> None:
     """Run a service's background loops in one `asyncio.TaskGroup` until ``stop`` is set.
 
@@ -149,6 +160,8 @@ async def supervise(
             raises fails the service.
         stop: set by the service's ``stop()``; every loop still running is then cancelled.
         name: the service as logs name it (``"indexer i-0"``).
+        closed_poll_s: how often the connection is checked for being closed for good, in seconds.
+        stop_grace_s: seconds a cancelled loop gets to end before it is left behind (and logged).
 
     Raises:
         ConnectionClosedForGood: ``nc`` was closed for good (not merely reconnecting) before ``stop``.
@@ -168,7 +181,10 @@ async def supervise(
 
     try:
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(_coroutine(aw), name=f"{name}: {loop}") for loop, aw in loops.items()]
+            tasks = [
+                tg.create_task(_bounded(aw, f"{name}: {loop}", stop_grace_s), name=f"{name}: {loop}")
+                for loop, aw in loops.items()
+            ]
             tasks.append(tg.create_task(closed(), name=f"{name}: connection"))
             tg.create_task(until_stopped(tasks), name=f"{name}: stop")
     except BaseExceptionGroup as group:

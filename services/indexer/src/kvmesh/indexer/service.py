@@ -39,12 +39,10 @@ from kvmesh.indexer.members import RegistryWatch
 from kvmesh.indexer.policy import SnapshotSchedule
 from kvmesh.indexer.writer import SnapshotWriter, check_retention, new_stats
 from kvmesh.runtime import subjects
-from kvmesh.runtime.cli import VERSION
+from kvmesh.runtime.cli import VERSION, supervise
 from kvmesh.runtime.nats import (
-    ConnectionClosedForGood,
     close_quietly,
     connect,
-    wait_closed,
     wait_for_stream,
 )
 from kvmesh.runtime.registry import RegistrySettings, open_registry
@@ -272,22 +270,18 @@ class IndexerService:
                 time.monotonic() - self._started,
                 self.read_messages,
             )
-            tasks += [
-                asyncio.create_task(writer.hold_lease()),
-                asyncio.create_task(writer.run()),
-                asyncio.create_task(watch.run()),
-            ]
-            stop_wait = asyncio.create_task(self._stop.wait())
-            closed = asyncio.create_task(wait_closed(nc))
-            await asyncio.wait({consume, stop_wait, closed}, return_when=asyncio.FIRST_COMPLETED)
-            stop_wait.cancel()
-            closed.cancel()
-            if consume.done() and not self._stop.is_set():
-                consume.result()
-            if closed.done() and not closed.cancelled() and not self._stop.is_set():
-                raise ConnectionClosedForGood(
-                    f"indexer {self.replica}: the NATS connection was closed for good; exiting"
-                )
+            await supervise(
+                nc,
+                {
+                    "stream consumer": consume,
+                    "snapshot lease": writer.hold_lease(),
+                    "snapshot writer": writer.run(),
+                    "registry watch": watch.run(),
+                },
+                stop=self._stop,
+                name=f"indexer {self.replica}",
+                stop_grace_s=_STOP_TIMEOUT_S,
+            )
         finally:
             self._stop.set()  # background loops check it: nats-py may swallow a cancellation
             for t in tasks:

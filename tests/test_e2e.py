@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
 import pytest
 from tests.pipeline import eventually, overlaps, pipeline
 
-from kvmesh.cli import gather_status, router_status
 from kvmesh.client import BadRequestError, UnknownModelError
+from kvmesh.ops import decode_router_service, gather_replies, router_status
 from kvmesh.sim.engine import SimWorker
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.e2e]
@@ -108,11 +109,12 @@ async def test_route_answers_exact_overlaps_through_evictions_and_clear(
 
             # `kvmesh status` lists the router with its index mode (and a local index's sequence and lag).
             assert p.indexer is not None and p._nc is not None
-            stats = await gather_status(p._nc, "$SRV.STATS.kvmesh-router", 0.5)
+            replies = await gather_replies(p._nc, "$SRV.STATS.kvmesh-router", b"", 0.5) or []
+            stats = [decode_router_service(r) for r in replies]
             mine = [
-                router_status(s, p.indexer.state.applied_seq)
+                msgspec.to_builtins(router_status(s, p.indexer.state.applied_seq))
                 for s in stats
-                if s["endpoints"][0]["data"]["index"]["route_subject"] == p.route_subject
+                if s.stats.index.route_subject == p.route_subject
             ]
             assert len(mine) == 1 and mine[0]["mode"] == index
             if index == "local":

@@ -1,5 +1,5 @@
-"""Pure pieces of the router's view of the fleet: `RegistryWatcher.apply`/`live` (entries fed, no server) and the
-`kvmesh status` summary of a router."""
+"""Pure pieces of the router's view of the fleet: `RegistryWatcher.apply`/`live` (entries fed, no server); the
+`kvmesh status` summary of a router is tested with `kvmesh.ops` in tests/test_ops_status.py."""
 
 from __future__ import annotations
 
@@ -46,27 +46,3 @@ def test_bad_records_are_ignored_and_drop_the_previous_one() -> None:
     for garbage in (b"", b"{", b'{"worker_id": 1}', b"[]"):
         w.apply(subjects.kv_key("a"), None, garbage)
         assert w.live("m") == [], garbage
-
-
-def test_router_status_flags_a_replica_past_the_stream() -> None:
-    """A local-index router whose applied sequence is past the stream's last one (the stream was deleted and
-    created again) is flagged in `kvmesh status`, not shown with lag 0 as if it were current."""
-    from kvmesh.cli import STREAM_RECREATED, router_status
-
-    stats = {
-        "id": "r1",
-        "version": "0.2.0",
-        "endpoints": [
-            {"name": "route", "data": {"routed": 3, "index": {"mode": "local", "applied_seq": 186}}}
-        ],
-    }
-    assert router_status(stats, 200) == {
-        "id": "r1",
-        "version": "0.2.0",
-        "mode": "local",
-        "applied_seq": 186,
-        "lag": 14,
-        "routed": 3,
-    }
-    flagged = router_status(stats, 58)
-    assert (flagged["lag"], flagged["warning"]) == (0, STREAM_RECREATED)

@@ -12,11 +12,11 @@ import pytest
 from tests.pipeline import Pipeline, eventually, overlaps, pipeline
 from tests.test_router_candidates import start_router
 
-from kvmesh.cli import router_status
 from kvmesh.client import NoWorkersError
 from kvmesh.core.events import EventsMessage, Stored, encode_message
 from kvmesh.core.hashing import local_block_hashes
 from kvmesh.core.protocol import WorkerRecord
+from kvmesh.ops import decode_router_service, router_status
 from kvmesh.runtime import subjects
 from kvmesh.sim.publisher import EventPublisher
 
@@ -67,7 +67,8 @@ async def status_of(p: Pipeline) -> dict[str, Any]:
     assert p._nc is not None
     msg = await p._nc.request("$SRV.STATS.kvmesh-router", b"", timeout=2.0)
     last = (await p._nc.jetstream().stream_info(p.stream)).state.last_seq
-    return router_status(json.loads(msg.data), last)
+    summary: dict[str, Any] = msgspec.to_builtins(router_status(decode_router_service(msg.data), last))
+    return summary
 
 
 def health(reply: Any) -> dict[str, dict[str, str]]:

@@ -1,5 +1,5 @@
-"""The ingest's two JetStream calls outside nats-py's public API use: withdrawing buffered publishes, deleting
-one stored message for an in-order re-send."""
+"""Deleting one stored message for an in-order re-send (withdrawing buffered publishes, which needs nats-py's
+internals, is `kvmesh.runtime.nats.withdraw_buffered_publishes`)."""
 
 from __future__ import annotations
 
@@ -9,26 +9,6 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-
-
-def withdraw_buffered_publishes(nc: Client | None, js: JetStreamContext | None) -> int:
-    """Take this JetStream context's publishes out of the client's reconnect buffer; return how many.
-
-    nats-py re-sends what it buffered as soon as it reconnects, before the ingest learns of it; those would
-    land ahead of the in-flight messages the dead connection lost, out of order. nats-py has no way to
-    withdraw buffered publishes, so this edits its private pending buffer: the ``PUB``/``HPUB`` commands
-    whose reply subject starts with the context's async-reply prefix.
-    """
-    prefix = getattr(js, "_async_reply_prefix", None)
-    if nc is None or not prefix:
-        return 0
-    marker = b" " + bytes(prefix)
-    pending: list[bytes] = nc._pending  # private: see the docstring
-    keep = [c for c in pending if not (c.startswith((b"HPUB ", b"PUB ")) and marker in c[: c.find(b"\r\n")])]
-    if len(keep) != len(pending):
-        nc._pending = keep
-        nc._pending_data_size = sum(len(c) for c in keep)
-    return len(pending) - len(keep)
 
 
 async def delete_stored(js: JetStreamContext, nc: Client, stream: str, stream_seq: int) -> None:

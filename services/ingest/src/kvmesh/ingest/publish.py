@@ -17,9 +17,10 @@ from nats.js import JetStreamContext
 
 from kvmesh.core.index import Holder
 from kvmesh.ingest.config import IngestSettings
-from kvmesh.ingest.jetstream import delete_stored, withdraw_buffered_publishes
+from kvmesh.ingest.jetstream import delete_stored
 from kvmesh.ingest.outbox import AckOutcome, AckWindow, MessageIds, Outbox, Outgoing
 from kvmesh.ingest.status import IngestCounters
+from kvmesh.runtime.nats import withdraw_buffered_publishes
 
 log = logging.getLogger("kvmesh.ingest")
 
@@ -90,6 +91,8 @@ class Publisher:
         by its Nats-Msg-Id).
         """
         self._connections += 1
+        if self.nc is None or self.js is None:
+            return
         withdrawn = withdraw_buffered_publishes(self.nc, self.js)
         if withdrawn:
             log.info(

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 import zmq.asyncio
@@ -45,6 +45,7 @@ from kvmesh.ingest.recovery import RankCursor, fresh_tracker, recover_rank
 from kvmesh.ingest.registration import Registration
 from kvmesh.ingest.status import IngestCounters, ingest_status
 from kvmesh.runtime import subjects
+from kvmesh.runtime.cli import supervise
 from kvmesh.runtime.metrics import MetricsLoadPublisher
 from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, ensure_stream
 from kvmesh.runtime.replica import retry_start
@@ -122,14 +123,16 @@ class IngestService:
         self._watch = self._engine_watch()
         self.registration.watch = self._watch
         reader = RankReader(self._ctx, s, self.counters, self.batches, self._watch)
-        tasks = [asyncio.create_task(reader.read(rank)) for rank in self._ranks.values()]
-        tasks.append(asyncio.create_task(pub.run()))
-        tasks.append(asyncio.create_task(self.registration.run()))
+        loops: dict[str, Coroutine[Any, Any, None]] = {
+            f"rank {rank.rank} reader": reader.read(rank) for rank in self._ranks.values()
+        }
+        loops["publish loop"] = pub.run()
+        loops["registry heartbeat"] = self.registration.run()
         if self._watch is not None:
-            tasks.append(asyncio.create_task(self._watch.run()))
+            loops["engine liveness"] = self._watch.run()
         if s.metrics_url:  # engine load for the routers (vLLM's Prometheus page)
             scraper = MetricsLoadPublisher(self._nc, url=s.metrics_url, worker_id=s.worker_id)
-            tasks.append(asyncio.create_task(scraper.run()))
+            loops["engine metrics"] = scraper.run()
         self.ready.set()
         log.info(
             "ingest %s: model %s, %d rank(s) from %s, replay %s, publishing to %s",
@@ -141,9 +144,9 @@ class IngestService:
             s.stream,
         )
         try:
-            await self._stop.wait()
+            await supervise(self._nc, loops, stop=self._stop, name=f"ingest {s.worker_id}")
         finally:
-            await self._shut_down(tasks, status_sub)
+            await self._shut_down(status_sub)
 
     async def _start_ranks(self) -> None:
         """Recover every rank's cursor, decide the incarnation, and announce each rank."""
@@ -206,14 +209,13 @@ class IngestService:
             on_change=self.registration.on_engine_change,
         )
 
-    async def _shut_down(self, tasks: list[asyncio.Task[None]], status_sub: Any) -> None:
-        """Stop reading, publish what is buffered for a few seconds, leave the registry on a clean stop."""
-        for t in tasks:
+    async def _shut_down(self, status_sub: Any) -> None:
+        """Stop replays, publish what is buffered for a few seconds, leave the registry on a clean stop (the
+        loops have ended: `supervise` cancelled them)."""
+        replays = [r.replay_task for r in self._ranks.values() if r.replay_task is not None]
+        for t in replays:
             t.cancel()
-        for rank in self._ranks.values():
-            if rank.replay_task is not None:
-                rank.replay_task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*replays, return_exceptions=True)
         for rank in self._ranks.values():
             self.batches.flush(rank)
         with contextlib.suppress(Exception):

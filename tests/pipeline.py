@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvmesh.client import RouteError, Router, RouteReply
 from kvmesh.indexer.config import IndexerSettings
@@ -154,7 +154,7 @@ async def eventually(
         try:
             last = await probe()
             if check(last):
-                return last
+                return cast(T, last)
         except RouteError as exc:
             last = exc
         if loop.time() > deadline:

@@ -90,10 +90,7 @@ async def _route_mismatches(client: Router, truth: Truth, n: int = 20) -> list[s
         }
         overlaps += sum(o for o, _ in want.values())
         reply = await client.route(MODEL, tokens, explain=True)
-        got = {
-            (s.worker_id, s.dp_rank): (s.overlap_blocks, s.cached_blocks)
-            for s in reply.scores or []
-        }
+        got = {(s.worker_id, s.dp_rank): (s.overlap_blocks, s.cached_blocks) for s in reply.scores or []}
         if got != want:
             out.append(
                 f"prompt {i} (index seq {reply.index_seq}): (overlap, cached) router {got}, truth {want}"

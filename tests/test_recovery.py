@@ -98,7 +98,7 @@ async def test_stream_gap_without_covering_snapshot_marks_workers_incomplete(nat
 
 
 async def _seq(svc: object) -> int:
-    return svc.state.applied_seq  # type: ignore[attr-defined]
+    return int(svc.state.applied_seq)  # type: ignore[attr-defined]
 
 
 async def test_replica_becomes_ready_when_the_last_message_was_deleted(nats_url: str, uid: str) -> None:

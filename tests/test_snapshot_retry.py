@@ -25,7 +25,7 @@ async def test_a_failed_snapshot_upload_is_retried_for_the_same_messages(nats_ur
                 raise TimeoutError("bucket electing a leader")
             return await real(seq, data, **kw)
 
-        svc._store.put = flaky_put  # type: ignore[method-assign]
+        svc._store.put = flaky_put  # type: ignore[method-assign,assignment]
         await g.publish(120)
 
         async def last() -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -346,7 +346,7 @@ def test_digest_is_order_independent() -> None:
 def test_digest_changes_after_any_change() -> None:
     """Removing, decrementing, adding, or clearing anything changes the digest."""
     base = _build([0, 1, 2, 3, 4, 5]).digest()
-    changes = {
+    changes: dict[str, Callable[[PrefixIndex], object]] = {
         "remove-last": lambda ix: ix.remove(A0, [E[3]]),
         "decrement-duplicate": lambda ix: ix.remove(A1, [F[0]]),
         "duplicate": lambda ix: ix.store(A0, [E[0]], None, [LOCAL[0]]),

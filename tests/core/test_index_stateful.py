@@ -88,7 +88,8 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         parent: int | None = None
         prefix: tuple[int, ...] = ()
         parent_key: int | None = None
-        if parents and data.draw(st.booleans(), label="with_parent"):
+        with_parent: bool = bool(parents) and data.draw(st.booleans(), label="with_parent")
+        if with_parent:
             parent = data.draw(st.sampled_from(parents), label="parent")
             parent_key = blocks[parent]
             prefix = self.paths[parent_key]
@@ -169,7 +170,8 @@ class PrefixIndexMachine(RuleBasedStateMachine):
     def remove_blocks(self, data: st.DataObject) -> None:
         """Remove one copy each of a few engine hashes, known or not, from one tier of one holder."""
         holding = sorted(h for h in self.model if self._blocks(h))
-        pool = holding if holding and data.draw(st.booleans(), label="holding") else list(HOLDERS)
+        use_holding: bool = bool(holding) and data.draw(st.booleans(), label="holding")
+        pool = holding if use_holding else list(HOLDERS)
         holder = data.draw(st.sampled_from(pool), label="holder")
         medium = data.draw(st.sampled_from(MEDIA), label="medium")
         known = sorted(self._blocks(holder))

@@ -9,6 +9,8 @@ Worked examples with explicit times (`kvmesh.core.load.LoadLedger`, "Prefill pro
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvmesh.core.load import ActiveLoad, LoadLedger
@@ -134,6 +136,6 @@ def test_replicas_fed_the_same_events_agree_and_a_restored_one_waits_for_samples
 @pytest.mark.parametrize(
     "kw", [{"prefill_rate_alpha": 0.0}, {"prefill_rate_alpha": 1.5}, {"prefill_rate_prior": -1.0}]
 )
-def test_invalid_settings_are_refused(kw: dict[str, float]) -> None:
+def test_invalid_settings_are_refused(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         LoadLedger(**kw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import pytest
 
@@ -65,7 +66,7 @@ def _prompt() -> list[int]:
 
 
 def _state(
-    messages: list[EventsMessage | WorkerRemoved], start: int = 1, state: IndexState | None = None
+    messages: Sequence[EventsMessage | WorkerRemoved], start: int = 1, state: IndexState | None = None
 ) -> IndexState:
     state = state or IndexState()
     for i, m in enumerate(messages, start):

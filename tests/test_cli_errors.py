@@ -200,3 +200,15 @@ def test_a_typo_suggests_the_command() -> None:
     proc = kvmesh("stauts")
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[0] == "kvmesh: unknown command 'stauts' (did you mean 'status'?)"
+
+
+@pytest.mark.nats
+@pytest.mark.parametrize("command", [["replay"], ["reset", "--yes"]])
+def test_replay_and_reset_of_a_missing_stream_are_one_line(
+    nats_url: str, uid: str, command: list[str]
+) -> None:
+    """`kvmesh replay` and `kvmesh reset --yes` on a stream that does not exist exit 1 with one line naming it."""
+    proc = kvmesh(*command, "--nats-url", nats_url, "--stream", f"NOPE_{uid}")
+    line = one_line_error(proc)
+    assert proc.returncode == 1
+    assert line == f"kvmesh {command[0]}: stream NOPE_{uid} does not exist"

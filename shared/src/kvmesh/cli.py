@@ -72,13 +72,6 @@ options:
 """
 
 
-def _services() -> dict[str, Callable[..., int]]:
-    found: dict[str, Callable[..., int]] = {}
-    for ep in entry_points(group="kvmesh.commands"):
-        found[ep.name] = ep.load()
-    return found
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the kvmesh command line; returns the exit code (141 when stdout's reader went away, as a shell
     reports SIGPIPE, silently: ``kvmesh --help | head``)."""
@@ -113,9 +106,10 @@ def _main(argv: Sequence[str] | None) -> int:
     }
     if name in builtin:
         return builtin[name](rest)
-    services = _services()
+    services = {ep.name: ep for ep in entry_points(group="kvmesh.commands")}  # the services' and tools'
     if name in services:
-        return services[name](rest, prog=f"kvmesh {name}")
+        command: Callable[..., int] = services[name].load()
+        return command(rest, prog=f"kvmesh {name}")
     known = sorted({*builtin, *services})
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -123,12 +117,11 @@ def _main(argv: Sequence[str] | None) -> int:
     return 2
 
 
-# ---------------------------------------------------------------------- shared flags, running, printing
-
-
-def _parser(command: str, description: str, *, stream: bool = True) -> argparse.ArgumentParser:
-    """The parser of ``kvmesh <command>`` with the shared NATS flags: ``--nats-url`` and, for the index
-    group's commands, ``--stream``."""
+def _parser(
+    command: str, description: str, *, stream: bool = True, prefix: bool = False
+) -> argparse.ArgumentParser:
+    """The parser of ``kvmesh <command>`` with the shared NATS flags: ``--nats-url``; for the index group's
+    commands ``--stream``, and ``--events-prefix`` for those that read the stream's subjects."""
     parser = argparse.ArgumentParser(
         prog=f"kvmesh {command}",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -141,15 +134,36 @@ def _parser(command: str, description: str, *, stream: bool = True) -> argparse.
     )
     if stream:
         parser.add_argument("--stream", default=subjects.STREAM, help="events stream (the index group)")
+    if prefix:
+        parser.add_argument(
+            "--events-prefix",
+            default=None,
+            help="subject prefix of the stream (when not given: taken from the stream's subjects)",
+        )
+    parser.set_defaults(command=command)
     return parser
 
 
-def _run(command: str, url: str, work: Callable[[Client], Awaitable[T]], show: Callable[[T], int]) -> int:
-    """Connect to ``url``, await ``work`` on the connection, close it, and return ``show(result)``; any
-    `KvmeshError` (no connection, a transport failure, a missing stream) is one line on stderr, exit 1."""
+def _print_json(value: Any) -> int:
+    """Print a result (a Struct, or plain data) as indented JSON; return exit status 0."""
+    print(json.dumps(msgspec.to_builtins(value), indent=2))
+    return 0
+
+
+def _error(a: argparse.Namespace, text: str) -> int:
+    """Print ``kvmesh <command>: <text>`` on stderr; return exit status 1."""
+    print(f"kvmesh {a.command}: {text}", file=sys.stderr)
+    return 1
+
+
+def _run(
+    a: argparse.Namespace, work: Callable[[Client], Awaitable[T]], show: Callable[[T], int] = _print_json
+) -> int:
+    """Connect to ``--nats-url``, await ``work`` on the connection, close it, and return ``show(result)``;
+    a `KvmeshError` (no connection, a transport failure, a missing stream) is one line on stderr, exit 1."""
 
     async def go() -> T:
-        nc = await connect(url, name=f"kvmesh-{command}", wait_s=3.0)
+        nc = await connect(a.nats_url, name=f"kvmesh-{a.command}", wait_s=3.0)
         try:
             return await work(nc)
         finally:
@@ -158,22 +172,8 @@ def _run(command: str, url: str, work: Callable[[Client], Awaitable[T]], show: C
     try:
         result = asyncio.run(go())
     except KvmeshError as exc:
-        print(f"kvmesh {command}: {exc}", file=sys.stderr)
-        return 1
+        return _error(a, str(exc))
     return show(result)
-
-
-def _print_json(value: Any) -> None:
-    """Print a result (a Struct, or plain data) as indented JSON."""
-    print(json.dumps(msgspec.to_builtins(value), indent=2))
-
-
-def _error(command: str, text: str) -> int:
-    print(f"kvmesh {command}: {text}", file=sys.stderr)
-    return 1
-
-
-# ---------------------------------------------------------------------- route and finish
 
 
 def route_command(argv: Sequence[str]) -> int:
@@ -232,7 +232,7 @@ def route_command(argv: Sequence[str]) -> int:
         _print_json(reply)
         return 1 if "error" in reply else 0
 
-    return _run("route", a.nats_url, work, show)
+    return _run(a, work, show)
 
 
 def _parse_tokens(text: str) -> list[int]:
@@ -272,16 +272,12 @@ def finish_command(argv: Sequence[str]) -> int:
         return 0
 
     return _run(
-        "finish",
-        a.nats_url,
+        a,
         lambda nc: ops.finish(
             nc, a.request_id, prefill_done=a.prefill_done, requests_prefix=a.requests_prefix
         ),
         show,
     )
-
-
-# ---------------------------------------------------------------------- index group
 
 
 def status_command(argv: Sequence[str]) -> int:
@@ -301,12 +297,10 @@ def status_command(argv: Sequence[str]) -> int:
         _print_json(report)
         error = report.stream.error
         if error == ops.STREAM_NOT_FOUND:
-            return _error("status", f"stream {a.stream} does not exist on {redact_url(a.nats_url)}")
-        if error:
-            return _error("status", f"cannot read stream {a.stream}: {error}")
-        return 0
+            return _error(a, f"stream {a.stream} does not exist on {redact_url(a.nats_url)}")
+        return _error(a, f"cannot read stream {a.stream}: {error}") if error else 0
 
-    return _run("status", a.nats_url, lambda nc: ops.status(nc, stream=a.stream, wait_s=a.wait_s), show)
+    return _run(a, lambda nc: ops.status(nc, stream=a.stream, wait_s=a.wait_s), show)
 
 
 def snapshot_command(argv: Sequence[str]) -> int:
@@ -322,29 +316,11 @@ def snapshot_command(argv: Sequence[str]) -> int:
 
     def show(replies: list[ops.SnapshotReply]) -> int:
         if replies and replies[-1].written:
-            _print_json(replies[-1])
-            return 0
+            return _print_json(replies[-1])
         why = "; ".join(f"{d.replica}: {d.reason or 'no reason given'}" for d in replies)
-        return _error(
-            "snapshot", f"no snapshot written within {a.timeout_s:g} s ({why or 'no indexer answered'})"
-        )
+        return _error(a, f"no snapshot written within {a.timeout_s:g} s ({why or 'no indexer answered'})")
 
-    return _run(
-        "snapshot", a.nats_url, lambda nc: ops.snapshot(nc, stream=a.stream, timeout_s=a.timeout_s), show
-    )
-
-
-def _prefix_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--events-prefix",
-        default=None,
-        help="subject prefix of the stream (when not given: taken from the stream's subjects)",
-    )
-
-
-def _show_json(result: Any) -> int:
-    _print_json(result)
-    return 0
+    return _run(a, lambda nc: ops.snapshot(nc, stream=a.stream, timeout_s=a.timeout_s), show)
 
 
 def replay_command(argv: Sequence[str]) -> int:
@@ -355,8 +331,8 @@ def replay_command(argv: Sequence[str]) -> int:
         "stored snapshot, and print its applied sequence, blocks, digest, messages read and seconds taken "
         "as JSON: compare with a replica's digest in `kvmesh status` at the same sequence. Reads with an "
         "ordered consumer; changes nothing.",
+        prefix=True,
     )
-    _prefix_flag(parser)
     parser.add_argument(
         "--from-snapshot",
         default="none",
@@ -374,8 +350,7 @@ def replay_command(argv: Sequence[str]) -> int:
     start = int(spec) if spec.isdigit() else spec
 
     return _run(
-        "replay",
-        a.nats_url,
+        a,
         lambda nc: ops.replay(
             nc,
             stream=a.stream,
@@ -384,7 +359,6 @@ def replay_command(argv: Sequence[str]) -> int:
             prefix=a.events_prefix,
             timeout_s=a.timeout_s,
         ),
-        _show_json,
     )
 
 
@@ -397,8 +371,8 @@ def reset_command(argv: Sequence[str]) -> int:
         "rebuilds from the events that follow. Nothing is purged under a running reader; the messages before "
         "the reset go with the normal snapshot-and-purge cycle. Prints the reset's epoch and sequence and the "
         "replicas that applied it.",
+        prefix=True,
     )
-    _prefix_flag(parser)
     parser.add_argument("--reason", default="operator", help="recorded in the reset message")
     parser.add_argument("--wait-s", type=float, default=10.0, help="seconds to wait for replicas to apply it")
     parser.add_argument("--yes", action="store_true", help="really reset (required)")
@@ -411,8 +385,7 @@ def reset_command(argv: Sequence[str]) -> int:
         return 0 if result.applied else 1
 
     return _run(
-        "reset",
-        a.nats_url,
+        a,
         lambda nc: ops.reset(nc, stream=a.stream, reason=a.reason, prefix=a.events_prefix, wait_s=a.wait_s),
         show,
     )

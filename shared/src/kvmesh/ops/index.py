@@ -48,13 +48,12 @@ def _transport(what: str) -> Iterator[None]:
 
 
 async def _stream_info(nc: Client, stream: str) -> Any:
-    try:
-        with _transport(f"stream info {stream}"):
+    """The stream's `nats.js.api.StreamInfo`; `StreamUnavailableError` when it does not exist."""
+    with _transport(f"stream info {stream}"):
+        try:
             return await nc.jetstream().stream_info(stream)
-    except TransportError as exc:
-        if isinstance(exc.__cause__, nats.js.errors.NotFoundError):
-            raise StreamUnavailableError(f"stream {stream} does not exist") from exc.__cause__
-        raise
+        except nats.js.errors.NotFoundError as exc:
+            raise StreamUnavailableError(f"stream {stream} does not exist") from exc
 
 
 def events_prefix(info: Any, given: str | None) -> str:

@@ -378,7 +378,7 @@ async def status(nc: Client, *, stream: str = subjects.STREAM, wait_s: float = 0
         stream=state,
         replicas=[replica_status(r, last) for r in mine],
         snapshots=await _snapshots(nc, stream, now),
-        workers=await _workers(nc, stream, mine, time.time()),
+        workers=await _workers(nc, stream, mine, now),
         ingests=sorted(ingests.replies, key=lambda r: r.worker_id),
         # A local-index router of another stream reports against that stream, not this one.
         routers=sorted((r for r in summaries if r.stream in (None, stream)), key=lambda r: r.id),

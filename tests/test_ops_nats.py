@@ -10,8 +10,8 @@ import pytest
 from tests.indexers import MODEL, group, wait_for
 
 from kvmesh import ops
-from kvmesh.core.errors import KvmeshError, StreamUnavailableError, TransportError
-from kvmesh.core.protocol import IngestStatus, RequestRef, decode
+from kvmesh.core.errors import SnapshotNotFoundError, StreamUnavailableError, TransportError
+from kvmesh.core.protocol import IngestStatus, RequestRef, SnapshotResult, decode
 from kvmesh.runtime import subjects
 from kvmesh.runtime.snapshots import snapshot_name
 
@@ -95,7 +95,7 @@ async def test_snapshot_returns_the_written_result(nats_url: str, uid: str) -> N
         await g.publish(20)
         await wait_for(lambda: asyncio.sleep(0, a.state.applied_seq), lambda s: s == 20)
         [result] = await ops.snapshot(g.nc, stream=g.stream, timeout_s=10)
-        assert isinstance(result, ops.SnapshotReply)
+        assert isinstance(result, SnapshotResult)
         assert (result.written, result.replica, result.stream, result.name, result.applied_seq) == (
             True,
             f"{uid}-a",
@@ -123,7 +123,7 @@ async def test_snapshot_without_indexers_raises_transport_error(nats_url: str, u
 
 async def test_replay_returns_the_replicas_digest_and_raises_by_class(nats_url: str, uid: str) -> None:
     """`ops.replay` rebuilds the replica's index (same digest and size); a missing stream raises
-    StreamUnavailableError and a sequence without a snapshot a KvmeshError."""
+    StreamUnavailableError and a sequence without a snapshot a SnapshotNotFoundError."""
     async with group(nats_url, uid) as g:
         a = await g.start(f"{uid}-a")
         await g.publish(25)
@@ -140,7 +140,7 @@ async def test_replay_returns_the_replicas_digest_and_raises_by_class(nats_url: 
         with pytest.raises(StreamUnavailableError) as missing:
             await ops.replay(g.nc, stream=f"NOPE_{uid}")
         assert str(missing.value) == f"stream NOPE_{uid} does not exist"
-        with pytest.raises(KvmeshError) as none:
+        with pytest.raises(SnapshotNotFoundError) as none:
             await ops.replay(g.nc, stream=g.stream, from_snapshot=7)
         assert str(none.value) == "no usable snapshot at seq 7 (skipped: not found)"
 

@@ -161,7 +161,7 @@ def test_router_status_of_a_remote_index_has_no_lag() -> None:
             micro_reply({"routed": 1}, endpoint="other"),
             "router r1: its $SRV.STATS reply has no route endpoint",
         ),
-        (b"[1, 2]", "bad _ServiceStats: Expected `object`, got `array`"),
+        (b"[1, 2]", "bad MicroServiceStats: Expected `object`, got `array`"),
     ],
 )
 def test_a_router_stats_reply_without_usable_data_is_a_protocol_error(reply: bytes, message: str) -> None:

@@ -152,6 +152,15 @@ SAMPLES: list[tuple[msgspec.Struct, str]] = [
     ),
     (p.SnapshotRequest(stream="KV"), "json"),
     (
+        p.MicroServiceStats(
+            id="abc",
+            name="kvmesh-router",
+            version="0.1.0",
+            endpoints=[p.MicroEndpointStats(name="route", data=msgspec.Raw(b'{"routed":1}'), num_errors=2)],
+        ),
+        "json",
+    ),
+    (
         p.SnapshotResult(
             replica="i-0", stream="KV", written=True, name="s-1", deleted=["s-0"], purged_before=None
         ),
@@ -204,6 +213,7 @@ def test_every_message_type_has_a_round_trip_sample() -> None:
         "LedgerStats",
         "LedgerEntry",
         "Message",
+        "MicroEndpointStats",
         # stream messages: round-tripped with their own codec in tests/core/test_events*.py / test_state.py
         "EventsMessage",
         "WorkerRemoved",
@@ -348,3 +358,14 @@ def test_the_index_unknown_model_error_is_a_key_error_and_a_route_error() -> Non
     exc = UnknownModelError("m")
     assert isinstance(exc, KeyError) and isinstance(exc, RouteError)
     assert (exc.code, exc.status, exc.args, str(exc)) == ("unknown_model", 404, ("m",), "m")
+
+
+def test_a_micro_stats_reply_with_a_version_string_is_not_a_protocol_version() -> None:
+    """nats.micro's $SRV.STATS carries the service's version string; decoding it checks no protocol version."""
+    data = b'{"id":"x","name":"kvmesh-router","version":"9.9.9","endpoints":[{"name":"route","data":null}]}'
+    stats = p.decode(data, p.MicroServiceStats)
+    assert (stats.version, stats.endpoints[0].name, bytes(stats.endpoints[0].data)) == (
+        "9.9.9",
+        "route",
+        b"null",
+    )

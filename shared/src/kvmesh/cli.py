@@ -25,7 +25,7 @@ from nats.aio.client import Client
 
 from kvmesh import ops
 from kvmesh.core.errors import KvmeshError, RouteError
-from kvmesh.core.protocol import RouteRequest, encode
+from kvmesh.core.protocol import RouteRequest, SnapshotResult, encode
 from kvmesh.ops import gather_status
 from kvmesh.runtime import subjects
 from kvmesh.runtime.cli import VERSION
@@ -314,7 +314,7 @@ def snapshot_command(argv: Sequence[str]) -> int:
     parser.add_argument("--timeout-s", type=float, default=30.0, help="seconds to wait for the snapshot")
     a = parser.parse_args(argv)
 
-    def show(replies: list[ops.SnapshotReply]) -> int:
+    def show(replies: list[SnapshotResult]) -> int:
         if replies and replies[-1].written:
             return _print_json(replies[-1])
         why = "; ".join(f"{d.replica}: {d.reason or 'no reason given'}" for d in replies)

@@ -23,6 +23,7 @@ those modules import the tree from here.
     │   ├── NoWorkersError (LookupError)   ``no_workers``: no candidate worker is left
     │   ├── UnavailableError               ``unavailable``: no router or indexer answered in time
     │   └── InternalError                  ``internal``: the router or indexer failed
+    ├── SnapshotNotFoundError (LookupError)  no usable snapshot where one was asked for (``kvmesh replay``)
     ├── ConfigError (ValueError)           settings that cannot be used; `problems` lists each
     └── TransportError                     something between kvmesh and NATS (or an engine socket) failed
         ├── ConnectError                   the first connection could not be made (`reason` says why)
@@ -222,6 +223,11 @@ def route_error(code: str, message: str) -> RouteError:
         if cls.code == code:
             return cls(message)
     return InternalError(message, code=code)
+
+
+class SnapshotNotFoundError(KvmeshError, LookupError):
+    """No usable snapshot where one was asked for (``kvmesh replay --snapshot-seq N``: none at that sequence,
+    or every one there was skipped as unusable)."""
 
 
 # ---------------------------------------------------------------------------------------- settings

@@ -72,6 +72,8 @@ __all__ = [
     "MatchReply",
     "MatchRequest",
     "Message",
+    "MicroEndpointStats",
+    "MicroServiceStats",
     "PolicyOverride",
     "RequestRef",
     "RouteReply",
@@ -423,6 +425,28 @@ class RouterStats(Message, kw_only=True, frozen=True):
     index: RouterIndexStats
 
 
+class MicroEndpointStats(msgspec.Struct, frozen=True):
+    """One endpoint in a nats.micro ``$SRV.STATS`` reply: its name and its ``data`` undecoded (a
+    `RouterStats` for a router's ``route`` endpoint; JSON null when the endpoint has none)."""
+
+    name: str
+    data: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"null"))
+    num_requests: int = 0
+    num_errors: int = 0
+    last_error: str = ""
+
+
+class MicroServiceStats(msgspec.Struct, frozen=True):
+    """A nats.micro ``$SRV.STATS`` reply (nats.micro's own format, not versioned by kvmesh): the service's
+    instance id, its version string and its endpoints; other fields are ignored."""
+
+    id: str
+    name: str = ""
+    version: str = ""
+    """The service's version (the kvmesh release, e.g. ``"0.1.0"``)."""
+    endpoints: list[MicroEndpointStats] = msgspec.field(default_factory=list)
+
+
 # ---------------------------------------------------------------------------------------- snapshots
 
 
@@ -617,8 +641,8 @@ def decode(data: bytes, kind: type[M], *, format: Literal["json", "msgpack"] = "
         raise error(f"bad {kind.__name__}: not {what}: {exc}") from exc
     except RecursionError as exc:  # msgspec gives up on input nested deeper than it can decode
         raise error(f"bad {kind.__name__}: nested too deeply to decode") from exc
-    version = getattr(msg, "version", UNSET)
-    if version is not UNSET and version > PROTOCOL_VERSION:
+    version = msg.version if isinstance(msg, Message | LedgerSnapshot) else UNSET
+    if isinstance(version, int) and version > PROTOCOL_VERSION:
         raise error(
             f"{kind.__name__} of version {version}: this kvmesh reads up to version {PROTOCOL_VERSION}",
             field="version",

@@ -14,9 +14,9 @@ function                   result                                         raises
                            (`ReplicaStatus`), `SnapshotView`s,            unreadable parts are reported in the result
                            `WorkerView`s, ingests (`IngestStatus`),
                            routers (`RouterSummary`)
-`snapshot`                 the replicas' `SnapshotReply`s                 `TransportError` (no indexer subscribed)
+`snapshot`                 the replicas' `SnapshotResult`s                `TransportError` (no indexer subscribed)
 `replay`                   `ReplayResult` (size, digest, times)           `StreamUnavailableError`, `TransportError`,
-                                                                          `KvmeshError` (no such snapshot)
+                                                                          `SnapshotNotFoundError` (no such snapshot)
 `reset`                    `ResetResult` (epoch, sequence, replicas)      `StreamUnavailableError`, `TransportError`
 `finish`                   None                                           `UnavailableError`, `TransportError`
 =========================  =============================================  ===========================================
@@ -30,7 +30,6 @@ from kvmesh.ops.index import (
     ReplayResult,
     ReplicaReset,
     ResetResult,
-    SnapshotReply,
     events_prefix,
     replay,
     reset,
@@ -68,7 +67,6 @@ __all__ = [
     "ResetResult",
     "RouterService",
     "RouterSummary",
-    "SnapshotReply",
     "SnapshotView",
     "StatusReport",
     "StreamState",

@@ -12,21 +12,25 @@ from typing import Any, Literal
 import msgspec
 import nats.errors
 import nats.js.errors
-from msgspec import UNSET, UnsetType
 from nats.aio.client import Client
 
-from kvmesh.core.errors import KvmeshError, ProtocolError, StreamUnavailableError, TransportError
+from kvmesh.core.errors import (
+    ProtocolError,
+    SnapshotNotFoundError,
+    StreamUnavailableError,
+    TransportError,
+)
 from kvmesh.core.events import IndexReset, encode_message
 from kvmesh.core.protocol import IndexerStatus, SnapshotRequest, SnapshotResult, decode, encode
 from kvmesh.ops.replies import gather
 from kvmesh.runtime import subjects
+from kvmesh.runtime.nats import transport_error
 from kvmesh.runtime.snapshots import SnapshotStore, plan_recovery, replay_stream
 
 __all__ = [
     "ReplayResult",
     "ReplicaReset",
     "ResetResult",
-    "SnapshotReply",
     "events_prefix",
     "replay",
     "reset",
@@ -38,13 +42,12 @@ log = logging.getLogger(__name__)
 
 @contextlib.contextmanager
 def _transport(what: str) -> Iterator[None]:
-    """Raise nats-py's errors (and timeouts) inside as `TransportError`s naming ``what``."""
+    """Raise nats-py's errors (and timeouts) inside as kvmesh's `TransportError`s naming ``what``
+    (`kvmesh.runtime.nats.transport_error`)."""
     try:
         yield
-    except nats.errors.Error as exc:
-        raise TransportError(f"{what}: {type(exc).__name__}: {exc}") from exc
-    except TimeoutError as exc:
-        raise TransportError(f"{what}: {exc or 'timed out'}") from exc
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise transport_error(exc, what) from exc
 
 
 async def _stream_info(nc: Client, stream: str) -> Any:
@@ -70,16 +73,9 @@ def events_prefix(info: Any, given: str | None) -> str:
 # ---------------------------------------------------------------------------------------- snapshot
 
 
-class SnapshotReply(SnapshotResult, frozen=True, kw_only=True):
-    """A replica's `SnapshotResult` as indexers send it: ``deleted`` lists the names of the older snapshots
-    deleted (``--snapshot-keep``), not their count."""
-
-    deleted: list[str] | UnsetType = UNSET  # the protocol Struct says int
-
-
 async def snapshot(
     nc: Client, *, stream: str = subjects.STREAM, timeout_s: float = 30.0
-) -> list[SnapshotReply]:
+) -> list[SnapshotResult]:
     """Ask the replicas of ``stream`` to write a snapshot now (a `SnapshotRequest` on ``kvmesh.index.snapshot``).
 
     The holder of the snapshot-writer lease writes one; the others decline with a reason.
@@ -92,7 +88,7 @@ async def snapshot(
     Returns:
         The replies in arrival order, up to and including the first with ``written`` true (the last one, when
         a snapshot was written within ``timeout_s``; none of them otherwise). Replies that do not decode as
-        `SnapshotReply` are logged and left out.
+        `SnapshotResult` are logged and left out.
 
     Raises:
         TransportError: nothing is subscribed to the snapshot subject (no indexer runs), or the request
@@ -108,9 +104,9 @@ async def snapshot(
     return replies
 
 
-async def _until_written(nc: Client, body: bytes, timeout_s: float) -> list[SnapshotReply] | None:
+async def _until_written(nc: Client, body: bytes, timeout_s: float) -> list[SnapshotResult] | None:
     inbox = nc.new_inbox()
-    out: list[SnapshotReply] = []
+    out: list[SnapshotResult] = []
     with _transport(f"request on {subjects.SNAPSHOT_SUBJECT}"):
         sub = await nc.subscribe(inbox)
         await nc.publish(subjects.SNAPSHOT_SUBJECT, body, reply=inbox)
@@ -125,7 +121,7 @@ async def _until_written(nc: Client, body: bytes, timeout_s: float) -> list[Snap
             if not msg.data:  # no responders: no replica is subscribed at all
                 return out or None
             try:
-                result = decode(msg.data, SnapshotReply)
+                result = decode(msg.data, SnapshotResult)
             except ProtocolError as exc:
                 log.warning("snapshot reply does not decode: %s", exc)
                 continue
@@ -200,7 +196,7 @@ async def replay(
 
     Raises:
         StreamUnavailableError: the stream does not exist.
-        KvmeshError: ``from_snapshot`` names a sequence with no usable snapshot.
+        SnapshotNotFoundError: ``from_snapshot`` names a sequence with no usable snapshot.
         TransportError: the stream stalled for ``timeout_s``, or a NATS request failed.
     """
     info = await _stream_info(nc, stream)
@@ -216,7 +212,9 @@ async def replay(
             store, first_seq=info.state.first_seq, last_seq=last, only_seq=only, name="kvmesh replay"
         )
     if only is not None and plan.snapshot_seq != only:
-        raise KvmeshError(f"no usable snapshot at seq {only} (skipped: {plan.skipped or 'not found'})")
+        raise SnapshotNotFoundError(
+            f"no usable snapshot at seq {only} (skipped: {plan.skipped or 'not found'})"
+        )
     t0 = time.perf_counter()
     state = plan.state()
     restore_s = time.perf_counter() - t0

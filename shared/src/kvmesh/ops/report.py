@@ -19,6 +19,7 @@ from kvmesh.core.errors import ProtocolError
 from kvmesh.core.protocol import (
     IndexerStatus,
     IngestStatus,
+    MicroServiceStats,
     RouterIndexStats,
     RouterStats,
     WorkerRecord,
@@ -174,15 +175,13 @@ def decode_router_service(data: bytes) -> RouterService:
     Raises:
         ProtocolError: not a stats reply, no ``route`` endpoint, or its ``data`` is not `RouterStats`.
     """
-    envelope = decode(data, _ServiceStats)
+    envelope = decode(data, MicroServiceStats)
     for endpoint in envelope.endpoints:
         if endpoint.name == "route":
             data = bytes(endpoint.data)
-            if data == _NULL:
+            if data == b"null":
                 raise ProtocolError(f"router {envelope.id}: its route endpoint carries no stats data")
-            return RouterService(
-                id=envelope.id, version=envelope.service_version, stats=decode(data, RouterStats)
-            )
+            return RouterService(id=envelope.id, version=envelope.version, stats=decode(data, RouterStats))
     raise ProtocolError(f"router {envelope.id}: its $SRV.STATS reply has no route endpoint")
 
 
@@ -277,24 +276,6 @@ def worker_views(
 
 
 # ---------------------------------------------------------------------------------------- over NATS
-
-
-_NULL: Final[bytes] = b"null"
-
-
-class _Endpoint(msgspec.Struct, frozen=True):
-    name: str
-    data: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(_NULL))
-    """The endpoint's stats ``data``, undecoded (msgspec takes no ``Raw | None``: absent or null is JSON null)."""
-
-
-class _ServiceStats(msgspec.Struct, frozen=True):
-    """The nats micro ``$SRV.STATS`` envelope, the parts kvmesh reads."""
-
-    id: str
-    service_version: str = msgspec.field(name="version")
-    """The service's version (named apart: `decode` reads a ``version`` attribute as the protocol's)."""
-    endpoints: list[_Endpoint] = msgspec.field(default_factory=list)
 
 
 async def _stream_state(nc: Client, stream: str) -> StreamState:

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from kvmesh.core.events import EventsMessage, Stored, encode_message
+from kvmesh.core.index import Holder
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.indexer.service import IndexerService
 from kvmesh.runtime import subjects
@@ -37,8 +38,8 @@ class Group:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     replicas: list[IndexerService] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    chains: dict[tuple[str, int], int | None] = field(default_factory=dict)
-    engine_seqs: dict[tuple[str, int], int] = field(default_factory=dict)
+    chains: dict[Holder, int | None] = field(default_factory=dict)
+    engine_seqs: dict[Holder, int] = field(default_factory=dict)
     """Last engine sequence published per holder: each publish continues it (a repeat would be refused)."""
     log_dir: Path | None = None
     """Where spawned replicas write their logs (a test's ``tmp_path``); None discards them."""
@@ -126,7 +127,8 @@ class Group:
         ack: Any = None
         for i in range(n):
             w = f"w{i % workers}"
-            parent = self.chains.get((w, 0)) if i % 5 else None
+            holder = Holder(w, 0)
+            parent = self.chains.get(holder) if i % 5 else None
             engine = [self.rng.getrandbits(63) for _ in range(blocks)]
             local = [self.rng.getrandbits(64) for _ in range(blocks)]
             msg = EventsMessage(
@@ -135,12 +137,12 @@ class Group:
                 model=MODEL,
                 block_size=BS,
                 epoch=0,
-                seq=self.engine_seqs.get((w, 0), -1) + 1,
+                seq=self.engine_seqs.get(holder, -1) + 1,
                 ts=ts,
                 events=[Stored(engine, parent, local)],
             )
-            self.chains[(w, 0)] = engine[-1]
-            self.engine_seqs[(w, 0)] = msg.seq
+            self.chains[holder] = engine[-1]
+            self.engine_seqs[holder] = msg.seq
             ack = await self.js.publish(
                 subjects.events_subject(self.prefix, MODEL, w, 0), encode_message(msg), stream=self.stream
             )

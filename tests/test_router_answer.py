@@ -10,6 +10,7 @@ import pytest
 from kvmesh.core.errors import InternalError, NoWorkersError, ProtocolError, UnknownModelError
 from kvmesh.core.events import Event, EventsMessage, Stored
 from kvmesh.core.hashing import local_block_hashes
+from kvmesh.core.index import Holder
 from kvmesh.core.load import EngineLoads, LedgerStats, LoadLedger
 from kvmesh.core.protocol import (
     MatchHolder,
@@ -228,7 +229,7 @@ def test_a_match_request_packs_the_token_ids_unless_that_would_not_fit() -> None
 
 def test_a_registered_model_the_index_lacks_is_routed_with_nothing_cached() -> None:
     """unknown_model with live registered ranks routes on them (block size from their records); else not."""
-    live = RankSet.from_pairs([("a", 0)])
+    live = RankSet.from_pairs([Holder("a", 0)])
     assert serves_unindexed(UnknownModelError("m"), live)
     assert not serves_unindexed(UnknownModelError("m"), None)
     assert not serves_unindexed(UnknownModelError("m"), RankSet([]))
@@ -345,7 +346,7 @@ def test_load_only_ignores_the_overlaps() -> None:
 
 def test_a_chosen_holder_whose_heartbeat_is_late_is_stale() -> None:
     """With registered ranks, a winner whose record's heartbeat is older than the bound is stale: degraded."""
-    ranks = RankSet.from_pairs([("a", 0), ("b", 0)])
+    ranks = RankSet.from_pairs([Holder("a", 0), Holder("b", 0)])
     records = {"a": record("a", heartbeat_ts=1000.0), "b": record("b", heartbeat_ts=1090.0)}
     out = answer(request(explain=True), ranks=ranks, records=records, late_s=50.0)
     assert out.reply is not None and out.reply.scores is not None
@@ -375,7 +376,7 @@ def test_refusals_name_the_model_and_a_stale_rank() -> None:
     )
     assert refuse_without_live_ranks(request(candidates=["s"]), stale) is None
     assert refuse_without_live_ranks(request(), None) is None
-    assert refuse_without_live_ranks(request(), RankSet.from_pairs([("a", 0)])) is None
+    assert refuse_without_live_ranks(request(), RankSet.from_pairs([Holder("a", 0)])) is None
 
     mixed = RankSet([RegisteredWorker("s", 2, {0: "silent", 1: "silent"}), RegisteredWorker("a", 1, {})])
     named = answer(request(candidates=["s"]), ranks=mixed)
@@ -469,14 +470,14 @@ def test_holders_status_names_each_holder_not_exact_once_up_to_the_bound() -> No
         ("s", record("s", dp_ranks=2, stale_ranks={1: "silent", 5: "beyond the ranks"})),
         ("t", record("t", heartbeat_ts=100.0)),
     ]
-    listed, total = holders_status({("d", 0): "held"}, records, heartbeat_late_s=200.0, wall=400.0)
+    listed, total = holders_status({Holder("d", 0): "held"}, records, heartbeat_late_s=200.0, wall=400.0)
     assert {k: (v.state, v.reason) for k, v in listed.items()} == {
         "d/0": ("incomplete", "held"),
         "s/1": ("stale", "engine_silent: silent"),
         "t/*": ("stale", "heartbeat_late: last heartbeat 300.0 s ago"),
     }
     assert total == 3
-    many = {(f"w{i:03d}", 0): "gap" for i in range(MAX_HOLDERS_LISTED + 50)}
+    many = {Holder(f"w{i:03d}", 0): "gap" for i in range(MAX_HOLDERS_LISTED + 50)}
     listed, total = holders_status(many, None, heartbeat_late_s=0.0, wall=0.0)
     assert (len(listed), total) == (MAX_HOLDERS_LISTED, MAX_HOLDERS_LISTED + 50)
 
@@ -487,7 +488,7 @@ def test_holders_status_names_each_holder_not_exact_once_up_to_the_bound() -> No
 def test_router_stats_shape_for_a_remote_and_a_local_index() -> None:
     """The stats carry the counters and the index part: remote names the match subject, local the replica's
     figures with the lag in seconds rounded to the millisecond."""
-    holders = holders_status({("d", 0): "held"}, None, heartbeat_late_s=0.0, wall=0.0)
+    holders = holders_status({Holder("d", 0): "held"}, None, heartbeat_late_s=0.0, wall=0.0)
     remote = index_stats("exact", None, holders, route_subject="r", match_subject="mt", replica=None)
     stats = router_stats(
         routed=5,

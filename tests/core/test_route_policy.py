@@ -8,6 +8,7 @@ import math
 import pytest
 
 from kvmesh.core.errors import RequestError
+from kvmesh.core.index import Holder
 from kvmesh.core.load import ActiveLoad, LoadLedger
 from kvmesh.core.protocol import Routed, WorkerLoad
 from kvmesh.core.route import (
@@ -50,7 +51,7 @@ def test_worked_example_affinity_outweighs_a_little_decode_load() -> None:
         [cand("a", 3, 10), cand("b", 0, 0)],
         prompt_tokens=64,
         block_size=BS,
-        active={("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
+        active={Holder("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
     )
     assert d is not None
     assert costs(d) == {"a/0": 3.2, "b/0": 4.0}
@@ -65,7 +66,7 @@ def test_worked_example_queued_prefill_outweighs_a_short_overlap() -> None:
         [cand("a", 3, 10), cand("b", 0, 0)],
         prompt_tokens=64,
         block_size=BS,
-        active={("a", 0): ActiveLoad(prefill_tokens=64, blocks=2, requests=2)},
+        active={Holder("a", 0): ActiveLoad(prefill_tokens=64, blocks=2, requests=2)},
     )
     assert costs(d) == {"b/0": 4.0, "a/0": 5.2}
     assert d is not None and d.winner.worker_id == "b"
@@ -78,7 +79,7 @@ def test_dynamo_weights_let_decode_load_outweigh_a_short_overlap() -> None:
         prompt_tokens=64,
         block_size=BS,
         policy=Policy(decode_weight=1.0),
-        active={("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
+        active={Holder("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
     )
     assert costs(d) == {"b/0": 4.0, "a/0": 5.0}
     assert d is not None and d.winner.worker_id == "b"
@@ -91,7 +92,7 @@ def test_overlap_weight_brings_affinity_back() -> None:
         prompt_tokens=64,
         block_size=BS,
         policy=Policy(overlap_weight=4.0, decode_weight=1.0),
-        active={("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
+        active={Holder("a", 0): ActiveLoad(prefill_tokens=32, blocks=2, requests=1)},
     )
     assert costs(d) == {"a/0": 14.0, "b/0": 16.0}
     assert d is not None and d.winner.worker_id == "a"
@@ -103,7 +104,7 @@ def test_default_weights_choose_as_dynamo_with_overlap_weight_10() -> None:
     dynamo = Policy(overlap_weight=10.0, decode_weight=1.0)
     winners = []
     for a_prefill, a_blocks in [(0, 0), (32, 2), (64, 2), (0, 29), (0, 30), (0, 31)]:
-        active = {("a", 0): ActiveLoad(prefill_tokens=a_prefill, blocks=a_blocks, requests=1)}
+        active = {Holder("a", 0): ActiveLoad(prefill_tokens=a_prefill, blocks=a_blocks, requests=1)}
         cands = [cand("a", 3, 10), cand("b", 0, 0)]
         ours = decide(cands, prompt_tokens=64, block_size=BS, active=active)
         theirs = decide(cands, prompt_tokens=64, block_size=BS, active=active, policy=dynamo)
@@ -219,11 +220,11 @@ def test_temperature_zero_never_samples() -> None:
 def test_busy_worker_is_skipped_while_another_is_free() -> None:
     """A's KV cache is 97 % full: B wins despite its higher cost; B queueing 8 requests makes both busy → A."""
     cands = [cand("a", 4), cand("b", 0)]
-    full = {("a", 0): WorkerLoad(worker_id="a", kv_usage=0.97)}
+    full = {Holder("a", 0): WorkerLoad(worker_id="a", kv_usage=0.97)}
     d = decide(cands, prompt_tokens=64, block_size=BS, engine=full)
     assert d is not None
     assert [(s.worker_id, s.busy, s.cost) for s in d.scores] == [("b", False, 4.0), ("a", True, 0.0)]
-    both = {**full, ("b", 0): WorkerLoad(worker_id="b", waiting=8)}
+    both = {**full, Holder("b", 0): WorkerLoad(worker_id="b", waiting=8)}
     d2 = decide(cands, prompt_tokens=64, block_size=BS, engine=both)
     assert d2 is not None and d2.winner.worker_id == "a"
 
@@ -231,7 +232,7 @@ def test_busy_worker_is_skipped_while_another_is_free() -> None:
 def test_busy_thresholds_are_per_request_policy() -> None:
     """busy_waiting 0 turns the waiting check off; busy_kv_usage 0.99 lets 97 % through."""
     cands = [cand("a", 4), cand("b", 0)]
-    eng = {("a", 0): WorkerLoad(worker_id="a", kv_usage=0.97, waiting=50)}
+    eng = {Holder("a", 0): WorkerLoad(worker_id="a", kv_usage=0.97, waiting=50)}
     d = decide(
         cands,
         prompt_tokens=64,
@@ -282,7 +283,7 @@ def _hot_prefix_picks(policy: Policy) -> tuple[list[str], LoadLedger]:
     picks = []
     for i in range(8):
         cands = [cand("a", 4, 40), cand("b", 0, 0)]
-        active = {k: ledger.load(*k) for k in (("a", 0), ("b", 0))}
+        active = {k: ledger.load(*k) for k in (Holder("a", 0), Holder("b", 0))}
         d = decide(cands, prompt_tokens=prompt, block_size=BS, active=active, seed=i, policy=policy)
         assert d is not None
         w = d.winner
@@ -345,7 +346,7 @@ def test_worked_example_a_half_done_prefill_keeps_a_returning_conversation() -> 
         ledger.prefill_done("r0", -0.5)
         ledger.finished("r0", -0.4)
         ledger.routed(Routed(request_id="r1", worker_id="a", dp_rank=0, prefill_tokens=7000, blocks=438), 0.0)
-        active = {("a", 0): ledger.load("a", 0, now_s=0.6)}
+        active = {Holder("a", 0): ledger.load("a", 0, now_s=0.6)}
         d = decide(cands, prompt_tokens=7000, block_size=BS, active=active)
         assert d is not None
         picks[progress] = (d.winner.worker_id, costs(d))
@@ -362,7 +363,7 @@ def test_candidates_filter_and_registry_merge() -> None:
     d = decide(cands, prompt_tokens=48, block_size=BS, allowed=["a"])
     assert d is not None and [(s.worker_id, s.dp_rank) for s in d.scores] == [("a", 0), ("a", 1)]
     assert decide(cands, prompt_tokens=48, block_size=BS, allowed=["z"]) is None
-    merged = merge_candidates(cands, [("a", 1), ("c", 0)])
+    merged = merge_candidates(cands, [Holder("a", 1), Holder("c", 0)])
     assert [(c.worker_id, c.dp_rank, c.overlap_blocks) for c in merged] == [("a", 1, 1), ("c", 0, 0)]
     assert merge_candidates(cands, None) == cands
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from kvmesh.core.index import Holder
 from kvmesh.core.sequencing import Inversion, StreamOrder
 
-A = ("w", 0)
-B = ("w", 1)
+A = Holder("w", 0)
+B = Holder("w", 1)
 
 
 def test_rising_acks_and_duplicates_of_the_same_sequence_need_no_resync() -> None:

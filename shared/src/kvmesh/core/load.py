@@ -39,14 +39,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvmesh.core.index import Holder
 from kvmesh.core.protocol import LedgerEntry, LedgerSnapshot, Routed, WorkerLoad
 
 DEFAULT_REQUEST_TTL_S: Final[float] = 300.0
 DEFAULT_LOAD_TTL_S: Final[float] = 10.0
-
-Key = tuple[str, int]
-"""(worker id, dp rank)."""
-
 
 # ---------------------------------------------------------------------------------------- wire messages
 
@@ -75,7 +72,7 @@ DEFAULT_PREFILL_RATE_ALPHA: Final[float] = 0.2
 
 @dataclass(slots=True)
 class _Active:
-    key: Key
+    key: Holder
     prefill_tokens: int
     blocks: int
     routed_s: float
@@ -159,8 +156,8 @@ class LoadLedger:
     prefill_rate_prior: float = 0.0
     prefill_rate_alpha: float = DEFAULT_PREFILL_RATE_ALPHA
     _requests: dict[str, _Active] = field(default_factory=dict)
-    _workers: dict[Key, _Worker] = field(default_factory=dict)
-    _rates: dict[Key, _Rate] = field(default_factory=dict)
+    _workers: dict[Holder, _Worker] = field(default_factory=dict)
+    _rates: dict[Holder, _Rate] = field(default_factory=dict)
     _now_s: float = -math.inf
     _stats: LedgerStats = field(default_factory=LedgerStats)
 
@@ -181,7 +178,7 @@ class LoadLedger:
     def routed(self, event: Routed, now_s: float) -> bool:
         """Apply a `Routed` event; return False when it changed nothing (already held on that worker)."""
         self._clock(now_s)
-        key = (event.worker_id, event.dp_rank)
+        key = Holder(event.worker_id, event.dp_rank)
         old = self._requests.get(event.request_id)
         if old is not None:
             if old.key == key:
@@ -238,7 +235,7 @@ class LoadLedger:
 
     def prefill_rate(self, worker_id: str, dp_rank: int) -> float:
         """Return the prefill throughput (tokens/s) the ledger assumes for one (worker, dp rank)."""
-        r = self._rates.get((worker_id, dp_rank))
+        r = self._rates.get(Holder(worker_id, dp_rank))
         return r.per_s if r is not None else self.prefill_rate_prior
 
     def load(
@@ -253,7 +250,7 @@ class LoadLedger:
                 must not be weighed down by itself).
             now_s: the time of the estimate (default: the latest time the ledger was given).
         """
-        key = (worker_id, dp_rank)
+        key = Holder(worker_id, dp_rank)
         w = self._workers.get(key)
         if w is None:
             return ZERO_LOAD
@@ -267,7 +264,7 @@ class LoadLedger:
             prefill -= self._progress(key, w, self._clock(now_s), excluding)
         return ActiveLoad(prefill_tokens=prefill, blocks=blocks, requests=requests)
 
-    def _progress(self, key: Key, w: _Worker, now: float, excluding: str | None) -> int:
+    def _progress(self, key: Holder, w: _Worker, now: float, excluding: str | None) -> int:
         """Tokens of the head's prefill estimated done by ``now`` (0 with no rate or no head)."""
         rate = self.prefill_rate(*key)
         if rate <= 0:
@@ -284,7 +281,7 @@ class LoadLedger:
             return 0
         return min(head.prefill_tokens, round(rate * elapsed))
 
-    def _sample(self, key: Key, w: _Worker, a: _Active, now: float) -> None:
+    def _sample(self, key: Holder, w: _Worker, a: _Active, now: float) -> None:
         """Learn from a request whose prefill ended at ``now``; it ends the worker's current prefill."""
         seconds = now - max(a.routed_s, w.last_done_s)
         if seconds > 0:
@@ -304,8 +301,8 @@ class LoadLedger:
             entries=[
                 LedgerEntry(
                     request_id=rid,
-                    worker_id=a.key[0],
-                    dp_rank=a.key[1],
+                    worker_id=a.key.worker_id,
+                    dp_rank=a.key.dp_rank,
                     prefill_tokens=a.prefill_tokens,
                     blocks=a.blocks,
                     age_s=max(now_s - a.routed_s, 0.0),
@@ -325,7 +322,9 @@ class LoadLedger:
         for e in sorted(snapshot.entries, key=lambda e: -e.age_s):
             if e.request_id in self._requests or e.age_s >= self.ttl_s:
                 continue
-            self._add(e.request_id, (e.worker_id, e.dp_rank), e.prefill_tokens, e.blocks, now_s - e.age_s)
+            self._add(
+                e.request_id, Holder(e.worker_id, e.dp_rank), e.prefill_tokens, e.blocks, now_s - e.age_s
+            )
             added += 1
         if added:
             # Keep the dicts ordered by routing time: live entries may be younger than restored ones.
@@ -346,7 +345,7 @@ class LoadLedger:
             unknown=s.unknown,
         )
 
-    def _add(self, rid: str, key: Key, prefill_tokens: int, blocks: int, routed_s: float) -> None:
+    def _add(self, rid: str, key: Holder, prefill_tokens: int, blocks: int, routed_s: float) -> None:
         a = _Active(key, prefill_tokens, blocks, routed_s)
         self._requests[rid] = a
         w = self._workers.get(key)
@@ -379,15 +378,15 @@ class EngineLoads:
     """The newest `WorkerLoad` per (worker, dp rank), each ignored once older than ``ttl_s``."""
 
     ttl_s: float = DEFAULT_LOAD_TTL_S
-    _reports: dict[Key, tuple[WorkerLoad, float]] = field(default_factory=dict)
+    _reports: dict[Holder, tuple[WorkerLoad, float]] = field(default_factory=dict)
 
     def update(self, report: WorkerLoad, now_s: float) -> None:
         """Keep ``report`` as the newest for its (worker, dp rank), received at ``now_s``."""
-        self._reports[(report.worker_id, report.dp_rank)] = (report, now_s)
+        self._reports[Holder(report.worker_id, report.dp_rank)] = (report, now_s)
 
     def get(self, worker_id: str, dp_rank: int, now_s: float) -> WorkerLoad | None:
         """Return the fresh report of one (worker, dp rank), or None (none, or stale)."""
-        r = self._reports.get((worker_id, dp_rank))
+        r = self._reports.get(Holder(worker_id, dp_rank))
         if r is None or now_s - r[1] > self.ttl_s:
             return None
         return r[0]

@@ -59,6 +59,7 @@ import msgspec
 import xxhash
 
 from kvmesh.core.errors import RequestError
+from kvmesh.core.index import Holder
 from kvmesh.core.load import ZERO_LOAD, ActiveLoad
 from kvmesh.core.protocol import PolicyOverride, RouteRequest, WorkerLoad
 
@@ -305,8 +306,8 @@ def decide(
     prompt_tokens: int,
     block_size: int,
     policy: Policy | None = None,
-    active: Mapping[tuple[str, int], ActiveLoad] | None = None,
-    engine: Mapping[tuple[str, int], WorkerLoad] | None = None,
+    active: Mapping[Holder, ActiveLoad] | None = None,
+    engine: Mapping[Holder, WorkerLoad] | None = None,
     seed: int = 0,
     allowed: Sequence[str] | None = None,
 ) -> Decision | None:
@@ -329,18 +330,21 @@ def decide(
     act = active or {}
     eng = engine or {}
     allow = set(allowed) if allowed is not None else None
-    scores = [
-        score(
-            c,
-            prompt_tokens=prompt_tokens,
-            block_size=block_size,
-            policy=pol,
-            active=act.get((c.worker_id, c.dp_rank), ZERO_LOAD),
-            engine=eng.get((c.worker_id, c.dp_rank)),
+    scores: list[Score] = []
+    for c in candidates:
+        if allow is not None and c.worker_id not in allow:
+            continue
+        holder = Holder(c.worker_id, c.dp_rank)
+        scores.append(
+            score(
+                c,
+                prompt_tokens=prompt_tokens,
+                block_size=block_size,
+                policy=pol,
+                active=act.get(holder, ZERO_LOAD),
+                engine=eng.get(holder),
+            )
         )
-        for c in candidates
-        if allow is None or c.worker_id in allow
-    ]
     if not scores:
         return None
     all_busy = all(s.busy for s in scores)
@@ -383,7 +387,7 @@ def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[fl
     return [w / total for w in weights]
 
 
-def merge_candidates(indexed: Sequence[Candidate], live: Sequence[tuple[str, int]] | None) -> list[Candidate]:
+def merge_candidates(indexed: Sequence[Candidate], live: Sequence[Holder] | None) -> list[Candidate]:
     """Combine the index's candidates with a worker registry's live (worker, dp rank) list.
 
     With ``live`` None (no registry), the index's candidates (every holder that announced itself) are
@@ -476,7 +480,7 @@ class RankSet:
         """Registered ranks that are candidates (not stale)."""
 
     @classmethod
-    def from_pairs(cls, live: Sequence[tuple[str, int]]) -> RankSet:
+    def from_pairs(cls, live: Sequence[Holder]) -> RankSet:
         """Build from a list of live (worker id, dp rank)s (a registry that lists ranks one by one)."""
         ranks: dict[str, set[int]] = {}
         for w, r in live:
@@ -510,7 +514,7 @@ class RankSet:
         w = self._by_id.get(worker_id)
         return w.stale.get(dp_rank) if w is not None and 0 <= dp_rank < w.dp_ranks else None
 
-    def walk(self, seed: int) -> Iterator[tuple[str, int]]:
+    def walk(self, seed: int) -> Iterator[Holder]:
         """Yield every live (not stale) registered rank once, from a position derived from ``seed``, wrapping.
 
         Workers whose every rank is stale are skipped whole.
@@ -534,7 +538,7 @@ class RankSet:
                 ranks = range(w.dp_ranks)
             for r in ranks:
                 if r not in w.stale:
-                    yield w.worker_id, r
+                    yield Holder(w.worker_id, r)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvmesh.core.index import Holder
+
 DEFAULT_MAX_PENDING: Final[int] = 100_000
 """Live batches held while a replay runs before the tracker gives up and resynchronises."""
 
@@ -273,13 +275,13 @@ class StreamOrder:
     of order, and only a resync after them repairs the index.
     """
 
-    high: dict[tuple[str, int], tuple[int, int, int]] = field(default_factory=dict)
+    high: dict[Holder, tuple[int, int, int]] = field(default_factory=dict)
     """Holder → (epoch, engine seq, stream seq) of its message with the highest stream sequence so far."""
 
-    reported: dict[tuple[str, int], int] = field(default_factory=dict)
+    reported: dict[Holder, int] = field(default_factory=dict)
     """Holder → stream sequence of the top an inversion was last reported against (reported once)."""
 
-    def on_ack(self, holder: tuple[str, int], epoch: int, seq: int, stream_seq: int) -> Inversion | None:
+    def on_ack(self, holder: Holder, epoch: int, seq: int, stream_seq: int) -> Inversion | None:
         """Take the ack of ``holder``'s next message in engine order; return the inversion it reveals.
 
         Further messages stored below the same top are the same incident and return None: one resync
@@ -295,10 +297,10 @@ class StreamOrder:
         self.high[holder] = here
         return None
 
-    def holders_to_resync(self, acks: list[tuple[tuple[str, int], int, int, int]]) -> list[tuple[str, int]]:
+    def holders_to_resync(self, acks: list[tuple[Holder, int, int, int]]) -> list[Holder]:
         """Take acks ``(holder, epoch, seq, stream_seq)`` in engine order; return the holders found out of
         order, each once, in the order found."""
-        out: list[tuple[str, int]] = []
+        out: list[Holder] = []
         for holder, epoch, seq, stream_seq in acks:
             if self.on_ack(holder, epoch, seq, stream_seq) is not None and holder not in out:
                 out.append(holder)

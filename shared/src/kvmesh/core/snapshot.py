@@ -124,7 +124,7 @@ class _Body(msgspec.Struct, array_like=True):
     workers: list[_Worker]
     indexes: list[_Index]
     gap_seq: int | None
-    healed: list[tuple[str, int]]
+    healed: list[Holder]
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -211,7 +211,7 @@ def encode_snapshot(export: StateExport) -> bytes:
             for model, bs, ix in export.indexes
         ],
         gap_seq=export.gap_seq,
-        healed=[tuple(x) for x in export.healed],  # type: ignore[misc]
+        healed=list(export.healed),
     )
     data = _encoder.encode(body)
     header = _HEADER.pack(

@@ -258,7 +258,7 @@ class StateExport:
     """``(model, block_size, index)`` in the state's own order."""
     gap_seq: int | None
     """Stream sequence after which messages were lost (see `IndexState.mark_gap`), or None."""
-    healed: tuple[tuple[str, int], ...]
+    healed: tuple[Holder, ...]
     """Holders rebuilt from nothing since the gap."""
 
 
@@ -315,19 +315,19 @@ class IndexState:
         self.gap_seq = after_seq
         self._healed.clear()
 
-    def incomplete(self) -> list[tuple[str, int]]:
+    def incomplete(self) -> list[Holder]:
         """Return the (worker, dp_rank) holders whose index may miss events since a gap, sorted."""
         if self.gap_seq is None:
             return []
         return sorted(
-            (w, r)
+            Holder(w, r)
             for w, info in self._workers.items()
             if info.removed_epoch is None
             for r in info.epochs
             if Holder(w, r) not in self._healed
         )
 
-    def holder_health(self) -> dict[tuple[str, int], str]:
+    def holder_health(self) -> dict[Holder, str]:
         """Return every live (worker, dp_rank) holder whose index is not exact, with the reason, sorted.
 
         Reasons: ``"stream_gap"`` (messages lost between a snapshot and the stream, see `mark_gap`),
@@ -335,14 +335,14 @@ class IndexState:
         and was refused). A holder missing from the answer is exact. Each lasts until a Cleared or a new
         engine epoch rebuilds the holder.
         """
-        out: dict[tuple[str, int], str] = {}
+        out: dict[Holder, str] = {}
         for w, info in sorted(self._workers.items()):
             if info.removed_epoch is not None:
                 continue
             for r in sorted(info.epochs):
                 reason = self._health(w, info, r)
                 if reason is not None:
-                    out[(w, r)] = reason
+                    out[Holder(w, r)] = reason
         return out
 
     def _health(self, worker_id: str, info: _WorkerInfo, rank: int) -> str | None:
@@ -770,7 +770,7 @@ class IndexState:
                 for bs, index in by_size.items()
             ),
             gap_seq=self.gap_seq,
-            healed=tuple(sorted((h.worker_id, h.dp_rank) for h in self._healed)),
+            healed=tuple(sorted(self._healed)),
         )
 
     @classmethod

@@ -26,6 +26,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from kvmesh.core.events import WorkerRemoved, encode_message
+from kvmesh.core.index import Holder
 from kvmesh.core.protocol import WorkerRecord
 from kvmesh.core.route import RankSet, RegisteredWorker
 from kvmesh.runtime import subjects
@@ -215,7 +216,7 @@ class RegistryWatcher:
             if info.created != created:
                 return
 
-    def live(self, model: str) -> list[tuple[str, int]] | None:
+    def live(self, model: str) -> list[Holder] | None:
         """Return the live (worker id, dp rank)s registered for ``model``, sorted.
 
         None ("no opinion": use the index's candidates as they are) until the first sync, and when no worker
@@ -227,7 +228,7 @@ class RegistryWatcher:
         if not self.synced:
             return None
         out = [
-            (w, r)
+            Holder(w, r)
             for w, rec in self.workers.items()
             if rec.model == model
             for r in range(max(rec.dp_ranks, 1))

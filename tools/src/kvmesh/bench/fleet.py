@@ -50,6 +50,7 @@ import nats.js.api
 from kvmesh.cli import gather_status
 from kvmesh.client import RouteError, Router, UnavailableError
 from kvmesh.core.events import Cleared, EventsMessage, Removed, Stored, decode_message
+from kvmesh.core.index import Holder
 from kvmesh.core.normalize import Normalizer
 from kvmesh.core.state import IndexState
 from kvmesh.core.wire import decode_batch
@@ -250,11 +251,11 @@ class Truth:
 
     state: IndexState
     """A fresh index fed every recorded batch in engine order."""
-    last_seq: dict[tuple[str, int], int]
+    last_seq: dict[Holder, int]
     """Per (worker, dp_rank): the engine seq of its last recorded batch (-1: none)."""
-    cached: dict[tuple[str, int], set[int]]
+    cached: dict[Holder, set[int]]
     """Per (worker, dp_rank): engine keys its pool caches at the end (its report)."""
-    replayed: dict[tuple[str, int], set[int]]
+    replayed: dict[Holder, set[int]]
     """Per (worker, dp_rank): engine keys held after replaying its events with store counts."""
     batches: int = 0
 
@@ -264,7 +265,7 @@ class Truth:
         for holder, cached in sorted(self.cached.items()):
             got = self.replayed.get(holder, set())
             if got != cached:
-                out.append(f"{holder}: events leave {len(got)} blocks, the pool caches {len(cached)}")
+                out.append(f"{_name(holder)}: events leave {len(got)} blocks, the pool caches {len(cached)}")
         return out
 
 
@@ -275,7 +276,7 @@ class Order:
     messages: int = 0
     violations: list[str] = field(default_factory=list)
     resyncs: list[str] = field(default_factory=list)
-    last: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    last: dict[Holder, tuple[int, int]] = field(default_factory=dict)
     """Per (worker, dp_rank): (epoch, last engine seq) at the stream's end."""
 
 
@@ -586,11 +587,11 @@ class Fleet:
 
     # ------------------------------------------------------------------ the engines' truth
 
-    def _latest_records(self) -> dict[tuple[str, int], Path]:
-        latest: dict[tuple[str, int], tuple[int, Path]] = {}
+    def _latest_records(self) -> dict[Holder, Path]:
+        latest: dict[Holder, tuple[int, Path]] = {}
         for path in self.records.glob("*.kv"):
             worker, rank, started = path.name.removesuffix(".kv").rsplit(".", 2)
-            key = (worker, int(rank))
+            key = Holder(worker, int(rank))
             if key not in latest or int(started) > latest[key][0]:
                 latest[key] = (int(started), path)
         return {k: p for k, (_, p) in latest.items()}
@@ -600,7 +601,8 @@ class Fleet:
         state = IndexState()
         truth = Truth(state=state, last_seq={}, cached={}, replayed={})
         stream_seq = 0
-        for (worker, rank), path in sorted(self._latest_records().items()):
+        for holder, path in sorted(self._latest_records().items()):
+            worker, rank = holder
             normalizer = Normalizer(block_size=BS)
             counts: dict[int, int] = {}
             last = -1
@@ -633,10 +635,10 @@ class Fleet:
                                 counts.pop(h, None)
                     elif isinstance(ev, Cleared):
                         counts.clear()
-            truth.last_seq[(worker, rank)] = last
-            truth.replayed[(worker, rank)] = set(counts)
+            truth.last_seq[holder] = last
+            truth.replayed[holder] = set(counts)
             report = json.loads(path.with_name(path.name + ".done").read_text())
-            truth.cached[(worker, rank)] = set(report["cached"])
+            truth.cached[holder] = set(report["cached"])
         truth.batches = stream_seq
         return truth
 
@@ -654,8 +656,8 @@ class Fleet:
         )
         order = Order()
         # per holder: epoch, last engine seq (None before the epoch's first engine batch), resync seen since
-        cursor: dict[tuple[str, int], tuple[int, int | None, bool]] = {}
-        runs: list[tuple[tuple[str, int], int, int, int, int, int | None, int]] = []
+        cursor: dict[Holder, tuple[int, int | None, bool]] = {}
+        runs: list[tuple[Holder, int, int, int, int, int | None, int]] = []
         try:
             seen = 0
             while seen < last_seq:
@@ -666,11 +668,11 @@ class Fleet:
                 m = decode_message(msg.data)
                 if not isinstance(m, EventsMessage):
                     continue
-                holder = (m.worker_id, m.dp_rank)
+                holder = Holder(m.worker_id, m.dp_rank)
                 epoch, last, resync = cursor.get(holder, (m.epoch, None, False))
                 if m.epoch < epoch:
                     order.violations.append(
-                        f"{holder} stream seq {sseq}: epoch {m.epoch} after epoch {epoch}"
+                        f"{_name(holder)} stream seq {sseq}: epoch {m.epoch} after epoch {epoch}"
                     )
                     continue
                 if m.epoch > epoch:
@@ -678,7 +680,7 @@ class Fleet:
                 if m.ts == 0.0:  # made by the ingest: a hello, or a resync Cleared
                     if any(isinstance(e, Cleared) and e.reason != "engine" for e in m.events):
                         reasons = [e.reason for e in m.events if isinstance(e, Cleared)]
-                        order.resyncs.append(f"{holder} stream seq {sseq} epoch {epoch}: {reasons}")
+                        order.resyncs.append(f"{_name(holder)} stream seq {sseq} epoch {epoch}: {reasons}")
                         resync = True
                     cursor[holder] = (epoch, last, resync)
                     continue
@@ -686,7 +688,7 @@ class Fleet:
                 if m.part > 0:
                     if m.seq != last:
                         order.violations.append(
-                            f"{holder} stream seq {sseq}: part {m.part} of engine seq {m.seq} after {last}"
+                            f"{_name(holder)} stream seq {sseq}: part {m.part} of engine seq {m.seq} after {last}"
                         )
                     continue
                 expected = 0 if last is None else last + 1
@@ -701,22 +703,27 @@ class Fleet:
         order.violations += _merge_runs(runs)
         for holder in sorted(set(truth.last_seq) - set(cursor)):
             order.violations.append(
-                f"{holder}: no message in the stream; the engine published up to seq {truth.last_seq[holder]}"
+                f"{_name(holder)}: no message in the stream; the engine published up to seq {truth.last_seq[holder]}"
             )
         for holder, (epoch, last, _) in sorted(cursor.items()):
             order.last[holder] = (epoch, -1 if last is None else last)
             want = truth.last_seq.get(holder)
             if want is not None and last != want:
                 order.violations.append(
-                    f"{holder}: the stream ends at engine seq {last} (epoch {epoch}), the engine at {want}"
+                    f"{_name(holder)}: the stream ends at engine seq {last} (epoch {epoch}), the engine at {want}"
                 )
         return order
 
 
-def _merge_runs(runs: list[tuple[tuple[str, int], int, int, int, int, int | None, int]]) -> list[str]:
+def _name(holder: Holder) -> str:
+    """Name a holder as kvmesh status does: ``worker/rank``."""
+    return f"{holder.worker_id}/{holder.dp_rank}"
+
+
+def _merge_runs(runs: list[tuple[Holder, int, int, int, int, int | None, int]]) -> list[str]:
     """Describe out-of-order messages, merging a rank's consecutive ones that follow each other in engine order."""
     merged: list[list[Any]] = []
-    open_run: dict[tuple[str, int], list[Any]] = {}
+    open_run: dict[Holder, list[Any]] = {}
     for holder, epoch, sseq, lo, hi, last, expected in runs:
         run = open_run.get(holder)
         if run is not None and run[1] == epoch and run[5] + 1 == lo and run[6] == last:
@@ -726,7 +733,7 @@ def _merge_runs(runs: list[tuple[tuple[str, int], int, int, int, int, int | None
         open_run[holder] = run
         merged.append(run)
     return [
-        f"{holder} epoch {epoch}: stream seqs {s0}..{s1} ({n} messages) carry engine seqs {lo}..{hi} "
+        f"{_name(holder)} epoch {epoch}: stream seqs {s0}..{s1} ({n} messages) carry engine seqs {lo}..{hi} "
         f"after engine seq {last} (expected {expected} next)"
         for holder, epoch, s0, s1, lo, hi, last, n, expected in merged
     ]

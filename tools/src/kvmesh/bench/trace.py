@@ -58,7 +58,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvmesh.bench.chart import write_bar_charts
-from kvmesh.core.load import LoadLedger
+from kvmesh.core.index import Holder
+from kvmesh.core.load import ActiveLoad, LoadLedger
 from kvmesh.core.protocol import Routed
 from kvmesh.core.route import Candidate, Policy, decide, route_seed
 from kvmesh.harness.procs import ChildProcesses
@@ -313,11 +314,11 @@ class _Chooser:
             )
             for k, w in enumerate(self.workers)
         ]
-        active = {}
+        active: dict[Holder, ActiveLoad] = {}
         for c in cands:
             a = self.ledger.load(c.worker_id, 0, excluding=p.request_id)
             if a.requests:
-                active[(c.worker_id, 0)] = a
+                active[Holder(c.worker_id, 0)] = a
         d = decide(
             cands,
             prompt_tokens=len(p.tokens),

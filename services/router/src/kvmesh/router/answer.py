@@ -24,6 +24,7 @@ from typing import Protocol
 
 from kvmesh.core.errors import InternalError, NoWorkersError, RouteError
 from kvmesh.core.hashing import pack_tokens
+from kvmesh.core.index import Holder
 from kvmesh.core.load import ActiveLoad, EngineLoads, LoadLedger
 from kvmesh.core.protocol import (
     ERROR_STATUS,
@@ -53,10 +54,6 @@ from kvmesh.core.route import (
     select_candidates,
 )
 from kvmesh.router.health import HolderState, RecordLike, holder_state
-
-Key = tuple[str, int]
-"""(worker id, dp rank)."""
-
 
 # ---------------------------------------------------------------------------------------- match answer
 
@@ -262,15 +259,16 @@ def route_answer(
             )
     selection = select_candidates(indexed, ranks, max_candidates=max_candidates, seed=seed, loaded=loaded)
     candidates = selection.candidates
-    active: dict[Key, ActiveLoad] = {}
-    engine: dict[Key, WorkerLoad] = {}
-    for c in candidates:
+    holders = [Holder(c.worker_id, c.dp_rank) for c in candidates]
+    active: dict[Holder, ActiveLoad] = {}
+    engine: dict[Holder, WorkerLoad] = {}
+    for c, holder in zip(candidates, holders, strict=True):
         a = ledger.load(c.worker_id, c.dp_rank, excluding=parsed.request_id, now_s=now)
         if a.requests:
-            active[(c.worker_id, c.dp_rank)] = a
+            active[holder] = a
         e = engine_loads.get(c.worker_id, c.dp_rank, now)
         if e is not None:
-            engine[(c.worker_id, c.dp_rank)] = e
+            engine[holder] = e
     block_size = match.block_size
     prompt_tokens = len(parsed.token_ids)
     decision = decide(
@@ -292,13 +290,11 @@ def route_answer(
     lagging = mode == "degraded"
     beats = records if ranks is not None else None
     states = {
-        (c.worker_id, c.dp_rank): holder_state(
-            c, lagging=lagging, records=beats, heartbeat_late_s=heartbeat_late_s, wall=wall
-        )
-        for c in candidates
+        holder: holder_state(c, lagging=lagging, records=beats, heartbeat_late_s=heartbeat_late_s, wall=wall)
+        for c, holder in zip(candidates, holders, strict=True)
     }
     w = decision.winner
-    state, holder_why = states[(w.worker_id, w.dp_rank)]
+    state, holder_why = states[Holder(w.worker_id, w.dp_rank)]
     if mode == "exact" and state != "exact":
         mode = "degraded"
         mode_reason = f"the chosen holder {w.worker_id}/{w.dp_rank} is {state}: {holder_why}"
@@ -330,7 +326,7 @@ def route_reply(
     parsed: RouteRequest,
     decision: Decision,
     match: MatchAnswer,
-    states: Mapping[Key, HolderState],
+    states: Mapping[Holder, HolderState],
     *,
     mode: str,
     degraded_reason: str | None,
@@ -348,7 +344,8 @@ def route_reply(
         block_size=match.block_size,
         index_seq=match.index_seq,
         scores=[
-            explain_score(s, states.get((s.worker_id, s.dp_rank), ("exact", None))) for s in decision.scores
+            explain_score(s, states.get(Holder(s.worker_id, s.dp_rank), ("exact", None)))
+            for s in decision.scores
         ]
         if parsed.explain
         else None,

@@ -29,6 +29,7 @@ from kvmesh.core.errors import (
     UnknownModelError,
     clip_echo,
 )
+from kvmesh.core.index import Holder
 from kvmesh.core.load import EngineLoads, LoadLedger
 from kvmesh.core.protocol import (
     ERROR_STATUS,
@@ -65,7 +66,7 @@ MAX_IN_FLIGHT = 256
 class WorkerRegistry(Protocol):
     """Live (worker, dp rank)s per model (heartbeats); None means "no opinion, use the index's list"."""
 
-    def live(self, model: str) -> Sequence[tuple[str, int]] | None:
+    def live(self, model: str) -> Sequence[Holder] | None:
         """Return the live (worker id, dp rank)s registered for ``model``, or None."""
         ...
 

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvmesh.core.index import Holder
 from kvmesh.core.protocol import HolderStatus
 from kvmesh.core.route import Candidate
 
@@ -139,7 +140,7 @@ def holder_state(
 
 
 def holders_status(
-    holder_health: Mapping[tuple[str, int], str] | None,
+    holder_health: Mapping[Holder, str] | None,
     records: Iterable[tuple[str, RecordLike]] | None,
     *,
     heartbeat_late_s: float,

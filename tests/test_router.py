@@ -23,8 +23,8 @@ from kvmesh.client import (
 from kvmesh.core.protocol import WorkerLoad
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.service import RouterService
-from kvmesh.runtime.metrics import MetricsLoadPublisher, publish_load
 from kvmesh.runtime.nats import connect
+from kvmesh.runtime.vllm_metrics import MetricsLoadPublisher, publish_load
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 

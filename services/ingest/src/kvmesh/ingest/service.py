@@ -46,9 +46,9 @@ from kvmesh.ingest.registration import Registration
 from kvmesh.ingest.status import IngestCounters, ingest_status
 from kvmesh.runtime import subjects
 from kvmesh.runtime.cli import supervise
-from kvmesh.runtime.metrics import MetricsLoadPublisher
 from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, ensure_stream
 from kvmesh.runtime.replica import retry_start
+from kvmesh.runtime.vllm_metrics import MetricsLoadPublisher
 
 log = logging.getLogger("kvmesh.ingest")
 

@@ -28,7 +28,7 @@ from kvmesh.core.load import PrefixCounters, from_vllm_metrics
 from kvmesh.core.protocol import WorkerLoad
 from kvmesh.runtime import subjects
 
-log = logging.getLogger("kvmesh.runtime.metrics")
+log = logging.getLogger("kvmesh.runtime.vllm_metrics")
 
 _json = msgspec.json.Encoder()
 

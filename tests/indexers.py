@@ -15,10 +15,13 @@ from typing import Any
 
 import msgspec
 
+from kvmesh.core import protocol
 from kvmesh.core.events import EventsMessage, Stored, encode_message
 from kvmesh.core.index import Holder
+from kvmesh.core.protocol import IndexerStatus, MatchReply, MatchRequest
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.indexer.service import IndexerService
+from kvmesh.ops import gather
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream
 
@@ -148,20 +151,18 @@ class Group:
             )
         return int(ack.seq) if ack is not None else 0
 
-    async def status(self, wait_s: float = 0.5) -> dict[str, dict[str, Any]]:
+    async def status(self, wait_s: float = 0.5) -> dict[str, IndexerStatus]:
         """Collect every replica's status reply, by replica id (only this group's replicas)."""
-        from kvmesh.cli import gather_status
+        got = await gather(self.nc, subjects.STATUS_SUBJECT, IndexerStatus, wait_s)
+        return {r.replica: r for r in got.replies if r.replica.startswith(self.uid)}
 
-        replies = await gather_status(self.nc, subjects.STATUS_SUBJECT, wait_s)
-        return {r["replica"]: r for r in replies if r["replica"].startswith(self.uid)}
-
-    async def match(self, subject: str, tokens: list[int]) -> dict[str, Any]:
-        reply = await self.nc.request(
-            subject, msgspec.msgpack.encode({"model": MODEL, "token_ids": tokens}), timeout=3
-        )
-        out: dict[str, Any] = msgspec.msgpack.decode(reply.data)
-        out.pop("replica", None)
-        return out
+    async def match(self, subject: str, tokens: list[int]) -> MatchReply:
+        """Ask the indexer on ``subject`` for ``tokens``' holders; the reply with its ``replica`` blanked (so
+        two replicas' answers compare equal). An error reply raises its `kvmesh.core.errors.RouteError`."""
+        request = protocol.encode(MatchRequest(model=MODEL, token_ids=tokens), format="msgpack")
+        reply = await self.nc.request(subject, request, timeout=3)
+        answer = protocol.decode_answer(reply.data, MatchReply, format="msgpack")
+        return msgspec.structs.replace(answer, replica="")
 
 
 async def wait_for(probe: Any, check: Any, timeout_s: float = 15.0) -> Any:

@@ -183,6 +183,9 @@ async def test_match_accepts_packed_and_listed_token_ids_alike(nats_url: str, ui
 
     import msgspec
 
+    from kvmesh.core import protocol
+    from kvmesh.core.protocol import MatchRequest
+
     w = SimWorker("worker-m", num_blocks=16, block_size=BS, endpoint="tcp://127.0.0.1:*", seed=4)
     try:
         async with pipeline(nats_url, uid) as p:
@@ -194,8 +197,10 @@ async def test_match_accepts_packed_and_listed_token_ids_alike(nats_url: str, ui
             await eventually(lambda: p.route(P1), lambda r: r.overlap_blocks == 4)
             nc = p._nc
 
-            async def match(token_ids: object) -> dict[str, object]:
-                body = msgspec.msgpack.encode({"model": "test-model", "token_ids": token_ids})
+            async def match(token_ids: bytes | list[int]) -> dict[str, object]:
+                body = protocol.encode(
+                    MatchRequest(model="test-model", token_ids=token_ids), format="msgpack"
+                )
                 return dict(msgspec.msgpack.decode((await nc.request(p.match_subject, body, timeout=3)).data))
 
             packed = await match(array("I", P1).tobytes())

@@ -6,8 +6,6 @@ of order, a registry read failing, or router errors missing from ``$SRV.STATS``.
 
 from __future__ import annotations
 
-import json
-
 import nats
 import nats.errors
 import nats.js.errors
@@ -15,7 +13,9 @@ import pytest
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
+from kvmesh.core import protocol
 from kvmesh.core.errors import ConnectionClosedForGood, StreamUnavailableError, TransportError
+from kvmesh.core.protocol import MicroServiceStats
 from kvmesh.runtime.nats import (
     bucket_stream,
     count_endpoint_error,
@@ -78,8 +78,8 @@ async def test_an_endpoint_error_counted_by_hand_shows_in_srv_stats(nats_url: st
         count_endpoint_error(micro_endpoint(service, "ep"), "bad_request: x")
         count_endpoint_error(micro_endpoint(service, "ep"), "internal: y")
         msg = await nc.request(f"$SRV.STATS.svc{uid}", b"", timeout=2)
-        ep = json.loads(msg.data)["endpoints"][0]
-        assert (ep["num_errors"], ep["last_error"]) == (2, "internal: y")
+        ep = protocol.decode(msg.data, MicroServiceStats).endpoints[0]
+        assert (ep.num_errors, ep.last_error) == (2, "internal: y")
         await service.stop()
     finally:
         await nc.close()

@@ -28,7 +28,7 @@ async def test_sigkilled_indexer_restarts_from_its_snapshot_equal_to_a_live_repl
         proc = g.spawn(f"{uid}-proc", **proc_kw)
         # A child process starts in about a second, much slower on a loaded machine: give it time.
         await wait_for(
-            g.status, lambda s: s.get(f"{uid}-proc", {}).get("snapshot_writer") is True, timeout_s=SPAWN_S
+            g.status, lambda s: f"{uid}-proc" in s and s[f"{uid}-proc"].snapshot_writer, timeout_s=SPAWN_S
         )
         live = await g.start(
             f"{uid}-live", match_subject=f"r{uid}.live"
@@ -38,7 +38,7 @@ async def test_sigkilled_indexer_restarts_from_its_snapshot_equal_to_a_live_repl
         # then (up to 250 on a loaded machine); a second one needs 100 more, which 250 may not leave.
         await wait_for(
             g.status,
-            lambda s: (s[f"{uid}-proc"]["snapshots"]["last"] or {}).get("applied_seq", 0) >= 100,
+            lambda s: (s[f"{uid}-proc"].snapshots["last"] or {}).get("applied_seq", 0) >= 100,
             timeout_s=SPAWN_S,
         )
         feeding = asyncio.create_task(g.publish(200))
@@ -51,16 +51,16 @@ async def test_sigkilled_indexer_restarts_from_its_snapshot_equal_to_a_live_repl
         newest = (await store.list())[0]
         g.spawn(f"{uid}-proc", **proc_kw)
         st = await wait_for(
-            g.status, lambda s: s.get(f"{uid}-proc", {}).get("ready") is True, timeout_s=SPAWN_S
+            g.status, lambda s: f"{uid}-proc" in s and s[f"{uid}-proc"].ready, timeout_s=SPAWN_S
         )
         restarted = st[f"{uid}-proc"]
-        assert restarted["recovery"]["snapshot_seq"] == newest.applied_seq
-        assert restarted["recovery"]["read_to_ready"] == 450 - newest.applied_seq
+        assert restarted.recovery["snapshot_seq"] == newest.applied_seq
+        assert restarted.recovery["read_to_ready"] == 450 - newest.applied_seq
         st = await wait_for(
-            g.status, lambda s: [s[r]["applied_seq"] for r in sorted(s)] == [450, 450], timeout_s=SPAWN_S
+            g.status, lambda s: [s[r].applied_seq for r in sorted(s)] == [450, 450], timeout_s=SPAWN_S
         )
-        assert st[f"{uid}-live"]["digest"] == st[f"{uid}-proc"]["digest"]
-        assert st[f"{uid}-live"]["blocks"] == st[f"{uid}-proc"]["blocks"] == live.state.block_total()
+        assert st[f"{uid}-live"].digest == st[f"{uid}-proc"].digest
+        assert st[f"{uid}-live"].blocks == st[f"{uid}-proc"].blocks == live.state.block_total()
         assert await g.match(f"r{uid}.live", PROMPT) == await g.match(f"r{uid}.proc", PROMPT)
 
 
@@ -94,7 +94,7 @@ async def test_stream_gap_without_covering_snapshot_marks_workers_incomplete(nat
         assert r.recovery["gap"] == [1, 10]
         assert r.recovery["read_to_ready"] == 10
         status = (await g.status())[f"{uid}-r"]
-        assert (status["complete"], status["incomplete"]) == (False, ["w0/0", "w1/0"])
+        assert (status.complete, status.incomplete) == (False, ["w0/0", "w1/0"])
 
 
 async def _seq(svc: object) -> int:
@@ -169,10 +169,10 @@ async def test_local_index_router_restores_from_the_indexers_snapshot_and_follow
             client = Router(g.nc, subject=f"r{uid}.route", timeout_s=3.0)
             reply = await client.route("m", PROMPT, explain=True)
             remote = await g.match(f"r{uid}.match", PROMPT)
-            assert reply.index_seq == remote["index_seq"] == 55
+            assert reply.index_seq == remote.index_seq == 55
             assert reply.scores is not None
             assert {(s.worker_id, s.overlap_blocks) for s in reply.scores} == {
-                (c[0], c[2]) for c in remote["candidates"]
+                (c.worker_id, c.overlap_blocks) for c in remote.candidates
             }
         finally:
             router.stop()

@@ -40,8 +40,8 @@ async def test_replica_restarted_from_snapshot_equals_one_never_stopped(nats_url
         assert c.state.block_total() == a.state.block_total() == 880
         status = await g.status()
         assert sorted(status) == [f"{uid}-a", f"{uid}-c"]
-        assert status[f"{uid}-a"]["digest"] == status[f"{uid}-c"]["digest"]
-        assert [status[r]["complete"] for r in sorted(status)] == [True, True]
+        assert status[f"{uid}-a"].digest == status[f"{uid}-c"].digest
+        assert [status[r].complete for r in sorted(status)] == [True, True]
 
 
 async def _seqs(*replicas: object) -> tuple[int, ...]:

@@ -20,7 +20,20 @@ from kvmesh.client import (
     UnavailableError,
     UnknownModelError,
 )
-from kvmesh.core.protocol import WorkerLoad
+from kvmesh.core import protocol
+from kvmesh.core.protocol import (
+    ErrorReply,
+    MatchHolder,
+    MatchReply,
+    MatchRequest,
+    MicroServiceStats,
+    PolicyOverride,
+    RouteReply,
+    RouteRequest,
+    RouterStats,
+    WorkerLoad,
+    error_reply,
+)
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.service import RouterService
 from kvmesh.runtime.nats import connect
@@ -32,18 +45,17 @@ BS = 16
 HOT = list(range(80))  # 5 blocks
 
 
-def answer(candidates: list[list[Any]], *, prompt_blocks: int = 5) -> dict[str, Any]:
+def answer(candidates: list[MatchHolder], *, prompt_blocks: int = 5) -> MatchReply:
     """A match answer as the indexer sends it."""
-    return {
-        "index_seq": 7,
-        "block_size": BS,
-        "prompt_blocks": prompt_blocks,
-        "replica": "fake",
-        "candidates": candidates,
-    }
+    return MatchReply(
+        index_seq=7, block_size=BS, prompt_blocks=prompt_blocks, replica="fake", candidates=candidates
+    )
 
 
-HOT_ANSWER = answer([["a", 0, 4, 40], ["b", 0, 0, 0]])
+HOT_ANSWER = answer([MatchHolder("a", 0, 4, 40), MatchHolder("b", 0, 0, 0)])
+
+IndexerAnswer = MatchReply | ErrorReply | bytes | None
+"""What the stand-in indexer answers a match request with: a reply, raw bytes, or None (no answer)."""
 
 
 class Fleet:
@@ -54,7 +66,7 @@ class Fleet:
         self.uid = uid
         self.routers: list[RouterService] = []
         self.tasks: list[asyncio.Task[None]] = []
-        self.answer: Callable[[dict[str, Any]], Any] = lambda q: HOT_ANSWER
+        self.answer: Callable[[MatchRequest], IndexerAnswer] = lambda q: HOT_ANSWER
         self.nc: Any = None
 
     def settings(self, i: int, **kw: Any) -> RouterSettings:
@@ -78,10 +90,10 @@ class Fleet:
 
     async def start_indexer(self) -> None:
         async def on_match(msg: Any) -> None:
-            reply = self.answer(msgspec.msgpack.decode(msg.data))
+            reply = self.answer(protocol.decode(msg.data, MatchRequest, format="msgpack"))
             if reply is None:
                 return  # a hung indexer
-            await msg.respond(reply if isinstance(reply, bytes) else msgspec.msgpack.encode(reply))
+            await msg.respond(reply if isinstance(reply, bytes) else protocol.encode(reply, format="msgpack"))
 
         await self.nc.subscribe(f"t{self.uid}.match", cb=on_match)
 
@@ -123,21 +135,25 @@ async def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
 async def test_two_replicas_answer_the_same_request_identically(nats_url: str, uid: str) -> None:
     """Replicas sharing the accounting give byte-identical replies, ties and temperature sampling included."""
     async with fleet(nats_url, uid) as f:
-        f.answer = lambda q: answer([[f"w{i}", r, 0, 0] for i in range(4) for r in range(2)], prompt_blocks=1)
+        f.answer = lambda q: answer(
+            [MatchHolder(f"w{i}", r, 0, 0) for i in range(4) for r in range(2)], prompt_blocks=1
+        )
         r0, r1 = await f.start_router(), await f.start_router()
         winners = set()
         for i in range(24):
-            body: dict[str, Any] = {"model": "m", "token_ids": [i, 1, 2], "explain": True}
-            if i % 2:
-                body["request_id"] = f"req-{i}"
-            if i % 3 == 0:
-                body["policy"] = {"temperature": 0.7}
-            raw = json.dumps(body).encode()
+            body = RouteRequest(
+                model="m",
+                token_ids=[i, 1, 2],
+                explain=True,
+                request_id=f"req-{i}" if i % 2 else None,
+                policy=PolicyOverride(temperature=0.7) if i % 3 == 0 else None,
+            )
+            raw = protocol.encode(body)
             a = await f.nc.request(f"t{uid}.route.0", raw, timeout=3)
             await until(lambda: r0.ledger.stats().active == r1.ledger.stats().active)
             b = await f.nc.request(f"t{uid}.route.1", raw, timeout=3)
             assert a.data == b.data
-            winners.add(json.loads(a.data)["worker_id"])
+            winners.add(protocol.decode(a.data, RouteReply).worker_id)
         assert len(winners) >= 3  # ties spread over workers instead of always the lowest id
         assert r0.ledger.stats().active == r1.ledger.stats().active == 12
 
@@ -289,12 +305,12 @@ async def test_every_error_code_has_its_headers_and_exception(nats_url: str, uid
     """bad_request, unknown_model, no_workers, unavailable and internal: body, headers and client exception."""
     async with fleet(nats_url, uid) as f:
 
-        def indexer(q: dict[str, Any]) -> Any:
-            if q["model"] == "gone":
-                return {"error": {"code": "unknown_model", "message": "no worker serves model 'gone'"}}
-            if q["model"] == "empty":
+        def indexer(q: MatchRequest) -> IndexerAnswer:
+            if q.model == "gone":
+                return error_reply("unknown_model", "no worker serves model 'gone'")
+            if q.model == "empty":
                 return answer([])
-            if q["model"] == "broken":
+            if q.model == "broken":
                 return b"\xc1"  # never valid msgpack
             return HOT_ANSWER
 
@@ -337,6 +353,12 @@ async def test_every_error_code_has_its_headers_and_exception(nats_url: str, uid
             await Router(f.nc, subject=f"t{uid}.nobody", timeout_s=0.2).route("m", [1])
 
 
+async def micro_stats(nc: Any) -> MicroServiceStats:
+    """The kvmesh-router's ``$SRV.STATS`` reply (one router running)."""
+    msg = await nc.request("$SRV.STATS.kvmesh-router", b"", timeout=2)
+    return protocol.decode(msg.data, MicroServiceStats)
+
+
 async def test_router_is_a_discoverable_micro_service(nats_url: str, uid: str) -> None:
     """$SRV.PING, $SRV.INFO and $SRV.STATS answer for kvmesh-router, with routed counts in the stats."""
     async with fleet(nats_url, uid) as f:
@@ -346,23 +368,25 @@ async def test_router_is_a_discoverable_micro_service(nats_url: str, uid: str) -
         assert ping["name"] == "kvmesh-router"
         info = json.loads((await f.nc.request("$SRV.INFO.kvmesh-router", b"", timeout=2)).data)
         assert [e["subject"] for e in info["endpoints"]] == [f"t{uid}.route.0"]
-        stats = json.loads((await f.nc.request("$SRV.STATS.kvmesh-router", b"", timeout=2)).data)
-        ep = stats["endpoints"][0]
-        assert (ep["num_requests"], ep["data"]["routed"], ep["data"]["in_flight"]) == (1, 1, 1)
-        assert (ep["num_errors"], ep["last_error"]) == (0, "")
+        stats = await micro_stats(f.nc)
+        ep = stats.endpoints[0]
+        data = protocol.decode(ep.data, RouterStats)
+        assert (ep.num_requests, data.routed, data.in_flight) == (1, 1, 1)
+        assert (ep.num_errors, ep.last_error) == (0, "")
         for _ in range(3):
             with pytest.raises(BadRequestError):
                 await f.client(0).route("m", HOT, policy={"temperature": -1})
-        stats = json.loads((await f.nc.request("$SRV.STATS.kvmesh-router", b"", timeout=2)).data)
-        ep = stats["endpoints"][0]
-        assert ep["num_errors"] == 3  # the error replies the router answers itself count too
-        assert ep["last_error"].startswith("bad_request: ")
+        ep = (await micro_stats(f.nc)).endpoints[0]
+        assert ep.num_errors == 3  # the error replies the router answers itself count too
+        assert ep.last_error.startswith("bad_request: ")
 
 
 async def test_tiers_reported_by_the_index_are_weighted(nats_url: str, uid: str) -> None:
     """An index answer with a per-tier breakdown: A's 4 CPU blocks count half, so B's 3 GPU blocks win."""
     async with fleet(nats_url, uid) as f:
-        f.answer = lambda q: answer([["a", 0, 4, 4, {"CPU": 4}], ["b", 0, 3, 3, {"GPU": 3}]], prompt_blocks=4)
+        f.answer = lambda q: answer(
+            [MatchHolder("a", 0, 4, 4, {"CPU": 4}), MatchHolder("b", 0, 3, 3, {"GPU": 3})], prompt_blocks=4
+        )
         await f.start_router()
         reply = await f.client(0).route("m", list(range(64)), explain=True)
         assert reply.worker_id == "b"

@@ -20,6 +20,7 @@ from kvmesh.core.protocol import (
     WorkerLoad,
     WorkerRecord,
     encode,
+    error_reply,
 )
 from kvmesh.core.route import Candidate, Policy, RankSet, RegisteredWorker, parse_route_request
 from kvmesh.core.state import IndexState
@@ -196,13 +197,11 @@ def test_an_indexer_reply_of_four_element_rows_decodes_with_the_defaults() -> No
 
 def test_an_indexer_error_reply_raises_its_route_error_and_an_unknown_code_is_internal() -> None:
     """An error reply raises the route error of its code; a code the route API lacks becomes internal."""
-    known = msgspec.msgpack.encode(
-        {"error": {"code": "unknown_model", "message": "no worker serves model 'x'"}}
-    )
+    known = encode(error_reply("unknown_model", "no worker serves model 'x'"), format="msgpack")
     with pytest.raises(UnknownModelError) as exc:
         parse_match_reply(known)
     assert (exc.value.code, exc.value.message) == ("unknown_model", "no worker serves model 'x'")
-    odd = msgspec.msgpack.encode({"error": {"code": "exploded", "message": "boom"}})
+    odd = encode(error_reply("exploded", "boom"), format="msgpack")
     with pytest.raises(InternalError) as internal:
         parse_match_reply(odd)
     assert (internal.value.code, internal.value.message) == ("internal", "boom")

@@ -3,13 +3,12 @@ refuses them, keeps the engine's picture, and says which holder is no longer exa
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from tests.indexers import BS, MODEL, group, wait_for
 
 from kvmesh.core.events import Event, EventsMessage, Removed, Stored, encode_message
 from kvmesh.core.hashing import local_block_hashes
+from kvmesh.core.protocol import MatchHolder
 from kvmesh.runtime import subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -53,8 +52,8 @@ async def test_reordered_and_repeated_messages_are_refused_by_a_replica(nats_url
             return int(a.state.applied_seq)
 
         await wait_for(applied, lambda s: s == len(stream))
-        reply: dict[str, Any] = await g.match(f"r{uid}.match", TOKENS)
-        assert reply["candidates"] == [["d", 0, 2, 2, None, 4], ["r", 0, 1, 1, None, 4]]
+        reply = await g.match(f"r{uid}.match", TOKENS)
+        assert reply.candidates == [MatchHolder("d", 0, 2, 2, None, 4), MatchHolder("r", 0, 1, 1, None, 4)]
         assert a.state.holder_health() == {}
         assert a.status()["holder_health"] == {}
         c = a.state.counters

@@ -11,10 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
 import nats
 import pytest
 from nats.aio.msg import Msg
+
+from kvmesh.core import protocol
+from kvmesh.core.protocol import RouteReply
 
 KVMESH = str(Path(sys.executable).parent / "kvmesh")
 
@@ -60,11 +62,11 @@ async def test_up_on_a_shared_server_ignores_another_router_and_cleans_up(nats_u
     async def decoy(msg: Msg) -> None:
         nonlocal decoy_hits
         decoy_hits += 1
-        reply = {
-            "worker_id": "decoy", "dp_rank": 0, "overlap_blocks": 0, "cached_tokens": 0, "block_size": 16,
-            "index_seq": 0, "scores": [{"worker_id": f"decoy-{i}"} for i in range(8)],
-        }  # fmt: skip
-        await msg.respond(msgspec.json.encode(reply))
+        reply = RouteReply(
+            request_id=None, worker_id="decoy", dp_rank=0, overlap_blocks=0, cached_tokens=0, block_size=16,
+            index_seq=0, mode="exact",
+        )  # fmt: skip
+        await msg.respond(protocol.encode(reply))
 
     sub = await nc.subscribe("kvmesh.route", queue="kvmesh-router", cb=decoy)
     try:

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import msgspec
-
+from kvmesh.core import protocol
 from kvmesh.core.protocol import WorkerRecord
 from kvmesh.runtime import subjects
 from kvmesh.runtime.registry import MAX_DP_RANKS, RegistryWatcher
@@ -12,7 +11,7 @@ from kvmesh.runtime.registry import MAX_DP_RANKS, RegistryWatcher
 
 def _put(w: RegistryWatcher, worker: str, model: str = "m", dp_ranks: int = 1) -> None:
     record = WorkerRecord(worker_id=worker, model=model, dp_ranks=dp_ranks, block_size=16, incarnation=0)
-    w.apply(subjects.kv_key(worker), None, msgspec.json.encode(record))
+    w.apply(subjects.kv_key(worker), None, protocol.encode(record))
 
 
 def test_live_ranks_per_model_after_sync_only() -> None:
@@ -46,3 +45,15 @@ def test_bad_records_are_ignored_and_drop_the_previous_one() -> None:
     for garbage in (b"", b"{", b'{"worker_id": 1}', b"[]"):
         w.apply(subjects.kv_key("a"), None, garbage)
         assert w.live("m") == [], garbage
+
+
+def test_a_record_of_a_later_protocol_version_is_ignored_as_the_indexer_ignores_it() -> None:
+    """A registry value of a version this build does not read (`kvmesh.core.protocol.decode` refuses it, and the
+    indexer's member watch skips it) is no candidate and drops the worker's earlier record."""
+    w = RegistryWatcher(js=None, bucket="B")  # type: ignore[arg-type]
+    w.synced = True
+    _put(w, "a")
+    assert w.live("m") == [("a", 0)]
+    later = WorkerRecord(version=2, worker_id="a", model="m", dp_ranks=1, block_size=16, incarnation=0)
+    w.apply(subjects.kv_key("a"), None, protocol.encode(later))
+    assert w.live("m") == []

@@ -20,11 +20,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
+from kvmesh.core import protocol
+from kvmesh.core.errors import ProtocolError
 from kvmesh.core.events import WorkerRemoved, encode_message
 from kvmesh.core.index import Holder
 from kvmesh.core.protocol import WorkerRecord
@@ -60,7 +61,7 @@ async def open_registry(js: JetStreamContext, settings: RegistrySettings) -> Any
 
 async def heartbeat(kv: Any, record: WorkerRecord) -> int:
     """Put one heartbeat (restarting the key's TTL); returns the revision."""
-    return int(await kv.put(subjects.kv_key(record.worker_id), msgspec.json.encode(record)))
+    return int(await kv.put(subjects.kv_key(record.worker_id), protocol.encode(record)))
 
 
 async def deregister(kv: Any, worker_id: str) -> None:
@@ -110,8 +111,8 @@ async def list_workers(kv: Any) -> dict[str, WorkerRecord]:
         if not entry.value:  # an age-out marker
             continue
         try:
-            out[subjects.from_kv_key(key)] = msgspec.json.decode(entry.value, type=WorkerRecord)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            out[subjects.from_kv_key(key)] = protocol.decode(entry.value, WorkerRecord)
+        except ProtocolError:
             continue
     return out
 
@@ -270,8 +271,8 @@ class RegistryWatcher:
             self.workers.pop(worker, None)
             return
         try:
-            record = msgspec.json.decode(value or b"", type=WorkerRecord)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            record = protocol.decode(value or b"", WorkerRecord)
+        except ProtocolError as exc:
             log.warning("registry: undecodable record for worker %s ignored: %s", worker, exc)
             self.workers.pop(worker, None)
             return

@@ -81,18 +81,22 @@ async def _request_json(nc: Any, subject: str) -> dict[str, Any] | None:
 
 
 async def _indexer_blocks(nc: Any) -> int:
-    """Blocks the indexer holds for the bench model: the sum of ``cached_blocks`` in a match reply."""
+    """Blocks the indexer holds for the bench model: the sum of ``cached_blocks`` in a match reply (0 while it
+    answers an error, e.g. before the model's first block)."""
+    from kvmesh.core import protocol  # noqa: PLC0415
+    from kvmesh.core.errors import ProtocolError  # noqa: PLC0415
     from kvmesh.runtime import subjects  # noqa: PLC0415
 
-    body = msgspec.msgpack.encode({"model": MODEL, "token_ids": [0] * BLOCK_SIZE})
+    body = protocol.encode(protocol.MatchRequest(model=MODEL, token_ids=[0] * BLOCK_SIZE), format="msgpack")
     try:
         msg = await nc.request(subjects.MATCH_SUBJECT, body, timeout=1.0)
     except Exception:
         return 0
-    reply = msgspec.msgpack.decode(msg.data)
-    if not isinstance(reply, dict) or "candidates" not in reply:
+    try:
+        reply = protocol.decode(msg.data, protocol.MatchReply, format="msgpack")
+    except ProtocolError:  # an error reply, or not a match reply at all
         return 0
-    return sum(int(c[3]) for c in reply["candidates"])
+    return sum(c.cached_blocks for c in reply.candidates)
 
 
 async def _drive(

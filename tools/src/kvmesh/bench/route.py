@@ -246,9 +246,10 @@ async def _closed_loop(
 
 
 async def _run(a: argparse.Namespace) -> list[Phase]:
-    from kvmesh.cli import gather_status  # noqa: PLC0415
     from kvmesh.client import Router  # noqa: PLC0415
+    from kvmesh.core import protocol  # noqa: PLC0415
     from kvmesh.harness.server import NatsServer  # noqa: PLC0415
+    from kvmesh.ops import gather  # noqa: PLC0415
     from kvmesh.runtime import subjects  # noqa: PLC0415
     from kvmesh.runtime.nats import connect  # noqa: PLC0415
 
@@ -277,19 +278,19 @@ async def _run(a: argparse.Namespace) -> list[Phase]:
             # A local-index router can be ready before the indexer: measure only once both have caught up.
             status = []
             for _ in range(120):
-                status = await gather_status(nc, subjects.STATUS_SUBJECT, 0.5)
-                if status and all(s["ready"] for s in status):
+                status = (await gather(nc, subjects.STATUS_SUBJECT, protocol.IndexerStatus, 0.5)).replies
+                if status and all(s.ready for s in status):
                     break
-            blocks = sum(s["blocks"] for s in status)
+            blocks = sum(s.blocks for s in status)
             print(
-                f"index filled: {blocks:,} blocks on {len(status[0]['workers']) if status else 0} workers "
+                f"index filled: {blocks:,} blocks on {len(status[0].workers) if status else 0} workers "
                 f"({messages} stream messages published in {fill_s:.1f} s; indexer and router ready "
                 f"{ready_s:.1f} s after start)"
             )
         else:
             queries = await _fill_engines(pipe, router, a)
         bodies = [
-            msgspec.json.encode({"model": MODEL, "token_ids": q, "request_id": f"q{i}"})
+            protocol.encode(protocol.RouteRequest(model=MODEL, token_ids=q, request_id=f"q{i}"))
             for i, q in enumerate(queries)
         ]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.test_layering import imports_of
+from tests.test_layering import io_imports, shell_lines
 
 INGEST = Path(__file__).resolve().parent.parent / "services" / "ingest" / "src" / "kvmesh" / "ingest"
 MAX_SHELL_LINES = 350
@@ -13,18 +13,12 @@ MAX_SHELL_LINES = 350
 
 def test_the_outbox_policy_imports_no_io_event_loop_or_clock() -> None:
     """kvmesh.ingest.outbox imports neither nats, zmq, asyncio, time, logging, socket nor the runtime."""
-    banned = {"nats", "zmq", "asyncio", "time", "logging", "socket"}
-    found = imports_of(INGEST / "outbox.py")
-    assert sorted(m for m in found if m.split(".")[0] in banned or m.startswith("kvmesh.runtime")) == []
+    assert io_imports(INGEST / "outbox.py") == []
 
 
 def test_every_ingest_module_that_imports_nats_or_zmq_is_at_most_350_lines() -> None:
     """Each ingest module importing nats or zmq has at most 350 lines; the pure ones import neither."""
-    shells = {
-        f.name: len(f.read_text().splitlines())
-        for f in sorted(INGEST.glob("*.py"))
-        if any(m.split(".")[0] in ("nats", "zmq") for m in imports_of(f))
-    }
+    shells = shell_lines(INGEST, ("nats", "zmq"))
     assert set(shells) == {
         "jetstream.py",
         "liveness.py",

@@ -36,6 +36,26 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+POLICY_FORBIDDEN = {"nats", "zmq", "asyncio", "time", "logging", "socket"}
+"""What a service's sans-I/O policy module never imports (besides `kvmesh.runtime`)."""
+
+
+def io_imports(path: Path) -> list[str]:
+    """Return the modules a policy file imports that do I/O, run an event loop or read a clock, sorted."""
+    return sorted(
+        m for m in imports_of(path) if m.split(".")[0] in POLICY_FORBIDDEN or m.startswith("kvmesh.runtime")
+    )
+
+
+def shell_lines(package: Path, libraries: tuple[str, ...]) -> dict[str, int]:
+    """Return file name → line count of every module of ``package`` that imports one of ``libraries``."""
+    return {
+        f.name: len(f.read_text().splitlines())
+        for f in sorted(package.glob("*.py"))
+        if any(m.split(".")[0] in libraries for m in imports_of(f))
+    }
+
+
 def test_core_imports_no_io_or_event_loop() -> None:
     """No module of kvmesh.core imports nats, zmq, anyio, asyncio, sockets, threads, clocks, os or logging."""
     files = sorted(CORE.glob("*.py"))

@@ -94,13 +94,11 @@ def test_shared_package_never_imports_a_service() -> None:
 
 
 TOOLS_TIER = ("kvmesh.sim", "kvmesh.bench", "kvmesh.up", "kvmesh.harness")
-# kvmesh.cli still dispatches these three itself (lazily) besides finding them as kvmesh-tools' entry points.
-CLI_TOOL_DISPATCH = {"kvmesh.sim.serve", "kvmesh.up", "kvmesh.bench.cli"}
 
 
 def test_library_and_services_never_import_the_tools_tier() -> None:
     """No module of kvmesh-shared or of a service imports the simulator, benchmarks, kvmesh up or the harness
-    (beyond kvmesh.cli's lazy dispatch of the three tool commands), and none of those lives in shared/."""
+    (the kvmesh command finds them as kvmesh-tools' entry points), and none of those lives in shared/."""
     shared = ROOT / "shared" / "src" / "kvmesh"
     assert not (shared / "sim").exists()
     assert not (shared / "bench").exists()
@@ -112,7 +110,4 @@ def test_library_and_services_never_import_the_tools_tier() -> None:
         )
         for f in library
     }
-    offenders = {k: v for k, v in offenders.items() if v}
-    cli = offenders.pop("shared/src/kvmesh/cli.py", [])
-    assert set(cli) <= CLI_TOOL_DISPATCH
-    assert offenders == {}
+    assert {k: v for k, v in offenders.items() if v} == {}

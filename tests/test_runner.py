@@ -1,4 +1,4 @@
-"""The one service lifecycle (`kvmesh.runtime.cli`): `supervise` and `run_async`'s exit codes, with a real
+"""The one service lifecycle (`kvmesh.runtime.runner`): `supervise` and `run_async`'s exit codes, with a real
 nats-server for the connection."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import nats.errors
 import pytest
 
 from kvmesh.core.errors import ConnectionClosedForGood
-from kvmesh.runtime.cli import run_async, supervise
+from kvmesh.runtime.runner import run_async, supervise
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 

@@ -26,14 +26,12 @@ from nats.aio.client import Client
 from kvmesh import ops
 from kvmesh.core.errors import KvmeshError, RouteError
 from kvmesh.core.protocol import RouteRequest, SnapshotResult, encode
-from kvmesh.ops import gather_status
 from kvmesh.runtime import subjects
-from kvmesh.runtime.cli import VERSION
 from kvmesh.runtime.nats import DEFAULT_NATS_URL, connect, redact_url
+from kvmesh.runtime.runner import VERSION
 
 __all__ = [
     "finish_command",
-    "gather_status",  # re-exported from kvmesh.ops: the tools' and tests' harnesses import it from here
     "main",
     "replay_command",
     "reset_command",

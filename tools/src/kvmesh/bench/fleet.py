@@ -47,7 +47,6 @@ from typing import IO, Any, TypeVar
 
 import nats.js.api
 
-from kvmesh.cli import gather_status
 from kvmesh.client import RouteError, Router, UnavailableError
 from kvmesh.core.events import Cleared, EventsMessage, Removed, Stored, decode_message
 from kvmesh.core.index import Holder
@@ -55,6 +54,7 @@ from kvmesh.core.normalize import Normalizer
 from kvmesh.core.state import IndexState
 from kvmesh.core.wire import decode_batch
 from kvmesh.harness.server import NatsServer
+from kvmesh.ops import gather_status
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream
 from kvmesh.sim.publisher import read_record

@@ -203,7 +203,7 @@ async def _run(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 if which == "kvmesh":
                     ing = []
                     with contextlib.suppress(Exception):
-                        from kvmesh.cli import gather_status  # noqa: PLC0415
+                        from kvmesh.ops import gather_status  # noqa: PLC0415
 
                         ing = await gather_status(nc, f"{subjects.STATUS_SUBJECT}.ingest", 0.5)
                     results[which]["ingest_status"] = ing

@@ -36,9 +36,9 @@ import zmq
 
 from kvmesh.core.errors import KvmeshError
 from kvmesh.runtime import subjects
-from kvmesh.runtime.cli import run_async, setup_logging
 from kvmesh.runtime.config import add_arguments, load, setting, to_dict
 from kvmesh.runtime.nats import DEFAULT_NATS_URL, close_quietly, connect
+from kvmesh.runtime.runner import run_async, setup_logging
 from kvmesh.sim.engine import SimWorker
 from kvmesh.sim.timing import TimingModel
 from kvmesh.sim.traffic import drive

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.indexer.service import IndexerService
-from kvmesh.runtime.cli import run_service
+from kvmesh.runtime.runner import run_service
 
 DESCRIPTION = """\
 Rebuild the prefix index from the kvmesh events stream and answer match queries from routers. Run as many

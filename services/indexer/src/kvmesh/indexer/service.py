@@ -39,7 +39,6 @@ from kvmesh.indexer.members import RegistryWatch
 from kvmesh.indexer.policy import SnapshotSchedule
 from kvmesh.indexer.writer import SnapshotWriter, check_retention, new_stats
 from kvmesh.runtime import subjects
-from kvmesh.runtime.cli import VERSION, supervise
 from kvmesh.runtime.nats import (
     close_quietly,
     connect,
@@ -47,6 +46,7 @@ from kvmesh.runtime.nats import (
 )
 from kvmesh.runtime.registry import RegistrySettings, open_registry
 from kvmesh.runtime.replica import StreamReplica, retry_start
+from kvmesh.runtime.runner import VERSION, supervise
 from kvmesh.runtime.snapshots import SnapshotLease, SnapshotStore, open_kv
 
 log = logging.getLogger("kvmesh.indexer")

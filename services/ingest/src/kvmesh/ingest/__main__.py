@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.service import IngestService
-from kvmesh.runtime.cli import run_service
+from kvmesh.runtime.runner import run_service
 
 DESCRIPTION = """\
 Read one engine's KV cache events (vLLM or SGLang ZMQ PUB socket, every data-parallel rank), check and

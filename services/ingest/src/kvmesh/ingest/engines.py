@@ -37,8 +37,8 @@ from kvmesh.core.errors import KvmeshError
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.service import IngestService
 from kvmesh.runtime import subjects
-from kvmesh.runtime.cli import setup_logging
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
+from kvmesh.runtime.runner import setup_logging
 
 log = logging.getLogger("kvmesh.ingest.engines")
 

@@ -45,9 +45,9 @@ from kvmesh.ingest.recovery import RankCursor, fresh_tracker, recover_rank
 from kvmesh.ingest.registration import Registration
 from kvmesh.ingest.status import IngestCounters, ingest_status
 from kvmesh.runtime import subjects
-from kvmesh.runtime.cli import supervise
 from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, ensure_stream
 from kvmesh.runtime.replica import retry_start
+from kvmesh.runtime.runner import supervise
 from kvmesh.runtime.vllm_metrics import MetricsLoadPublisher
 
 log = logging.getLogger("kvmesh.ingest")

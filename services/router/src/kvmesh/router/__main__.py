@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.service import RouterService
-from kvmesh.runtime.cli import run_service
+from kvmesh.runtime.runner import run_service
 
 DESCRIPTION = """\
 Answer "which worker for these tokens?" on kvmesh.route (NATS request-reply, JSON): the worker holding the

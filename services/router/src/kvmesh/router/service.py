@@ -78,10 +78,10 @@ from kvmesh.router.local_index import LAG_CHECK_S, LocalIndex
 from kvmesh.router.notes import LifecycleNotes
 from kvmesh.router.stats import index_stats, router_stats
 from kvmesh.runtime import subjects
-from kvmesh.runtime.cli import VERSION, supervise
 from kvmesh.runtime.nats import connect, micro_endpoint
 from kvmesh.runtime.registry import RegistryWatcher
 from kvmesh.runtime.replica import StreamReplica
+from kvmesh.runtime.runner import VERSION, supervise
 from kvmesh.runtime.snapshots import SnapshotStore
 
 __all__ = ["LAG_CHECK_S", "MAX_IN_FLIGHT", "RouterService", "WorkerRegistry"]

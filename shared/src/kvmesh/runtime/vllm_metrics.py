@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import logging
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -43,6 +44,7 @@ def fetch_text(url: str, timeout_s: float) -> str:
 
     Raises:
         OSError: connection or HTTP failure (``urllib.error.URLError`` is an OSError).
+        http.client.HTTPException: an answer that is not HTTP, or one cut off (``IncompleteRead``).
     """
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         body: bytes = resp.read()
@@ -107,6 +109,7 @@ class MetricsLoadPublisher:
 
         Raises:
             OSError: the page could not be fetched (also `TimeoutError`).
+            http.client.HTTPException: the answer was not HTTP or was cut off (``IncompleteRead``).
         """
         text = await asyncio.wait_for(self._fetch(self.url, self.timeout_s), self.timeout_s + 1.0)
         self.stats.scrapes += 1
@@ -129,7 +132,8 @@ class MetricsLoadPublisher:
                 if failing:
                     log.info("metrics %s: scraping again", self.url)
                 failing = False
-            except (OSError, TimeoutError, ValueError, nats.errors.Error) as exc:
+            except (OSError, TimeoutError, ValueError, http.client.HTTPException, nats.errors.Error) as exc:
+                # HTTPException: a page cut off mid-body or a port that does not speak HTTP (not an OSError)
                 self.stats.failures += 1
                 if not failing:
                     log.warning("metrics %s: scrape failed: %s", self.url, exc)

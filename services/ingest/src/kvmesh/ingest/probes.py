@@ -9,6 +9,7 @@ gets only END", ../wire-protocol §2.4), a dead one answers nothing. `probe_http
 from __future__ import annotations
 
 import asyncio
+import http.client
 import urllib.error
 import urllib.request
 from typing import Final
@@ -82,4 +83,8 @@ async def probe_http(url: str, *, timeout_s: float) -> tuple[bool, str]:
         return False, f"{url} answered HTTP {exc.code}"
     except (OSError, TimeoutError, ValueError) as exc:
         return False, f"{url}: {exc}"
+    except (
+        http.client.HTTPException
+    ) as exc:  # not an OSError: a port that does not speak HTTP, a cut-off answer
+        return False, f"{url}: not an HTTP answer ({exc!r})"
     return (True, "") if status < 500 else (False, f"{url} answered HTTP {status}")

@@ -1,0 +1,119 @@
+"""The ingest's supervised loops ride out an engine's HTTP endpoint that answers with broken HTTP.
+
+Since the ingest runs its loops under `kvmesh.runtime.runner.supervise`, a loop that raises ends the ingest
+(exit 1). An engine killed mid-response, or a port that speaks something else than HTTP, makes urllib raise
+`http.client.HTTPException` (not an `OSError`): the metrics scraper and the HTTP liveness probe must count it
+as a failed scrape or probe and keep the ingest serving. Real nats-server, real ZMQ, the real ingest as a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from tests.pipeline import eventually
+from tests.test_ingest_faults import BS, T, clean_pipeline, expect, stored
+
+from kvmesh.sim.publisher import EventPublisher
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+TRUNCATED = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 4096\r\n\r\n# HELP vllm:num_req"
+"""An answer cut off mid-body (the engine died while sending it): urllib raises `http.client.IncompleteRead`."""
+
+NOT_HTTP = b"SSH-2.0-OpenSSH_9.6\r\n"
+"""A port that speaks another protocol: urllib raises `http.client.BadStatusLine`."""
+
+
+@asynccontextmanager
+async def broken_http(answer: bytes) -> AsyncIterator[tuple[str, list[int]]]:
+    """A TCP server on 127.0.0.1 that sends ``answer`` to every connection and closes it; yields its URL and
+    a one-element list counting the connections served."""
+    served = [0]
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served[0] += 1
+        try:
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.write(answer)
+            await writer.drain()
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/metrics", served
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_truncated_metrics_page_is_a_failed_scrape_and_the_ingest_keeps_running(
+    nats_url: str, uid: str
+) -> None:
+    """A metrics page cut off mid-body counts as a failed scrape; the ingest keeps running and indexing."""
+    pub = EventPublisher("tcp://127.0.0.1:*", None)
+    try:
+        async with broken_http(TRUNCATED) as (url, served), clean_pipeline(nats_url, uid) as p:
+            await p.start_ingest(
+                "w", pub.endpoint, None, block_size=BS, metrics_url=url, engine_probe_after_s=0
+            )
+            task = p.tasks[-1]
+            await pub.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router()
+            # Three scrapes served: the scraper met the broken page and scraped again (one a second).
+            got = await eventually(
+                lambda: asyncio.sleep(0, (served[0], task.done())), lambda r: r[0] >= 3 or r[1], timeout_s=15
+            )
+            assert got[0] >= 3 and not got[1], task.exception() if task.done() else got
+            pub.publish([stored([1, 2, 3, 4], T)])
+            await expect(p, [T], [{"w/0": 4}])
+            assert not task.done()
+    finally:
+        pub.close()
+
+
+async def test_a_health_url_that_is_not_http_is_a_failed_probe_and_the_ingest_keeps_running(
+    nats_url: str, uid: str
+) -> None:
+    """A health URL whose port does not speak HTTP is an unanswered probe (the rank goes stale with the
+    reason); the ingest keeps running and indexing."""
+    pub = EventPublisher("tcp://127.0.0.1:*", None)
+    try:
+        async with broken_http(NOT_HTTP) as (url, served), clean_pipeline(nats_url, uid) as p:
+            ing = await p.start_ingest(
+                "w",
+                pub.endpoint,
+                None,
+                block_size=BS,
+                health_url=url,
+                engine_probe_after_s=0.3,
+                engine_probe_every_s=0.2,
+                engine_probe_timeout_s=0.5,
+                engine_stale_after_failures=2,
+                engine_remove_after_s=60,
+            )
+            task = p.tasks[-1]
+            await pub.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router()
+            got = await eventually(
+                lambda: asyncio.sleep(0, (served[0], task.done())), lambda r: r[0] >= 3 or r[1], timeout_s=15
+            )
+            assert got[0] >= 3 and not got[1], task.exception() if task.done() else got
+            engine = await eventually(
+                lambda: asyncio.sleep(0, ing.status().ranks["0"].engine),
+                lambda e: e is not None and e.state == "stale",
+                timeout_s=10,
+            )
+            assert engine is not None and engine.state == "stale"
+            assert f"{url}: " in engine.reason and "BadStatusLine" in engine.reason
+            assert not task.done()
+    finally:
+        pub.close()

@@ -61,7 +61,7 @@ import xxhash
 from kvmesh.core.errors import RequestError
 from kvmesh.core.index import Holder
 from kvmesh.core.load import ZERO_LOAD, ActiveLoad
-from kvmesh.core.protocol import PolicyOverride, RouteRequest, WorkerLoad
+from kvmesh.core.protocol import PROTOCOL_VERSION, PolicyOverride, RouteRequest, WorkerLoad
 
 DEFAULT_MAX_TOKENS: Final[int] = 1_048_576
 GPU_TIER: Final[str] = "GPU"
@@ -134,8 +134,9 @@ def parse_route_request(
     Raises:
         RequestError: not JSON, not an object, a missing or mistyped field, an unknown ``policy`` key, an
             out-of-range policy value, an empty or too long ``token_ids`` (more than ``max_tokens``
-            tokens), or a token id outside ``[0, 2**32)``; ``field`` names the culprit when there is one
-            (``token_ids``, ``policy.temperature``).
+            tokens), a token id outside ``[0, 2**32)``, or a ``version`` later than
+            `kvmesh.core.protocol.PROTOCOL_VERSION`; ``field`` names the culprit when there is one
+            (``token_ids``, ``policy.temperature``, ``version``).
     """
     try:
         req = _decoder.decode(body)
@@ -157,6 +158,11 @@ def parse_route_request(
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # msgspec recurses into nested values of unknown fields
         raise RequestError("request body is nested too deeply") from exc
+    if isinstance(req.version, int) and req.version > PROTOCOL_VERSION:  # as `kvmesh.core.protocol.decode`
+        raise RequestError(
+            f"RouteRequest of version {req.version}: this kvmesh reads up to version {PROTOCOL_VERSION}",
+            field="version",
+        )
     if not req.model:
         raise RequestError("model must be a non-empty string", field="model")
     if not req.token_ids:

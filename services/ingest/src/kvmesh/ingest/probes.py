@@ -83,8 +83,7 @@ async def probe_http(url: str, *, timeout_s: float) -> tuple[bool, str]:
         return False, f"{url} answered HTTP {exc.code}"
     except (OSError, TimeoutError, ValueError) as exc:
         return False, f"{url}: {exc}"
-    except (
-        http.client.HTTPException
-    ) as exc:  # not an OSError: a port that does not speak HTTP, a cut-off answer
+    # Not an OSError: a port that does not speak HTTP, or an answer cut off.
+    except http.client.HTTPException as exc:
         return False, f"{url}: not an HTTP answer ({exc!r})"
     return (True, "") if status < 500 else (False, f"{url} answered HTTP {status}")

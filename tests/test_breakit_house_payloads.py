@@ -6,13 +6,14 @@ match APIs), be dropped elsewhere, never log a traceback, and leave the service 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
 
 import msgspec
 import pytest
-from tests.pipeline import Pipeline
+from tests.pipeline import Pipeline, eventually
 from tests.test_ingest_faults import BS, T, clean_pipeline, expect, stored
 
 from kvmesh.core.protocol import ErrorReply, MatchReply, MatchRequest, RouteReply, decode
@@ -225,3 +226,31 @@ async def test_garbage_notes_loads_status_snapshot_and_registry_values_leave_eve
             assert all(not t.done() for t in p.tasks)
     finally:
         pub.close()
+
+
+async def test_an_undecodable_prefill_done_or_finished_note_is_logged_and_counted(
+    nats_url: str, uid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill_done or finished note that does not decode is logged with its subject and counted (as a
+    routed note is), and the router still routes."""
+    caplog.set_level(logging.INFO, logger="kvmesh.router")
+    async with clean_pipeline(nats_url, uid) as p:
+        await p.start_router()
+        svc = p.router_service
+        assert svc is not None
+        nc = await connect(nats_url, name="test-hostile")
+        try:
+            prefix = subjects.REQUESTS_PREFIX
+            for event in ("routed", "prefill_done", "finished"):
+                await nc.publish(f"{prefix}.{event}", b'{"request_id": 5}')
+            await nc.flush()
+            await eventually(lambda: asyncio.sleep(0, svc.notes.undecodable), lambda n: n == 3)
+        finally:
+            await nc.close()
+        warned = sorted(r.getMessage() for r in caplog.records if "undecodable" in r.getMessage())
+        assert warned == [
+            f"router: undecodable finished note on {prefix}.finished",
+            f"router: undecodable prefill_done note on {prefix}.prefill_done",
+            f"router: undecodable routed event on {prefix}.routed",
+        ]
+        assert svc.notes.undecodable == 3

@@ -9,7 +9,8 @@ Plain subscriptions (no queue group), so every replica sees every note:
   msgpack); it subscribes to the notes first, so nothing falls between the snapshot and the live notes;
 * ``<load_prefix>.<worker>`` — engine load reports (`WorkerLoad`, JSON).
 
-An undecodable note is logged (a load report at debug level) and dropped; nothing else is lost.
+An undecodable note is logged (a load report at debug level) and dropped; nothing else is lost. Undecodable
+lifecycle notes are counted (`LifecycleNotes.undecodable`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class LifecycleNotes:
         self._nc: Client | None = None
         self.synced_requests = 0
         """In-flight requests restored from a peer's ledger at start-up."""
+        self.undecodable = 0
+        """Lifecycle notes (routed, prefill_done, finished) dropped because they did not decode."""
 
     def _subject(self, event: str) -> str:
         return subjects.requests_subject(self.settings.requests_prefix, event)
@@ -109,17 +112,29 @@ class LifecycleNotes:
         try:
             event = decode(msg.data, Routed)
         except ProtocolError:
+            self.undecodable += 1
             log.warning("router: undecodable routed event on %s", msg.subject)
             return
         self.ledger.routed(event, self._clock())
 
     async def _on_prefill_done(self, msg: Msg) -> None:
-        with contextlib.suppress(ProtocolError):
-            self.ledger.prefill_done(decode(msg.data, RequestRef).request_id, self._clock())
+        ref = self._ref(msg, "prefill_done")
+        if ref is not None:
+            self.ledger.prefill_done(ref.request_id, self._clock())
 
     async def _on_finished(self, msg: Msg) -> None:
-        with contextlib.suppress(ProtocolError):
-            self.ledger.finished(decode(msg.data, RequestRef).request_id, self._clock())
+        ref = self._ref(msg, "finished")
+        if ref is not None:
+            self.ledger.finished(ref.request_id, self._clock())
+
+    def _ref(self, msg: Msg, event: str) -> RequestRef | None:
+        """The note's `RequestRef`, or None (logged, counted in `undecodable`) when it does not decode."""
+        try:
+            return decode(msg.data, RequestRef)
+        except ProtocolError:
+            self.undecodable += 1
+            log.warning("router: undecodable %s note on %s", event, msg.subject)
+            return None
 
     async def _on_load(self, msg: Msg) -> None:
         try:

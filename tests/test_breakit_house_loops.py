@@ -11,11 +11,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 from tests.pipeline import eventually
 from tests.test_ingest_faults import BS, T, clean_pipeline, expect, stored
 
+from kvmesh.core.protocol import WorkerLoad, decode
+from kvmesh.runtime import subjects
+from kvmesh.runtime.nats import connect
 from kvmesh.sim.publisher import EventPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -116,4 +120,43 @@ async def test_a_health_url_that_is_not_http_is_a_failed_probe_and_the_ingest_ke
             assert f"{url}: " in engine.reason and "BadStatusLine" in engine.reason
             assert not task.done()
     finally:
+        pub.close()
+
+
+def page(body: bytes) -> bytes:
+    """An HTTP 200 answer carrying ``body`` as a Prometheus text page."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+    return head % len(body) + body
+
+
+async def test_a_metrics_page_with_infinite_values_publishes_the_finite_ones_and_the_ingest_keeps_running(
+    nats_url: str, uid: str
+) -> None:
+    """``+Inf`` running and ``1e400`` waiting requests on an engine's metrics page are skipped (an infinite
+    count cannot be a load); the finite kv usage is published in each report and the ingest keeps running."""
+    body = b"vllm:num_requests_running +Inf\nvllm:num_requests_waiting 1e400\nvllm:kv_cache_usage_perc 0.25\n"
+    worker = f"w{uid}"
+    pub = EventPublisher("tcp://127.0.0.1:*", None)
+    nc = await connect(nats_url, name="test-loads")
+    reports: list[WorkerLoad] = []
+
+    async def on_load(msg: Any) -> None:
+        reports.append(decode(msg.data, WorkerLoad))
+
+    try:
+        await nc.subscribe(subjects.load_subject(subjects.LOAD_PREFIX, worker), cb=on_load)
+        await nc.flush()
+        async with broken_http(page(body)) as (url, served), clean_pipeline(nats_url, uid) as p:
+            await p.start_ingest(
+                worker, pub.endpoint, None, block_size=BS, metrics_url=url, engine_probe_after_s=0
+            )
+            task = p.tasks[-1]
+            got = await eventually(
+                lambda: asyncio.sleep(0, (served[0], task.done())), lambda r: r[0] >= 3 or r[1], timeout_s=15
+            )
+            assert got[0] >= 3 and not got[1], task.exception() if task.done() else got
+            await eventually(lambda: asyncio.sleep(0, len(reports)), lambda n: n >= 2)
+            assert set(reports) == {WorkerLoad(worker_id=worker, dp_rank=0, kv_usage=0.25)}
+    finally:
+        await nc.close()
         pub.close()

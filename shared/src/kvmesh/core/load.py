@@ -474,15 +474,15 @@ def from_vllm_metrics(
 
     Returns:
         the loads, and the prefix-cache counters to pass as ``previous`` next time. Values summed over
-        label sets of the same rank (several ``model_name`` or ``finished_reason`` labels); a rank with no
-        recognised metric gives no load.
+        label sets of the same rank (several ``model_name`` or ``finished_reason`` labels); a sample that is
+        not finite (NaN, ``+Inf``, ``1e400``) is skipped; a rank with no recognised metric gives no load.
     """
     ranks: dict[int, dict[str, float]] = {}
     prios: dict[tuple[int, str], int] = {}
     for name, labels, value in decode_prometheus_text(text, _WANTED):
         if model is not None and labels.get("model_name", model) != model:
             continue
-        if math.isnan(value):
+        if not math.isfinite(value):  # NaN, or ±Inf (also a literal too large for a float): no load to report
             continue
         try:
             rank = int(labels.get("engine", "0"))

@@ -23,6 +23,8 @@ from nats.micro.request import Request
 from kvmesh.core.errors import (
     MAX_ECHO_CHARS,
     BadRequestError,
+    InternalError,
+    ProtocolError,
     RequestError,
     RouteError,
     UnavailableError,
@@ -313,4 +315,7 @@ class RouteEndpoint:
             raise UnavailableError("no indexer is ready to answer") from exc
         except (TimeoutError, nats.errors.TimeoutError) as exc:
             raise UnavailableError(f"no indexer answered within {timeout:g} s") from exc
-        return parse_match_reply(msg.data)
+        try:
+            return parse_match_reply(msg.data)
+        except ProtocolError as exc:  # a peer's bad reply: answered and counted, not a traceback
+            raise InternalError(f"undecodable match reply from an indexer: {exc}") from exc

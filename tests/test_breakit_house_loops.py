@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from tests.pipeline import eventually
-from tests.test_ingest_faults import BS, T, clean_pipeline, expect, stored
+from tests.test_ingest_faults import BS, T, U, clean_pipeline, expect, stored
 
 from kvmesh.core.protocol import WorkerLoad, decode
 from kvmesh.runtime import subjects
@@ -157,6 +157,51 @@ async def test_a_metrics_page_with_infinite_values_publishes_the_finite_ones_and
             assert got[0] >= 3 and not got[1], task.exception() if task.done() else got
             await eventually(lambda: asyncio.sleep(0, len(reports)), lambda n: n >= 2)
             assert set(reports) == {WorkerLoad(worker_id=worker, dp_rank=0, kv_usage=0.25)}
+    finally:
+        await nc.close()
+        pub.close()
+
+
+async def test_deleting_the_registry_and_snapshot_buckets_under_running_services_ends_none_of_them(
+    nats_url: str, uid: str
+) -> None:
+    """With the registry bucket and the snapshot bucket deleted under a running ingest, indexer and router,
+    every service keeps running, the ingest registers its worker again (as a new incarnation), and what its
+    engine stores next is routed with its exact overlap."""
+    pub = EventPublisher("tcp://127.0.0.1:*", None)
+    nc = await connect(nats_url, name="test-buckets")
+    try:
+        async with clean_pipeline(nats_url, uid) as p:
+            await p.start_ingest("w", pub.endpoint, None, block_size=BS, engine_probe_after_s=0)
+            await pub.wait_for_subscribers(1)
+            await p.start_indexer()
+            await p.start_router()
+            pub.publish([stored([1, 2, 3, 4], T)])
+            await expect(p, [T], [{"w/0": 4}])
+            js = nc.jetstream()
+            await js.delete_key_value(subjects.registry_bucket(p.stream))
+            await js.delete_object_store(subjects.snapshot_bucket(p.stream))
+
+            async def key_back() -> bool:
+                try:
+                    kv = await js.key_value(subjects.registry_bucket(p.stream))
+                    entry = await kv.get(subjects.kv_key("w"))
+                except Exception:
+                    return False
+                return entry.value is not None
+
+            # The heartbeat re-creates the bucket and puts the key again (one beat: a few seconds).
+            assert await eventually(key_back, lambda ok: ok, timeout_s=30)
+            await asyncio.sleep(
+                2.0
+            )  # the indexer's member watch and snapshot writer meet the deleted buckets
+            assert [t.done() for t in p.tasks] == [False, False, False], [
+                t.exception() for t in p.tasks if t.done()
+            ]
+            # A missing key reads as "removed from the index": the worker rejoined as a new incarnation, so
+            # only what its engine stores from now on is indexed.
+            pub.publish([stored([5, 6], U)])
+            await expect(p, [T, U], [{"w/0": 0}, {"w/0": 2}])
     finally:
         await nc.close()
         pub.close()

@@ -16,7 +16,7 @@ import pytest
 from tests.pipeline import Pipeline, eventually
 from tests.test_ingest_faults import BS, T, clean_pipeline, expect, stored
 
-from kvmesh.core.protocol import ErrorReply, MatchReply, MatchRequest, RouteReply, decode
+from kvmesh.core.protocol import ErrorReply, MatchReply, MatchRequest, RouteReply, SnapshotResult, decode
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
 from kvmesh.sim.publisher import EventPublisher
@@ -178,8 +178,9 @@ async def test_every_bad_match_request_gets_bad_request_and_the_indexer_keeps_se
 async def test_garbage_notes_loads_status_snapshot_and_registry_values_leave_every_service_serving(
     nats_url: str, uid: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Garbage lifecycle notes, load reports, status and snapshot requests, and undecodable or later-version
-    registry values are dropped without a traceback; the router still routes with the exact overlap, counts
+    """Garbage lifecycle notes, load reports, status and snapshot requests (an unreadable snapshot request asks
+    every group, so a snapshot is written), and undecodable or later-version registry values are dropped
+    without a traceback; the router still routes with the exact overlap, counts
     no request in flight from them, and the indexer still answers its status."""
     caplog.set_level(logging.INFO)
     pub = EventPublisher("tcp://127.0.0.1:*", None)
@@ -203,6 +204,12 @@ async def test_garbage_notes_loads_status_snapshot_and_registry_values_leave_eve
                     for subject in (subjects.STATUS_SUBJECT, f"{subjects.STATUS_SUBJECT}.ingest"):
                         status = await nc.request(subject, body, timeout=5)
                         assert json.loads(status.data)
+                # An unreadable snapshot request asks every index group: this one's replica answers it.
+                for body in (b"not json", DEEP_JSON, b'{"stream": 5}', b'{"version": 2, "stream": "x"}'):
+                    answer = decode(
+                        (await nc.request(subjects.SNAPSHOT_SUBJECT, body, timeout=10)).data, SnapshotResult
+                    )
+                    assert (answer.stream, answer.written) == (p.stream, True), (body[:40], answer)
                 kv = await nc.jetstream().key_value(subjects.registry_bucket(p.stream))
                 await kv.put(subjects.kv_key("junk"), b"\x00garbage")
                 await kv.put(subjects.kv_key("deep"), DEEP_JSON)

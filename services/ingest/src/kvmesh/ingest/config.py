@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from kvmesh.core.endpoints import offset_endpoint
 from kvmesh.core.liveness import (
     DEFAULT_PROBE_AFTER_S,
     DEFAULT_PROBE_EVERY_S,
@@ -16,6 +18,22 @@ from kvmesh.runtime.config import setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
 from kvmesh.runtime.registry import MAX_DP_RANKS
 from kvmesh.runtime.snapshots import DEFAULT_STREAM_MAX_AGE_S, DEFAULT_STREAM_MAX_BYTES
+
+_ZMQ_ENDPOINT = re.compile(r"^(?:tcp://[^\s]+:\d+|(?:ipc|inproc)://\S+)$")
+"""The endpoints an ingest can connect to: ``tcp://host:port``, ``ipc://path``, ``inproc://name``."""
+
+
+def endpoint_problems(flag: str, endpoint: str, ranks: int) -> list[str]:
+    """Problems with a ZMQ endpoint to connect to (one of `_ZMQ_ENDPOINT`'s forms, a per-rank endpoint for
+    each of ``ranks`` data-parallel ranks); ``flag`` names it in each problem."""
+    if not _ZMQ_ENDPOINT.match(endpoint):
+        return [f"{flag} {endpoint!r} is not a ZMQ endpoint (tcp://host:port, ipc://path)"]
+    try:
+        for rank in range(1, ranks):
+            offset_endpoint(endpoint, rank)
+    except ValueError as exc:
+        return [f"{flag}: {exc}"]
+    return []
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +122,10 @@ class IngestSettings:
                 f"--data-parallel-size must be in [1, {MAX_DP_RANKS}] (got {self.data_parallel_size}): "
                 "one per engine DP rank, read on port + rank"
             )
+        ranks = max(1, min(self.data_parallel_size, MAX_DP_RANKS))
+        problems += endpoint_problems("--zmq-endpoint", self.zmq_endpoint, ranks)
+        if self.replay_endpoint is not None:
+            problems += endpoint_problems("--replay-endpoint", self.replay_endpoint, ranks)
         if self.block_size is not None and self.block_size < 1:
             problems.append("--block-size must be ≥ 1")
         if self.max_pending_acks < 1:

@@ -204,6 +204,8 @@ class RouteEndpoint:
             return
         data = encode(reply)
         if len(data) > self._reply_limit():
+            if request_id is not None:  # recorded as routed: it must not count on the worker
+                await self.notes.withdraw(request_id)
             await self._respond_error(
                 req,
                 "bad_request",

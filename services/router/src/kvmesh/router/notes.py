@@ -101,6 +101,15 @@ class LifecycleNotes:
         with contextlib.suppress(nats.errors.Error):
             await self._nc.publish(self._subject("routed"), encode(event))
 
+    async def withdraw(self, request_id: str) -> None:
+        """Take back a request this replica recorded but could not answer (its reply would not fit): it is
+        finished here and a ``finished`` note tells every other replica."""
+        self.ledger.finished(request_id, self._clock())
+        if self._nc is None:
+            return
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.publish(self._subject("finished"), encode(RequestRef(request_id=request_id)))
+
     async def _on_sync(self, msg: Msg) -> None:
         if msg.reply:
             now = self._clock()

@@ -3,6 +3,7 @@ stream messages are put directly where that is the simplest real input."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -247,6 +248,12 @@ async def test_a_holder_whose_heartbeat_is_late_is_stale(nats_url: str, uid: str
             await pub.wait_for_subscribers(1)
             await start_router(p)
             await put_record(p, "d", heartbeat_ts=time.time() - 1000.0)
+            # The router learns of the record through its registry watch, apart from the stream: wait for it.
+            assert p.router_service is not None
+            svc = p.router_service
+            await eventually(
+                lambda: asyncio.sleep(0, getattr(svc.registry, "workers", {})), lambda w: "d" in w
+            )
             await publish_batch(p, "d", 0, P1)
             r = await eventually(lambda: p.route(P1, explain=True), lambda r: r.overlap_blocks == 4)
             assert (r.worker_id, r.mode) == ("d", "degraded")

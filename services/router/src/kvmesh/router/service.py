@@ -167,7 +167,8 @@ class RouterService:
                 if follow is None:
                     return  # stopped while catching up
                 lag = asyncio.create_task(self.local.watch_lag(nc))
-            await self._serve(nc, follow)
+            loops = {"index replica": follow, "registry watch": watch, "lag watch": lag}
+            await self._serve(nc, {name: t for name, t in loops.items() if t is not None})
         finally:
             background = {t for t in (follow, watch, lag) if t is not None}
             for t in background:
@@ -177,7 +178,7 @@ class RouterService:
             with contextlib.suppress(Exception):
                 await nc.drain()
 
-    async def _serve(self, nc: Client, follow: asyncio.Task[None] | None) -> None:
+    async def _serve(self, nc: Client, loops: dict[str, asyncio.Task[None]]) -> None:
         s = self.settings
         subs = await self.notes.subscribe(nc)
         await nc.flush()
@@ -211,8 +212,9 @@ class RouterService:
             self.synced_requests,
         )
         try:
-            # A failed index replica fails the router rather than let it serve a stale index.
-            await supervise(nc, {"index replica": follow} if follow else {}, stop=self._stop, name="router")
+            # A failed index replica, registry watch or lag watch fails the router rather than let it serve
+            # a stale index or stale candidates.
+            await supervise(nc, loops, stop=self._stop, name="router")
         finally:
             with contextlib.suppress(Exception):
                 await service.stop()

@@ -212,3 +212,40 @@ def test_replay_and_reset_of_a_missing_stream_are_one_line(
     line = one_line_error(proc)
     assert proc.returncode == 1
     assert line == f"kvmesh {command[0]}: stream NOPE_{uid} does not exist"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1,,2", "token ids must be integers separated by commas or spaces"),
+        ("[true, 1]", "--token-ids is not a JSON array of integers"),
+        ("[1.5]", "--token-ids is not a JSON array of integers"),
+        ("[1, 2", "--token-ids is not a JSON array of integers: Expecting ',' delimiter"),
+    ],
+)
+def test_a_malformed_token_list_is_refused_before_sending(
+    text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty element, a bool or float in a JSON array, or broken JSON is a usage error naming --token-ids."""
+    from kvmesh.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["route", "--nats-url", "nats://127.0.0.1:1", "--model", "m", f"--token-ids={text}"])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_command_of_a_distribution_not_installed_says_which(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With only the library installed (no kvmesh.commands entry points), `kvmesh up` names kvmesh-tools."""
+    import kvmesh.cli
+
+    monkeypatch.setattr(kvmesh.cli, "entry_points", lambda group: [])
+    assert kvmesh.cli.main(["up"]) == 2
+    assert capsys.readouterr().err == (
+        "kvmesh up: part of kvmesh-tools, which is not installed here "
+        "(from a checkout: make install, or pip install ./tools)\n"
+    )
+    assert kvmesh.cli.main(["router"]) == 2
+    assert "kvmesh router: part of kvmesh-router, which is not installed here" in capsys.readouterr().err

@@ -164,3 +164,15 @@ async def test_a_loop_that_swallows_its_cancellation_is_left_behind_after_the_gr
         stubborn_task.cancel()
         await asyncio.wait({stubborn_task}, timeout=1)
         await nc.close()
+
+
+@pytest.mark.parametrize("service", ["ingest", "indexer", "router"])
+def test_every_service_reports_the_one_version(service: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvmesh <service> --version` prints the kvmesh version (from package metadata) and exits 0."""
+    from kvmesh.cli import main
+    from kvmesh.runtime.runner import VERSION
+
+    with pytest.raises(SystemExit) as info:
+        main([service, "--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"kvmesh {service} {VERSION}\n"

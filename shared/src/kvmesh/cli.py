@@ -14,6 +14,7 @@ import contextlib
 import difflib
 import json
 import os
+import re
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from importlib.metadata import entry_points
@@ -41,6 +42,18 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+PROVIDED_BY: dict[str, tuple[str, str]] = {
+    "up": ("kvmesh-tools", "tools"),
+    "sim": ("kvmesh-tools", "tools"),
+    "bench": ("kvmesh-tools", "tools"),
+    "ingest": ("kvmesh-ingest", "services/ingest"),
+    "vllm": ("kvmesh-ingest", "services/ingest"),
+    "sglang": ("kvmesh-ingest", "services/ingest"),
+    "indexer": ("kvmesh-indexer", "services/indexer"),
+    "router": ("kvmesh-router", "services/router"),
+}
+"""The commands other distributions add (``kvmesh.commands`` entry points): the distribution, its folder."""
 
 USAGE = """\
 usage: kvmesh <command> [options]     (kvmesh <command> --help for each)
@@ -108,6 +121,14 @@ def _main(argv: Sequence[str] | None) -> int:
     if name in services:
         command: Callable[..., int] = services[name].load()
         return command(rest, prog=f"kvmesh {name}")
+    if name in PROVIDED_BY:  # a command of a distribution this installation lacks (the library alone)
+        dist, folder = PROVIDED_BY[name]
+        print(
+            f"kvmesh {name}: part of {dist}, which is not installed here "
+            f"(from a checkout: make install, or pip install ./{folder})",
+            file=sys.stderr,
+        )
+        return 2
     known = sorted({*builtin, *services})
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -234,12 +255,26 @@ def route_command(argv: Sequence[str]) -> int:
 
 
 def _parse_tokens(text: str) -> list[int]:
+    """Token ids from ``1,2,3``, ``"1 2 3"`` or a JSON array ``[1, 2, 3]``.
+
+    Raises:
+        ValueError: not a JSON array of integers, an empty element (``1,,2``), or an element that is not an
+            integer (``x``, ``1.5``, ``true``); range and emptiness are the router's to check.
+    """
     text = text.strip()
-    values = json.loads(text) if text.startswith("[") else text.replace(",", " ").split()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--token-ids is not a JSON array of integers: {exc}") from exc
+        if not isinstance(values, list) or not all(type(v) is int for v in values):
+            raise ValueError("--token-ids is not a JSON array of integers")
+        return values
+    parts = re.split(r"\s*,\s*|\s+", text) if text else []
     try:
-        return [int(v) for v in values]
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"token ids must be integers: {exc}") from exc
+        return [int(p) for p in parts]
+    except ValueError as exc:
+        raise ValueError(f"token ids must be integers separated by commas or spaces: {exc}") from exc
 
 
 def finish_command(argv: Sequence[str]) -> int:

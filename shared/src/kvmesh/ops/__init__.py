@@ -4,7 +4,7 @@ functions that take an open nats-py connection and return typed results (frozen 
 (``msgspec.to_builtins``); scripts and dashboards call them directly::
 
     nc = await kvmesh.runtime.nats.connect(url, name="my-tool", wait_s=3.0)
-    report = await kvmesh.ops.status(nc, stream="KVMESH")
+    report = await kvmesh.ops.status(nc, stream="KVMESH_EVENTS")
     lagging = [r.replica for r in report.replicas if r.lag > 100]
 
 =========================  =============================================  ===========================================

@@ -75,6 +75,9 @@ def run_service(
         0 on a clean stop, 2 on bad settings, 1 when the service failed.
     """
     add_arguments(parser, cls, service)
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {VERSION}", help="print the version"
+    )
     args = parser.parse_args(argv)
     try:
         settings = load(cls, service=service, environ=environ, args=args)

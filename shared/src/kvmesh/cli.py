@@ -16,7 +16,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,7 +28,8 @@ from kvmesh import ops
 from kvmesh.core.errors import KvmeshError, RouteError
 from kvmesh.core.protocol import RouteRequest, SnapshotResult, encode
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import DEFAULT_NATS_URL, connect, redact_url
+from kvmesh.runtime.config import NatsAuth, add_fields, load
+from kvmesh.runtime.nats import DEFAULT_NATS_URL, connect, connect_options, redact_url
 from kvmesh.runtime.runner import VERSION
 
 __all__ = [
@@ -139,8 +140,10 @@ def _main(argv: Sequence[str] | None) -> int:
 def _parser(
     command: str, description: str, *, stream: bool = True, prefix: bool = False
 ) -> argparse.ArgumentParser:
-    """The parser of ``kvmesh <command>`` with the shared NATS flags: ``--nats-url``; for the index group's
-    commands ``--stream``, and ``--events-prefix`` for those that read the stream's subjects."""
+    """The parser of ``kvmesh <command>`` with the shared NATS flags: ``--nats-url``, the credentials and TLS
+    flags of `NatsAuth` (``--nats-user``, ``--nats-creds-file``, ``--nats-tls-ca-file``, ...; environment
+    ``KVMESH_NATS_*``); for the index group's commands ``--stream``, and ``--events-prefix`` for those that
+    read the stream's subjects."""
     parser = argparse.ArgumentParser(
         prog=f"kvmesh {command}",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -151,6 +154,7 @@ def _parser(
         default=os.environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL),
         help="NATS URL [env KVMESH_NATS_URL]",
     )
+    add_fields(parser.add_argument_group("NATS credentials and TLS"), NatsAuth, "nats")
     if stream:
         parser.add_argument("--stream", default=subjects.STREAM, help="events stream (the index group)")
     if prefix:
@@ -161,6 +165,15 @@ def _parser(
         )
     parser.set_defaults(command=command)
     return parser
+
+
+def nats_auth(a: argparse.Namespace, environ: Mapping[str, str] | None = None) -> NatsAuth:
+    """The NATS credentials and TLS settings of an operator command: its flags over ``KVMESH_NATS_*``.
+
+    Raises:
+        ConfigError: a value is wrong (two ways of authenticating, a missing file).
+    """
+    return load(NatsAuth, service="nats", environ=os.environ if environ is None else environ, args=a)
 
 
 def _print_json(value: Any) -> int:
@@ -181,8 +194,13 @@ def _run(
     """Connect to ``--nats-url``, await ``work`` on the connection, close it, and return ``show(result)``;
     a `KvmeshError` (no connection, a transport failure, a missing stream) is one line on stderr, exit 1."""
 
+    try:
+        options = connect_options(nats_auth(a))
+    except KvmeshError as exc:
+        return _error(a, str(exc))
+
     async def go() -> T:
-        nc = await connect(a.nats_url, name=f"kvmesh-{a.command}", wait_s=3.0)
+        nc = await connect(a.nats_url, name=f"kvmesh-{a.command}", wait_s=3.0, **options)
         try:
             return await work(nc)
         finally:

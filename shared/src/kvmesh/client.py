@@ -60,11 +60,13 @@ from kvmesh.runtime.nats import (
     ConnectError,
     ConnectRefusedError,
     ConnectTimeoutError,
+    NatsAuth,
     NotNatsServerError,
     TLSError,
     TransportError,
     UnknownHostError,
     connect,
+    connect_options,
 )
 
 __all__ = [
@@ -75,6 +77,7 @@ __all__ = [
     "ConnectRefusedError",
     "ConnectTimeoutError",
     "InternalError",
+    "NatsAuth",
     "NoWorkersError",
     "NotNatsServerError",
     "RouteError",
@@ -132,6 +135,7 @@ class Router:
         connect_timeout_s: float = 5.0,
         name: str = "kvmesh-client",
         tls: ssl.SSLContext | None = None,
+        auth: NatsAuth | None = None,
         **kwargs: Any,
     ) -> Router:
         """Connect to NATS and return a client that closes the connection on `aclose`.
@@ -143,6 +147,11 @@ class Router:
                 raises within about this bound; it prints nothing).
             name: connection name shown by the server.
             tls: TLS context (a private CA, client certificates); the default verifies against the system CAs.
+                It replaces the context ``auth``'s TLS files would make.
+            auth: NATS credentials and TLS files (``NatsAuth(nats_user=..., nats_password=...)``,
+                ``nats_token``, ``nats_nkey_seed_file``, ``nats_creds_file``, ``nats_tls_ca_file``,
+                ``nats_tls_cert_file``, ``nats_tls_key_file``, ``nats_tls_server_name``); secrets never
+                appear in its errors.
             **kwargs: `Router` options (``subject``, ``timeout_s`` — the per-request reply timeout, ...).
 
         Raises:
@@ -150,7 +159,9 @@ class Router:
                 `BadURLError`, `NotNatsServerError`, `AuthorizationError`, `TLSError`,
                 `ConnectTimeoutError`); the message names the server without credentials.
         """
-        options: dict[str, Any] = {} if tls is None else {"tls": tls}
+        options = {} if auth is None else connect_options(auth)
+        if tls is not None:
+            options["tls"] = tls
         nc = await connect(url, name=name, wait_s=connect_timeout_s, **options)
         router = cls(nc, **kwargs)
         router._owns = True

@@ -14,14 +14,13 @@ import dataclasses
 import json
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 
 from kvmesh.core.errors import ConfigError
-
-SHARED_FIELDS = frozenset({"nats_url", "log_level", "route_subject", "match_subject", "stream"})
 
 T = TypeVar("T")
 
@@ -36,6 +35,65 @@ def setting(default: Any, help: str, *, flag: str | None = None, secret: bool = 
     return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "secret": secret})
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NatsAuth:
+    """How a process proves who it is to NATS, and how it checks the server (every service's settings and
+    every operator command carry these; `kvmesh.runtime.nats.connect_options` turns them into nats-py's).
+
+    At most one way of authenticating: user and password, a token, an NKey seed file, or a ``.creds`` file.
+    """
+
+    nats_user: str = setting("", "NATS user name (with --nats-password)")
+    nats_password: str = setting("", "NATS password of --nats-user", secret=True)
+    nats_token: str = setting("", "NATS authentication token", secret=True)
+    nats_nkey_seed_file: str = setting("", "file holding the NKey seed (SU...) of the NATS user")
+    nats_creds_file: str = setting("", "NATS .creds file (user JWT and NKey seed)")
+    nats_tls_ca_file: str = setting("", "CA bundle (PEM) that verifies the NATS server's certificate")
+    nats_tls_cert_file: str = setting("", "client certificate (PEM) presented to the NATS server")
+    nats_tls_key_file: str = setting("", "key (PEM) of --nats-tls-cert-file (when not in the same file)")
+    nats_tls_server_name: str = setting("", "name the NATS server's certificate must carry (SNI)")
+
+
+AUTH_FIELDS = frozenset(f.name for f in dataclasses.fields(NatsAuth))
+"""The `NatsAuth` settings: shared by every service (``KVMESH_NATS_USER``, ``KVMESH_NATS_TLS_CA_FILE``, ...)."""
+
+SHARED_FIELDS = frozenset({"nats_url", "log_level", "route_subject", "match_subject", "stream"}) | AUTH_FIELDS
+
+_FILES = (
+    "nats_nkey_seed_file",
+    "nats_creds_file",
+    "nats_tls_ca_file",
+    "nats_tls_cert_file",
+    "nats_tls_key_file",
+)
+
+
+def auth_problems(auth: NatsAuth) -> list[str]:
+    """What is wrong with NATS credentials and TLS settings (empty when they can be used)."""
+    problems: list[str] = []
+    given = [
+        name
+        for name, on in (
+            ("--nats-user/--nats-password", bool(auth.nats_user or auth.nats_password)),
+            ("--nats-token", bool(auth.nats_token)),
+            ("--nats-nkey-seed-file", bool(auth.nats_nkey_seed_file)),
+            ("--nats-creds-file", bool(auth.nats_creds_file)),
+        )
+        if on
+    ]
+    if len(given) > 1:
+        problems.append(f"give one way of authenticating to NATS, not {' and '.join(given)}")
+    if auth.nats_password and not auth.nats_user:
+        problems.append("--nats-password needs --nats-user")
+    if auth.nats_tls_key_file and not auth.nats_tls_cert_file:
+        problems.append("--nats-tls-key-file needs --nats-tls-cert-file")
+    for name in _FILES:
+        path = getattr(auth, name)
+        if path and not Path(path).is_file():
+            problems.append(f"--{name.replace('_', '-')} / {env_name('', name)}: no such file: {path}")
+    return problems
+
+
 def env_name(service: str, name: str) -> str:
     """Return the environment variable for a field (``KVMESH_INGEST_ZMQ_ENDPOINT``, ``KVMESH_NATS_URL``)."""
     if name in SHARED_FIELDS:
@@ -45,18 +103,7 @@ def env_name(service: str, name: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], service: str) -> None:
     """Add one ``--flag`` per settings field, plus ``--config`` and ``--print-config``."""
-    for f in dataclasses.fields(cls):
-        names = [f"--{f.name.replace('_', '-')}"]
-        if f.metadata.get("flag"):
-            names.insert(0, f.metadata["flag"])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
-        help_text = f"{f.metadata.get('help', '')} [env {env_name(service, f.name)}; default {default!r}]"
-        if f.type in ("bool", bool):
-            parser.add_argument(
-                *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            parser.add_argument(*names, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
+    add_fields(parser, cls, service)
     parser.add_argument(
         "--config",
         dest="_config",
@@ -71,6 +118,22 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], service: str)
         action="store_true",
         help="print the effective settings and exit",
     )
+
+
+def add_fields(parser: argparse._ActionsContainer, cls: type[Any], service: str) -> None:
+    """Add one ``--flag`` per settings field of ``cls`` (its value is read by `load`)."""
+    for f in dataclasses.fields(cls):
+        names = [f"--{f.name.replace('_', '-')}"]
+        if f.metadata.get("flag"):
+            names.insert(0, f.metadata["flag"])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
+        help_text = f"{f.metadata.get('help', '')} [env {env_name(service, f.name)}; default {default!r}]"
+        if f.type in ("bool", bool):
+            parser.add_argument(
+                *names, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            parser.add_argument(*names, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
 
 
 def load(
@@ -120,11 +183,13 @@ def load(
     if problems:
         raise ConfigError(problems)
     settings = msgspec.convert(values, cls, strict=False)
+    if isinstance(settings, NatsAuth):
+        problems = auth_problems(settings)
     validate = getattr(settings, "validate", None)
     if validate is not None:
-        problems = list(validate())
-        if problems:
-            raise ConfigError(problems)
+        problems += list(validate())
+    if problems:
+        raise ConfigError(problems)
     return settings
 
 

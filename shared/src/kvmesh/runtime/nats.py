@@ -16,6 +16,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
 
@@ -29,6 +30,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from kvmesh.core.errors import (
     AuthorizationError,
     BadURLError,
+    ConfigError,
     ConnectError,
     ConnectionClosedForGood,
     ConnectRefusedError,
@@ -40,6 +42,7 @@ from kvmesh.core.errors import (
     UnknownHostError,
 )
 from kvmesh.runtime import subjects
+from kvmesh.runtime.config import NatsAuth, auth_problems
 from kvmesh.runtime.snapshots import DEFAULT_STREAM_MAX_AGE_S, DEFAULT_STREAM_MAX_BYTES
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "ConnectRefusedError",
     "ConnectTimeoutError",
     "ConnectionClosedForGood",
+    "NatsAuth",
     "NotNatsServerError",
     "StreamSettings",
     "StreamUnavailableError",
@@ -60,6 +64,7 @@ __all__ = [
     "bucket_stream",
     "close_quietly",
     "connect",
+    "connect_options",
     "count_endpoint_error",
     "ensure_stream",
     "micro_endpoint",
@@ -155,13 +160,66 @@ def split_servers(url: str) -> list[str]:
     return out
 
 
+def connect_options(auth: NatsAuth) -> dict[str, Any]:
+    """The `nats.connect` options of a process's NATS credentials and TLS settings (`connect`'s ``**kwargs``).
+
+    User and password, token, NKey seed file (``nkeys_seed``) or ``.creds`` file (``user_credentials``); a
+    TLS context verifying the server against ``nats_tls_ca_file`` (the system CAs when not given) and
+    presenting the client certificate, made when any TLS file or the server name is given.
+
+    Raises:
+        ConfigError: the settings contradict each other or name a missing file.
+        TLSError: a certificate, key or CA file does not load (the message names the file, never its content).
+    """
+    problems = auth_problems(auth)
+    if problems:
+        raise ConfigError(problems)
+    out: dict[str, Any] = {}
+    if auth.nats_user:
+        out["user"] = auth.nats_user
+        out["password"] = auth.nats_password
+    if auth.nats_token:
+        out["token"] = auth.nats_token
+    if auth.nats_nkey_seed_file:
+        out["nkeys_seed"] = auth.nats_nkey_seed_file
+    if auth.nats_creds_file:
+        out["user_credentials"] = auth.nats_creds_file
+    if auth.nats_tls_ca_file or auth.nats_tls_cert_file or auth.nats_tls_server_name:
+        try:
+            ctx = ssl.create_default_context(cafile=auth.nats_tls_ca_file or None)
+            if auth.nats_tls_cert_file:
+                ctx.load_cert_chain(auth.nats_tls_cert_file, auth.nats_tls_key_file or None)
+        except (ssl.SSLError, OSError) as exc:
+            files = ", ".join(
+                f for f in (auth.nats_tls_ca_file, auth.nats_tls_cert_file, auth.nats_tls_key_file) if f
+            )
+            why = getattr(exc, "reason", None) or getattr(exc, "strerror", None) or type(exc).__name__
+            raise TLSError(f"cannot load the NATS TLS files ({files}): {why}") from None
+        out["tls"] = ctx
+        if auth.nats_tls_server_name:
+            out["tls_hostname"] = auth.nats_tls_server_name
+    return out
+
+
+def _file_seeds(path: Any) -> list[str]:
+    """The NKey seeds (``SU...``, ``SA...``, ``SO...``) and JWTs in an NKey seed or ``.creds`` file."""
+    try:
+        text = Path(str(path)).read_text(errors="replace")
+    except OSError:
+        return []
+    return [w for line in text.splitlines() if len(w := line.strip()) >= 20 and w[:1] in "SeE"]
+
+
 def _secrets(servers: Sequence[str], options: Mapping[str, Any]) -> list[str]:
     found: list[str] = []
     for s in servers:
         u = urlsplit(s)
         found += [unquote(x) for x in (u.username, u.password) if x]
         found += [x for x in (u.username, u.password) if x]
-    found += [str(options[k]) for k in ("user", "password", "token") if options.get(k)]
+    found += [str(options[k]) for k in ("user", "password", "token", "nkeys_seed_str") if options.get(k)]
+    for k in ("nkeys_seed", "user_credentials"):
+        if isinstance(options.get(k), str | Path):
+            found += _file_seeds(options[k])
     return sorted({x for x in found if len(x) >= 3}, key=len, reverse=True)
 
 
@@ -310,6 +368,9 @@ async def connect(
                     servers=shown,
                 )
 
+    if kwargs.get("tls") is not None:
+        _quiet_asyncio_tls_eof()
+
     current: list[Client] = []
 
     async def _disconnected() -> None:
@@ -371,6 +432,18 @@ async def connect(
             await asyncio.sleep(options["reconnect_time_wait"])
     why = await _diagnose(servers, probe_s, last)
     raise _with_context(why, shown, secrets, f" (gave up after {wait_s:g} s)") from None
+
+
+def _drop_tls_eof_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("returning true from eof_received() has no effect when using ssl")
+
+
+def _quiet_asyncio_tls_eof() -> None:
+    """Keep asyncio's warning about nats-py's reader on a TLS socket (harmless: the server closed it) out of
+    every log and every command's stderr."""
+    aio = logging.getLogger("asyncio")
+    if _drop_tls_eof_warning not in aio.filters:
+        aio.addFilter(_drop_tls_eof_warning)
 
 
 @dataclass(slots=True, kw_only=True)

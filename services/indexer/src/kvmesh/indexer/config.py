@@ -7,13 +7,13 @@ import socket
 from dataclasses import dataclass
 
 from kvmesh.runtime import subjects
-from kvmesh.runtime.config import setting
+from kvmesh.runtime.config import NatsAuth, setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
 from kvmesh.runtime.snapshots import DEFAULT_SNAPSHOT_EVERY_S, DEFAULT_SNAPSHOT_KEEP
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class IndexerSettings:
+class IndexerSettings(NatsAuth):
     """How one indexer replica reads the stream and answers match queries."""
 
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")

@@ -42,6 +42,7 @@ from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import (
     close_quietly,
     connect,
+    connect_options,
     wait_for_stream,
 )
 from kvmesh.runtime.registry import RegistrySettings, open_registry
@@ -130,7 +131,7 @@ class IndexerService:
     async def run(self) -> None:
         """Catch up with the stream, then serve match queries until `stop()`."""
         s = self.settings
-        self._nc = nc = await connect(s.nats_url, name=f"kvmesh-indexer-{self.replica}")
+        self._nc = nc = await connect(s.nats_url, name=f"kvmesh-indexer-{self.replica}", **connect_options(s))
         try:
             await self._run(nc)
         finally:

@@ -14,7 +14,7 @@ from kvmesh.core.liveness import (
     LivenessPolicy,
 )
 from kvmesh.runtime import subjects
-from kvmesh.runtime.config import setting
+from kvmesh.runtime.config import NatsAuth, setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
 from kvmesh.runtime.registry import MAX_DP_RANKS
 from kvmesh.runtime.snapshots import DEFAULT_STREAM_MAX_AGE_S, DEFAULT_STREAM_MAX_BYTES
@@ -37,7 +37,7 @@ def endpoint_problems(flag: str, endpoint: str, ranks: int) -> list[str]:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class IngestSettings:
+class IngestSettings(NatsAuth):
     """How one ingest attaches to one engine (all of its data-parallel ranks) and to NATS."""
 
     worker_id: str = setting("", "worker id, as route replies name it (required)")

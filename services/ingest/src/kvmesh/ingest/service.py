@@ -45,7 +45,7 @@ from kvmesh.ingest.recovery import RankCursor, fresh_tracker, recover_rank
 from kvmesh.ingest.registration import Registration
 from kvmesh.ingest.status import IngestCounters, ingest_status
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, ensure_stream
+from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, connect_options, ensure_stream
 from kvmesh.runtime.replica import retry_start
 from kvmesh.runtime.runner import supervise
 from kvmesh.runtime.vllm_metrics import MetricsLoadPublisher
@@ -90,7 +90,10 @@ class IngestService:
         s = self.settings
         pub = self.publisher
         self._nc = await connect(
-            s.nats_url, name=f"kvmesh-ingest-{s.worker_id}", on_disconnect=pub.on_disconnect
+            s.nats_url,
+            name=f"kvmesh-ingest-{s.worker_id}",
+            on_disconnect=pub.on_disconnect,
+            **connect_options(s),
         )
         self.batches.max_payload = self._nc.max_payload or self.batches.max_payload
         self._js = js = self._nc.jetstream()

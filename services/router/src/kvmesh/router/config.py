@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from kvmesh.core.load import DEFAULT_LOAD_TTL_S, DEFAULT_REQUEST_TTL_S
 from kvmesh.core.route import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_TOKENS, IDLE_CANDIDATES, Policy
 from kvmesh.runtime import subjects
-from kvmesh.runtime.config import setting
+from kvmesh.runtime.config import NatsAuth, setting
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
 
 _DEFAULT = Policy()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RouterSettings:
+class RouterSettings(NatsAuth):
     """How one router replica answers ``kvmesh.route`` and weighs affinity against load."""
 
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")

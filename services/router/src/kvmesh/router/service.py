@@ -78,7 +78,7 @@ from kvmesh.router.local_index import LAG_CHECK_S, LocalIndex
 from kvmesh.router.notes import LifecycleNotes
 from kvmesh.router.stats import index_stats, router_stats
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import connect, micro_endpoint
+from kvmesh.runtime.nats import connect, connect_options, micro_endpoint
 from kvmesh.runtime.registry import RegistryWatcher
 from kvmesh.runtime.replica import StreamReplica
 from kvmesh.runtime.runner import VERSION, supervise
@@ -143,7 +143,7 @@ class RouterService:
         s = self.settings
         # no_echo: the replica records what it routed before publishing it; its own lifecycle events coming
         # back would only be decoded and applied a second time (idempotently) on every route.
-        self._nc = nc = await connect(s.nats_url, name="kvmesh-router", no_echo=True)
+        self._nc = nc = await connect(s.nats_url, name="kvmesh-router", no_echo=True, **connect_options(s))
         self.endpoint.bind(nc)
         follow: asyncio.Task[None] | None = None
         watch: asyncio.Task[None] | None = None

@@ -1,0 +1,278 @@
+"""NATS credentials and TLS: user/password, token, NKey and client-certificate TLS servers, reached by a service,
+`kvmesh status` and `Router.connect` with the right settings; the wrong ones fail typed, and no secret leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import nkeys
+import pytest
+
+from kvmesh.client import AuthorizationError, ConnectError, NatsAuth, Router, TLSError
+from kvmesh.core.errors import ConfigError
+from kvmesh.harness.server import NatsServer
+from kvmesh.runtime.config import load
+from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, connect_options, ensure_stream
+
+KVMESH = str(Path(sys.executable).parent / "kvmesh")
+PASSWORD = "pw-Kq93xZ-alpha"
+WRONG_PASSWORD = "pw-Wr0ng-bravo"
+TOKEN = "tok-7fQ2mZ-charlie"
+WRONG_TOKEN = "tok-Wr0ng-delta"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One secured server: the settings that reach it, wrong ones, and every secret value that must not leak."""
+
+    kind: str
+    url: str
+    good: NatsAuth
+    bad: NatsAuth
+    error: type[ConnectError]
+    secrets: list[str] = field(default_factory=list)
+
+
+def _server(tmp: Path, conf: str) -> NatsServer:
+    path = tmp / "server.conf"
+    path.write_text(conf)
+    return NatsServer(args=["-c", str(path)]).start()
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def _make_certs(d: Path) -> None:
+    """A CA, a server certificate for the name nats.test, and a client certificate, all signed by the CA."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvmesh test CA",
+             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))  # fmt: skip
+    for name, ext in (("server", "subjectAltName=DNS:nats.test"), ("client", "extendedKeyUsage=clientAuth")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.csr"))  # fmt: skip
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"),
+                 "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "1",
+                 "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.pem"))  # fmt: skip
+
+
+def _seed_file(d: Path, name: str) -> tuple[Path, str, str]:
+    """Write a fresh NKey user seed to ``d/name``: (the file, the seed, the public key)."""
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    path = d / name
+    path.write_bytes(seed + b"\n")
+    return path, seed.decode(), public
+
+
+@pytest.fixture(scope="module", params=["user", "token", "nkey", "tls"])
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Case]:
+    """A nats-server secured one way (a fresh one per kind, from a config file)."""
+    kind = str(request.param)
+    d = tmp_path_factory.mktemp(kind)
+    if kind == "user":
+        server = _server(d, f'authorization {{ user: alice, password: "{PASSWORD}" }}\n')
+        good = NatsAuth(nats_user="alice", nats_password=PASSWORD)
+        bad = NatsAuth(nats_user="alice", nats_password=WRONG_PASSWORD)
+        c = Case(kind, server.url, good, bad, AuthorizationError, [PASSWORD, WRONG_PASSWORD])
+    elif kind == "token":
+        server = _server(d, f'authorization {{ token: "{TOKEN}" }}\n')
+        good, bad = NatsAuth(nats_token=TOKEN), NatsAuth(nats_token=WRONG_TOKEN)
+        c = Case(kind, server.url, good, bad, AuthorizationError, [TOKEN, WRONG_TOKEN])
+    elif kind == "nkey":
+        seed_path, seed, public = _seed_file(d, "user.nk")
+        other_path, other, _ = _seed_file(d, "other.nk")
+        server = _server(d, f'authorization {{ users: [ {{ nkey: "{public}" }} ] }}\n')
+        good = NatsAuth(nats_nkey_seed_file=str(seed_path))
+        bad = NatsAuth(nats_nkey_seed_file=str(other_path))
+        c = Case(kind, server.url, good, bad, AuthorizationError, [seed, other])
+    else:
+        if shutil.which("openssl") is None:
+            pytest.skip("openssl is needed to make the certificates")
+        _make_certs(d)
+        conf = (
+            f'tls {{ cert_file: "{d / "server.pem"}", key_file: "{d / "server.key"}", '
+            f'ca_file: "{d / "ca.pem"}", verify: true }}\n'
+        )
+        server = _server(d, conf)
+        good = NatsAuth(
+            nats_tls_ca_file=str(d / "ca.pem"),
+            nats_tls_cert_file=str(d / "client.pem"),
+            nats_tls_key_file=str(d / "client.key"),
+            nats_tls_server_name="nats.test",
+        )
+        bad = replace(good, nats_tls_ca_file=str(d / "client.pem"))  # a CA that did not sign the server's
+        key_body = (d / "client.key").read_text().splitlines()[1]
+        c = Case(kind, f"tls://127.0.0.1:{server.port}", good, bad, TLSError, [key_body])
+    try:
+        yield c
+    finally:
+        server.stop()
+
+
+def _env(auth: NatsAuth) -> dict[str, str]:
+    """The ``KVMESH_NATS_*`` variables that carry ``auth`` (the way a deployment passes secrets)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    for name in (f for f in NatsAuth.__dataclass_fields__):
+        value = getattr(auth, name)
+        if value:
+            env[f"KVMESH_{name.upper()}"] = value
+    return env
+
+
+def _kvmesh(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run ``kvmesh <args>`` with ``env``: its exit status and output."""
+    return subprocess.run([KVMESH, *args], check=False, capture_output=True, text=True, env=env, timeout=30)
+
+
+def _assert_clean(text: str, case: Case) -> None:
+    for secret in case.secrets:
+        assert secret not in text
+
+
+@pytest.mark.anyio
+async def test_router_connect_with_the_right_settings_and_status_sees_the_stream(
+    case: Case, uid: str
+) -> None:
+    """Router.connect with the right settings connects, and kvmesh status (settings from the environment)
+    reads the stream it made."""
+    router = await Router.connect(case.url, connect_timeout_s=5.0, auth=case.good)
+    stream = f"S{uid}"
+    try:
+        nc = await connect(case.url, name="test", wait_s=5.0, **connect_options(case.good))
+        await ensure_stream(nc.jetstream(), StreamSettings(name=stream, prefix=f"p{uid}", memory=True))
+        await close_quietly(nc)
+    finally:
+        await router.aclose()
+    r = await asyncio.to_thread(
+        _kvmesh, ["status", "--nats-url", case.url, "--stream", stream], _env(case.good)
+    )
+    assert (r.returncode, r.stderr) == (0, "")
+    assert json.loads(r.stdout)["stream"]["name"] == stream
+    _assert_clean(r.stdout, case)
+
+
+@pytest.mark.anyio
+async def test_router_connect_with_the_wrong_settings_fails_typed_without_the_secret(case: Case) -> None:
+    """Router.connect with the wrong settings raises the typed error, and its text holds no secret."""
+    with pytest.raises(ConnectError) as info:
+        await Router.connect(case.url, connect_timeout_s=3.0, auth=case.bad)
+    assert type(info.value) is case.error
+    text = f"{info.value} {info.value!r} {info.value.args}"
+    if case.error is AuthorizationError:
+        assert str(info.value) == (
+            f"cannot connect to NATS at {case.url}: the server refused the credentials (authorization violation)"
+        )
+    else:
+        assert str(info.value).startswith(f"cannot connect to NATS at {case.url}: TLS handshake failed: ")
+    _assert_clean(text, case)
+
+
+def test_status_with_the_wrong_settings_exits_1_without_the_secret(case: Case) -> None:
+    """kvmesh status with the wrong settings (flags) exits 1 with one line that names no secret."""
+    flags: list[str] = []
+    for name in NatsAuth.__dataclass_fields__:
+        value = getattr(case.bad, name)
+        if value:
+            flags.append(f"--{name.replace('_', '-')}={value}")
+    r = _kvmesh(["status", "--nats-url", case.url, *flags], _env(NatsAuth()))
+    assert r.returncode == 1
+    assert r.stdout == ""
+    assert r.stderr.startswith(f"kvmesh status: cannot connect to NATS at {case.url}: ")
+    assert r.stderr.count("\n") == 1
+    _assert_clean(r.stderr, case)
+
+
+def _service_log(case: Case, auth: NatsAuth, until: str, timeout_s: float = 20.0) -> str:
+    """Run ``kvmesh indexer`` with ``auth`` in its environment until its log shows ``until``; return the log."""
+    proc = subprocess.Popen(
+        [KVMESH, "indexer", "--nats-url", case.url, "--stream", "NOSTREAM", "--log-level", "DEBUG"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(auth),
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if until in line:
+                break
+    finally:
+        proc.terminate()
+        try:
+            rest = proc.communicate(timeout=10)[1] or ""
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest = proc.communicate()[1] or ""
+    return "".join(lines) + rest
+
+
+def test_indexer_connects_with_the_right_settings(case: Case) -> None:
+    """The indexer, given the right settings in KVMESH_NATS_*, connects and waits for its stream."""
+    log = _service_log(case, case.good, "waiting for stream NOSTREAM to exist")
+    assert "waiting for stream NOSTREAM to exist" in log
+    _assert_clean(log, case)
+
+
+def test_indexer_with_the_wrong_settings_keeps_trying_and_logs_no_secret(case: Case) -> None:
+    """The indexer, given wrong settings, warns that it cannot connect, naming the cause, and logs no secret."""
+    log = _service_log(case, case.bad, "still trying")
+    assert f"nats: cannot connect to {case.url} (kvmesh-indexer-" in log
+    why = "authorization violation" if case.error is AuthorizationError else "TLS handshake failed"
+    assert why in log
+    _assert_clean(log, case)
+
+
+def test_print_config_redacts_every_secret(case: Case) -> None:
+    """kvmesh router --print-config with the settings from the environment shows no secret value."""
+    r = _kvmesh(["router", "--print-config", "--nats-url", case.url], _env(case.good))
+    assert r.returncode == 0
+    shown = json.loads(r.stdout)
+    _assert_clean(r.stdout, case)
+    assert shown["nats_password"] == ("***" if case.good.nats_password else "")
+    assert shown["nats_token"] == ("***" if case.good.nats_token else "")
+    assert shown["nats_nkey_seed_file"] == case.good.nats_nkey_seed_file
+    assert shown["nats_tls_server_name"] == case.good.nats_tls_server_name
+
+
+def test_toml_flags_and_environment_reach_the_same_settings(tmp_path: Path) -> None:
+    """The credentials load from TOML, the environment over it, and flags over both."""
+    conf = tmp_path / "router.toml"
+    conf.write_text(
+        '[router]\nnats_user = "alice"\nnats_password = "from-toml"\nnats_tls_server_name = "a"\n'
+    )
+    from kvmesh.router.config import RouterSettings
+
+    s = load(RouterSettings, service="router", environ={"KVMESH_NATS_PASSWORD": "from-env"}, config_file=conf)
+    assert (s.nats_user, s.nats_password, s.nats_tls_server_name) == ("alice", "from-env", "a")
+
+
+def test_two_ways_of_authenticating_are_refused() -> None:
+    """Settings with both a token and a user are refused with one problem naming both flags."""
+    with pytest.raises(ConfigError) as info:
+        load(NatsAuth, service="nats", environ={"KVMESH_NATS_TOKEN": "t0k", "KVMESH_NATS_USER": "u"})
+    assert info.value.problems == [
+        "give one way of authenticating to NATS, not --nats-user/--nats-password and --nats-token"
+    ]
+
+
+def test_connect_options_map_every_form(tmp_path: Path) -> None:
+    """connect_options turns each form into the nats-py option it names."""
+    creds = tmp_path / "u.creds"
+    creds.write_text("x")
+    assert connect_options(NatsAuth(nats_user="u", nats_password="p")) == {"user": "u", "password": "p"}
+    assert connect_options(NatsAuth(nats_token="t")) == {"token": "t"}
+    assert connect_options(NatsAuth(nats_creds_file=str(creds))) == {"user_credentials": str(creds)}
+    assert connect_options(NatsAuth(nats_nkey_seed_file=str(creds))) == {"nkeys_seed": str(creds)}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import shutil
@@ -74,7 +75,65 @@ def _seed_file(d: Path, name: str) -> tuple[Path, str, str]:
     return path, seed.decode(), public
 
 
-@pytest.fixture(scope="module", params=["user", "token", "nkey", "tls"])
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _jwt(signer: nkeys.KeyPair, subject: str, nats: dict[str, object]) -> str:
+    """A NATS JWT (v2) for ``subject`` with the claims ``nats``, signed by ``signer``'s NKey."""
+    head = _b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    claims = {
+        "jti": _b64(os.urandom(16)).upper(),
+        "iat": int(time.time()),
+        "iss": signer.public_key.decode(),
+        "name": subject[:8],
+        "sub": subject,
+        "nats": {**nats, "version": 2},
+    }
+    body = _b64(json.dumps(claims).encode())
+    return f"{head}.{body}.{_b64(signer.sign(f'{head}.{body}'.encode()))}"
+
+
+def _keypair(prefix: int) -> tuple[str, nkeys.KeyPair]:
+    seed = nkeys.encode_seed(os.urandom(32), prefix)
+    return seed.decode(), nkeys.from_seed(bytearray(seed))
+
+
+def _creds_file(path: Path, account: nkeys.KeyPair) -> str:
+    """Write a ``.creds`` file for a fresh user of ``account``; return the user's seed."""
+    seed, user = _keypair(nkeys.PREFIX_BYTE_USER)
+    claims: dict[str, object] = {"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1}
+    token = _jwt(account, user.public_key.decode(), claims)
+    path.write_text(
+        f"-----BEGIN NATS USER JWT-----\n{token}\n------END NATS USER JWT------\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+    )
+    return seed
+
+
+def _operator_conf(d: Path) -> tuple[str, Path, str, Path]:
+    """An operator-mode server config with one JetStream account (memory resolver): the config text, a
+    ``.creds`` file of a user of that account with its seed, and one of an account the server does not know."""
+    _, operator = _keypair(nkeys.PREFIX_BYTE_OPERATOR)
+    _, account = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, system = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, stranger = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    limits: dict[str, object] = {"wildcards": True}
+    limits |= {k: -1 for k in ("subs", "conn", "leaf", "imports", "exports", "data", "payload")}
+    js_limits = limits | {k: -1 for k in ("mem_storage", "disk_storage", "streams", "consumer")}
+    acc, sys_acc = account.public_key.decode(), system.public_key.decode()
+    op_jwt = _jwt(operator, operator.public_key.decode(), {"type": "operator", "system_account": sys_acc})
+    conf = (
+        f"operator: {op_jwt}\nsystem_account: {sys_acc}\nresolver: MEMORY\nresolver_preload: {{\n"
+        f"  {acc}: {_jwt(operator, acc, {'type': 'account', 'limits': js_limits})}\n"
+        f"  {sys_acc}: {_jwt(operator, sys_acc, {'type': 'account', 'limits': limits})}\n}}\n"
+    )
+    good_seed = _creds_file(d / "user.creds", account)
+    bad_seed = _creds_file(d / "stranger.creds", stranger)
+    return conf, d / "user.creds", f"{good_seed} {bad_seed}", d / "stranger.creds"
+
+
+@pytest.fixture(scope="module", params=["user", "token", "nkey", "creds", "tls"])
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Case]:
     """A nats-server secured one way (a fresh one per kind, from a config file)."""
     kind = str(request.param)
@@ -95,6 +154,11 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         good = NatsAuth(nats_nkey_seed_file=str(seed_path))
         bad = NatsAuth(nats_nkey_seed_file=str(other_path))
         c = Case(kind, server.url, good, bad, AuthorizationError, [seed, other])
+    elif kind == "creds":
+        conf, good_path, seeds, bad_path = _operator_conf(d)
+        server = _server(d, conf)
+        good, bad = NatsAuth(nats_creds_file=str(good_path)), NatsAuth(nats_creds_file=str(bad_path))
+        c = Case(kind, server.url, good, bad, AuthorizationError, seeds.split())
     else:
         if shutil.which("openssl") is None:
             pytest.skip("openssl is needed to make the certificates")

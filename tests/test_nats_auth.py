@@ -340,3 +340,41 @@ def test_connect_options_map_every_form(tmp_path: Path) -> None:
     assert connect_options(NatsAuth(nats_token="t")) == {"token": "t"}
     assert connect_options(NatsAuth(nats_creds_file=str(creds))) == {"user_credentials": str(creds)}
     assert connect_options(NatsAuth(nats_nkey_seed_file=str(creds))) == {"nkeys_seed": str(creds)}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("case", ["tls"], indirect=True)
+async def test_tls_without_a_client_certificate_is_refused(case: Case) -> None:
+    """A server with ``verify: true`` refuses a client that trusts it but shows no certificate (TLSError)."""
+    anonymous = replace(case.good, nats_tls_cert_file="", nats_tls_key_file="")
+    with pytest.raises(ConnectError) as info:
+        await Router.connect(case.url, connect_timeout_s=3.0, auth=anonymous)
+    assert type(info.value) is TLSError
+    assert str(info.value) == (
+        f"cannot connect to NATS at {case.url}: TLS handshake failed: TLSV13_ALERT_CERTIFICATE_REQUIRED"
+    )
+
+
+@pytest.mark.parametrize(
+    "service", [["ingest", "--worker-id", "w1", "--model", "m"], ["indexer"], ["router"]], ids=lambda a: a[0]
+)
+def test_every_service_redacts_its_secrets_in_print_config(service: list[str]) -> None:
+    """Each service shows a password from its environment and a token from its flags as ``***`` only."""
+    env = _env(NatsAuth(nats_user="alice", nats_password=PASSWORD))
+    r = _kvmesh([*service, "--print-config"], env)
+    assert r.returncode == 0, r.stderr
+    assert (json.loads(r.stdout)["nats_user"], json.loads(r.stdout)["nats_password"]) == ("alice", "***")
+    assert PASSWORD not in r.stdout
+    r = _kvmesh([*service, "--print-config", f"--nats-token={TOKEN}"], _env(NatsAuth()))
+    assert (r.returncode, json.loads(r.stdout)["nats_token"]) == (0, "***")
+    assert TOKEN not in r.stdout
+
+
+def test_a_service_with_a_missing_creds_file_exits_2_naming_it(tmp_path: Path) -> None:
+    """A service given a .creds file that does not exist stops at once with exit 2, naming the flag and file."""
+    missing = tmp_path / "none.creds"
+    r = _kvmesh(["router", f"--nats-creds-file={missing}"], _env(NatsAuth()))
+    assert r.returncode == 2
+    assert r.stderr.endswith(
+        f"invalid configuration:\n  --nats-creds-file / KVMESH_NATS_CREDS_FILE: no such file: {missing}\n"
+    )

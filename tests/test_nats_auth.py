@@ -334,12 +334,28 @@ def test_two_ways_of_authenticating_are_refused() -> None:
 
 def test_connect_options_map_every_form(tmp_path: Path) -> None:
     """connect_options turns each form into the nats-py option it names."""
+    seed_path, _, _ = _seed_file(tmp_path, "u.nk")
+    _, account = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
     creds = tmp_path / "u.creds"
-    creds.write_text("x")
+    _creds_file(creds, account)
     assert connect_options(NatsAuth(nats_user="u", nats_password="p")) == {"user": "u", "password": "p"}
     assert connect_options(NatsAuth(nats_token="t")) == {"token": "t"}
     assert connect_options(NatsAuth(nats_creds_file=str(creds))) == {"user_credentials": str(creds)}
-    assert connect_options(NatsAuth(nats_nkey_seed_file=str(creds))) == {"nkeys_seed": str(creds)}
+    assert connect_options(NatsAuth(nats_nkey_seed_file=str(seed_path))) == {"nkeys_seed": str(seed_path)}
+
+
+def test_a_seed_file_without_a_valid_seed_is_refused_without_its_content(tmp_path: Path) -> None:
+    """An NKey seed file or .creds file that holds no valid seed is a ConfigError naming the file, not its text."""
+    bad = tmp_path / "bad.nk"
+    bad.write_text("SUNOTASEED-secret-looking-text\n")
+    with pytest.raises(ConfigError) as info:
+        connect_options(NatsAuth(nats_nkey_seed_file=str(bad)))
+    assert info.value.problems == [f"--nats-nkey-seed-file: {bad} holds no valid NKey seed"]
+    with pytest.raises(ConfigError) as info:
+        connect_options(NatsAuth(nats_creds_file=str(bad)))
+    assert info.value.problems == [
+        f"--nats-creds-file: {bad} is not a .creds file (a user JWT and an NKey seed)"
+    ]
 
 
 @pytest.mark.anyio

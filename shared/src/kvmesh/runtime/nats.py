@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlsplit
 import nats
 import nats.errors
 import nats.js.errors
+import nkeys
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
@@ -181,8 +182,10 @@ def connect_options(auth: NatsAuth) -> dict[str, Any]:
     if auth.nats_token:
         out["token"] = auth.nats_token
     if auth.nats_nkey_seed_file:
+        _check_seed(auth.nats_nkey_seed_file, "--nats-nkey-seed-file", creds=False)
         out["nkeys_seed"] = auth.nats_nkey_seed_file
     if auth.nats_creds_file:
+        _check_seed(auth.nats_creds_file, "--nats-creds-file", creds=True)
         out["user_credentials"] = auth.nats_creds_file
     if auth.nats_tls_ca_file or auth.nats_tls_cert_file or auth.nats_tls_server_name:
         try:
@@ -199,6 +202,30 @@ def connect_options(auth: NatsAuth) -> dict[str, Any]:
         if auth.nats_tls_server_name:
             out["tls_hostname"] = auth.nats_tls_server_name
     return out
+
+
+def _check_seed(path: str, flag: str, *, creds: bool) -> None:
+    """Refuse an NKey seed file or ``.creds`` file whose seed (or, for .creds, user JWT) does not parse, before
+    anything is sent; the error names the flag and the file, never what it holds."""
+    try:
+        lines = [line.strip() for line in Path(path).read_text(errors="replace").splitlines()]
+    except OSError as exc:
+        raise ConfigError([f"{flag}: cannot read {path}: {exc.strerror or exc}"]) from None
+    if creds:
+        marks = [
+            i
+            for i, line in enumerate(lines)
+            if "BEGIN USER NKEY SEED" in line or "BEGIN NATS USER JWT" in line
+        ]
+        if len(marks) != 2 or any(i + 1 >= len(lines) or not lines[i + 1] for i in marks):
+            raise ConfigError([f"{flag}: {path} is not a .creds file (a user JWT and an NKey seed)"])
+        seeds = [lines[i + 1] for i in marks if "SEED" in lines[i]]
+    else:
+        seeds = [line for line in lines if line.startswith("S")][:1]
+    try:
+        nkeys.from_seed(bytearray(seeds[0].encode())).wipe()
+    except (IndexError, nkeys.NkeysError, ValueError, TypeError):
+        raise ConfigError([f"{flag}: {path} holds no valid NKey seed"]) from None
 
 
 def _file_seeds(path: Any) -> list[str]:

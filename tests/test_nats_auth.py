@@ -394,3 +394,21 @@ def test_a_service_with_a_missing_creds_file_exits_2_naming_it(tmp_path: Path) -
     assert r.stderr.endswith(
         f"invalid configuration:\n  --nats-creds-file / KVMESH_NATS_CREDS_FILE: no such file: {missing}\n"
     )
+
+
+def test_an_operator_command_reads_its_credentials_from_a_toml_file(case: Case, tmp_path: Path) -> None:
+    """kvmesh status --config FILE takes the [nats] table of a file that also holds a service's table."""
+    lines = [
+        f'{name} = "{getattr(case.good, name)}"'
+        for name in NatsAuth.__dataclass_fields__
+        if getattr(case.good, name)
+    ]
+    conf = tmp_path / "kvmesh.toml"
+    conf.write_text('[router]\nindex = "remote"\n\n[nats]\n' + "\n".join(lines) + "\n")
+    r = _kvmesh(
+        ["status", "--nats-url", case.url, "--config", str(conf), "--stream", "NOSTREAM"], _env(NatsAuth())
+    )
+    assert r.returncode == 1
+    assert json.loads(r.stdout)["stream"] == {"name": "NOSTREAM", "error": "stream not found"}
+    assert r.stderr == f"kvmesh status: stream NOSTREAM does not exist on {case.url}\n"
+    _assert_clean(r.stdout + r.stderr, case)

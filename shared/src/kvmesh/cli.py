@@ -154,7 +154,16 @@ def _parser(
         default=os.environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL),
         help="NATS URL [env KVMESH_NATS_URL]",
     )
-    add_fields(parser.add_argument_group("NATS credentials and TLS"), NatsAuth, "nats")
+    group = parser.add_argument_group("NATS credentials and TLS")
+    add_fields(group, NatsAuth, "nats")
+    group.add_argument(
+        "--config",
+        dest="_config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="TOML file with the NATS credentials and TLS settings (a [nats] table or top-level keys)",
+    )
     if stream:
         parser.add_argument("--stream", default=subjects.STREAM, help="events stream (the index group)")
     if prefix:
@@ -168,7 +177,8 @@ def _parser(
 
 
 def nats_auth(a: argparse.Namespace, environ: Mapping[str, str] | None = None) -> NatsAuth:
-    """The NATS credentials and TLS settings of an operator command: its flags over ``KVMESH_NATS_*``.
+    """The NATS credentials and TLS settings of an operator command: its flags over ``KVMESH_NATS_*`` over the
+    ``[nats]`` table of ``--config``.
 
     Raises:
         ConfigError: a value is wrong (two ways of authenticating, a missing file).

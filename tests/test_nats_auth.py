@@ -412,3 +412,32 @@ def test_an_operator_command_reads_its_credentials_from_a_toml_file(case: Case, 
     assert json.loads(r.stdout)["stream"] == {"name": "NOSTREAM", "error": "stream not found"}
     assert r.stderr == f"kvmesh status: stream NOSTREAM does not exist on {case.url}\n"
     _assert_clean(r.stdout + r.stderr, case)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", ["user", "tls"], indirect=True)
+def test_up_on_a_secured_server_passes_the_settings_to_every_child(case: Case, tmp_path: Path) -> None:
+    """kvmesh up --nats-url with the settings in the environment replays through a secured server, and
+    neither its output nor any child's log holds a secret."""
+    logs = tmp_path / "logs"
+    r = subprocess.run(
+        [KVMESH, "up", "--nats-url", case.url, "--requests", "4", "--workers", "1", "--num-blocks", "4096",
+         "--log-dir", str(logs)],
+        check=False, capture_output=True, text=True, env=_env(case.good), timeout=100,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "replayed 4 requests" in r.stdout
+    assert "(0 failed)" in r.stdout
+    children = sorted(p.name for p in logs.glob("*.log"))
+    assert children == ["indexer.log", "ingest-0.log", "router.log", "sim.log"]
+    _assert_clean(r.stdout + r.stderr + "".join(p.read_text() for p in logs.glob("*.log")), case)
+
+
+def test_up_refuses_credentials_without_a_server_of_its_own() -> None:
+    """kvmesh up with a token but no --nats-url exits 2: its embedded server takes no credentials."""
+    r = _kvmesh(["up", f"--nats-token={TOKEN}"], _env(NatsAuth()))
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == (
+        "kvmesh up: invalid configuration:\n"
+        "  NATS credentials and TLS settings need --nats-url (the embedded server has none)\n"
+    )

@@ -39,16 +39,18 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import msgspec
 from nats.aio.client import Client
 
 from kvmesh.client import RouteError, Router, UnavailableError
+from kvmesh.core.errors import ConfigError, KvmeshError
 from kvmesh.harness.procs import ChildProcesses
 from kvmesh.harness.server import NatsServer
 from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import TransportError, close_quietly, connect, redact_url
+from kvmesh.runtime.config import NatsAuth, add_fields, auth_environ, load
+from kvmesh.runtime.nats import TransportError, close_quietly, connect, connect_options, redact_url
 from kvmesh.sim.blockpool import BlockPool, PoolExhaustedError
 from kvmesh.sim.engine import output_tokens
 from kvmesh.sim.trace import TraceRequest, default_trace_path, expand_tokens, load_trace
@@ -147,13 +149,17 @@ class Namespace:
 class Up:
     """One `kvmesh up` run."""
 
-    def __init__(self, args: argparse.Namespace, ns: Namespace | None = None) -> None:
+    def __init__(
+        self, args: argparse.Namespace, ns: Namespace | None = None, auth: NatsAuth | None = None
+    ) -> None:
         self.args = args
         self.ns = ns or Namespace()
+        self.auth = auth or NatsAuth()
+        self.nats_options: dict[str, Any] = {}
         self.tmp = Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
         self.log_dir = Path(args.log_dir) if args.log_dir else self.tmp / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.children = ChildProcesses(self.log_dir)
+        self.children = ChildProcesses(self.log_dir, env=auth_environ(self.auth))
         self.server: NatsServer | None = None
         self.out: TextIO = sys.stdout
 
@@ -176,7 +182,7 @@ class Up:
         if not self.ns.own:
             return
         try:
-            nc = await connect(url, name="kvmesh-up-cleanup", wait_s=3.0)
+            nc = await connect(url, name="kvmesh-up-cleanup", wait_s=3.0, **self.nats_options)
         except TransportError as exc:
             self.say(f"cannot remove stream {self.ns.stream} and its buckets: {exc}")
             return
@@ -207,7 +213,7 @@ class Up:
         Raises:
             TransportError: no connection within 5 s (the reason named), or JetStream is not enabled.
         """
-        nc = await connect(url, name="kvmesh-up", wait_s=5.0)
+        nc = await connect(url, name="kvmesh-up", wait_s=5.0, **self.nats_options)
         try:
             await nc.jetstream().account_info()
         except Exception as exc:
@@ -310,7 +316,7 @@ class Up:
         """Route and serve every request; return the tally, failures, seconds taken and route latencies."""
         a = self.args
         if nc is None:
-            nc = await connect(url, name="kvmesh-up", wait_s=10.0)
+            nc = await connect(url, name="kvmesh-up", wait_s=10.0, **self.nats_options)
         router = Router(
             nc,
             timeout_s=5.0,
@@ -512,6 +518,7 @@ def build_parser(prog: str = "kvmesh up") -> argparse.ArgumentParser:
         "starting one; the run keeps to a stream and subjects of its own there and deletes them at the end "
         "[env KVMESH_NATS_URL]",
     )
+    add_fields(p.add_argument_group("NATS credentials and TLS (with --nats-url)"), NatsAuth, "nats")
     p.add_argument(
         "--trace",
         type=Path,
@@ -622,7 +629,18 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh up") -> int:
         source = "KVMESH_NATS_URL in the environment"
     else:
         url, source = None, ""
-    up = Up(args, Namespace.unique() if url is not None else None)
+    try:
+        auth = load(NatsAuth, service="nats", environ=os.environ, args=args)
+        if auth != NatsAuth() and url is None:
+            raise ConfigError(
+                ["NATS credentials and TLS settings need --nats-url (the embedded server has none)"]
+            )
+        options = connect_options(auth)
+    except KvmeshError as exc:
+        print(f"kvmesh up: {exc}", file=sys.stderr)
+        return 2
+    up = Up(args, Namespace.unique() if url is not None else None, auth)
+    up.nats_options = options
     up.say(f"kvmesh up: {len(trace)} requests from {Path(trace_path).name}, {args.workers} workers")
     if url is not None:
         up.say(f"using the NATS server at {redact_url(url)} (from {source}); stream {up.ns.stream}")

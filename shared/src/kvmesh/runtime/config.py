@@ -68,6 +68,14 @@ _FILES = (
 )
 
 
+def auth_environ(auth: NatsAuth) -> dict[str, str]:
+    """The ``KVMESH_NATS_*`` variables that hand these settings to a child process (secrets stay off its
+    command line, which anyone who lists processes can read)."""
+    return {
+        f"KVMESH_{name.upper()}": getattr(auth, name) for name in sorted(AUTH_FIELDS) if getattr(auth, name)
+    }
+
+
 def auth_problems(auth: NatsAuth) -> list[str]:
     """What is wrong with NATS credentials and TLS settings (empty when they can be used)."""
     problems: list[str] = []

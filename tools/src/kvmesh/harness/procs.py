@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +39,17 @@ class ChildProcesses:
 
     Args:
         log_dir: directory for the children's logs (must exist).
+        env: variables added to this process's environment for every child (NATS credentials).
     """
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, env: Mapping[str, str] | None = None) -> None:
         self.log_dir = log_dir
+        self.env = dict(env or {})
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Start ``python ARGS`` (e.g. ``"-m", "kvmesh.indexer", ...``) as child ``name``."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **self.env, PYTHONUNBUFFERED="1")
         with open(self.log_dir / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
                 [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

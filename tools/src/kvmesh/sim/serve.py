@@ -36,8 +36,8 @@ import zmq
 
 from kvmesh.core.errors import KvmeshError
 from kvmesh.runtime import subjects
-from kvmesh.runtime.config import add_arguments, load, setting, to_dict
-from kvmesh.runtime.nats import DEFAULT_NATS_URL, close_quietly, connect
+from kvmesh.runtime.config import NatsAuth, add_arguments, load, setting, to_dict
+from kvmesh.runtime.nats import DEFAULT_NATS_URL, close_quietly, connect, connect_options
 from kvmesh.runtime.runner import run_async, setup_logging
 from kvmesh.sim.engine import SimWorker
 from kvmesh.sim.timing import TimingModel
@@ -47,7 +47,7 @@ log = logging.getLogger("kvmesh.sim")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SimSettings:
+class SimSettings(NatsAuth):
     """A simulated fleet."""
 
     workers: int = setting(2, "simulated workers")
@@ -131,7 +131,7 @@ class SimFleet:
     async def run(self) -> None:
         """Bind every worker's sockets, serve requests until `stop()`."""
         s = self.settings
-        nc = await connect(s.nats_url, name="kvmesh-sim")
+        nc = await connect(s.nats_url, name="kvmesh-sim", **connect_options(s))
         subs = []
         traffic: list[asyncio.Task[None]] = []
         started_ns = self._started_ns = time.time_ns()

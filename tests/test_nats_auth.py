@@ -273,6 +273,9 @@ def _service_log(case: Case, auth: NatsAuth, until: str, timeout_s: float = 20.0
             lines.append(line)
             if until in line:
                 break
+        title = Path(f"/proc/{proc.pid}/cmdline")
+        if title.exists():  # what ps shows for the process
+            lines.append(title.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
     finally:
         proc.terminate()
         try:

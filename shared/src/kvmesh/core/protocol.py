@@ -37,7 +37,7 @@ raises `ProtocolError`; both name the field at fault when msgspec says which.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Final, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Final, Literal, NoReturn, TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -90,8 +90,10 @@ __all__ = [
     "WorkerLoad",
     "WorkerRecord",
     "WorkerRemoved",
+    "check_version",
     "decode",
     "encode",
+    "error_field",
     "error_reply",
     "raise_for_error",
 ]
@@ -259,7 +261,7 @@ def error_reply(code: str, message: str, *, request_id: str | None = None) -> Er
     return ErrorReply(error=ErrorBody(code=code, message=message), request_id=request_id)
 
 
-def raise_for_error(reply: ErrorReply) -> None:
+def raise_for_error(reply: ErrorReply) -> NoReturn:
     """Raise the `RouteError` subclass an error reply carries (`InternalError` for a code unknown here)."""
     raise route_error(reply.error.code, reply.error.message)
 
@@ -564,7 +566,7 @@ M = TypeVar("M", bound=msgspec.Struct)
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
 _decoders: dict[tuple[type[Any], str], msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any]] = {}
-_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z_.\[\]0-9]*)`")
+_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z_.]*)")
 _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
@@ -606,7 +608,9 @@ def _decoder(kind: type[Any], format: str) -> msgspec.json.Decoder[Any] | msgspe
     return dec
 
 
-def _field_of(text: str) -> str | None:
+def error_field(text: str) -> str | None:
+    """The field a msgspec validation message points at (``policy.temperature``; an array element names its
+    array: ``token_ids``), a nested unknown or missing key joined to its path, or None."""
     m = _PATH.search(text)
     name = m.group(1) if m else None
     u = _UNKNOWN.search(text)
@@ -635,19 +639,28 @@ def decode(data: bytes, kind: type[M], *, format: Literal["json", "msgpack"] = "
     try:
         msg: M = _decoder(kind, format).decode(data)
     except msgspec.ValidationError as exc:
-        raise error(f"bad {kind.__name__}: {exc}", field=_field_of(str(exc))) from exc
+        raise error(f"bad {kind.__name__}: {exc}", field=error_field(str(exc))) from exc
     except msgspec.DecodeError as exc:
         what = "JSON" if format == "json" else "msgpack"
         raise error(f"bad {kind.__name__}: not {what}: {exc}") from exc
     except RecursionError as exc:  # msgspec gives up on input nested deeper than it can decode
         raise error(f"bad {kind.__name__}: nested too deeply to decode") from exc
+    check_version(msg, error)
+    return msg
+
+
+def check_version(msg: msgspec.Struct, error: type[ProtocolError] = ProtocolError) -> None:
+    """Refuse a kvmesh message whose ``version`` is later than `PROTOCOL_VERSION` (other Structs pass).
+
+    Raises:
+        ProtocolError: ``error`` (or the subclass given, e.g. `RequestError`) naming ``version``.
+    """
     version = msg.version if isinstance(msg, Message | LedgerSnapshot) else UNSET
     if isinstance(version, int) and version > PROTOCOL_VERSION:
         raise error(
-            f"{kind.__name__} of version {version}: this kvmesh reads up to version {PROTOCOL_VERSION}",
+            f"{type(msg).__name__} of version {version}: this kvmesh reads up to version {PROTOCOL_VERSION}",
             field="version",
         )
-    return msg
 
 
 def decode_answer(data: bytes, kind: type[M], *, format: Literal["json", "msgpack"] = "json") -> M:
@@ -657,18 +670,11 @@ def decode_answer(data: bytes, kind: type[M], *, format: Literal["json", "msgpac
         RouteError: the subclass for the error reply's code.
         ProtocolError: the reply is neither.
     """
-    if _looks_like_error(data, format):
-        raise_for_error(decode(data, ErrorReply, format=format))
-    return decode(data, kind, format=format)
-
-
-class _ErrorProbe(msgspec.Struct):
-    error: ErrorBody | UnsetType = UNSET
-
-
-def _looks_like_error(data: bytes, format: str) -> bool:
     try:
-        probe: _ErrorProbe = _decoder(_ErrorProbe, format).decode(data)
-    except (msgspec.DecodeError, RecursionError):
-        return False
-    return probe.error is not UNSET
+        return decode(data, kind, format=format)
+    except ProtocolError as not_kind:  # one decode on the answer's path; an error reply is the rare case
+        try:
+            error = decode(data, ErrorReply, format=format)
+        except ProtocolError:
+            raise not_kind from None
+    raise_for_error(error)

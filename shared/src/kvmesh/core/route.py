@@ -61,7 +61,7 @@ import xxhash
 from kvmesh.core.errors import RequestError
 from kvmesh.core.index import Holder
 from kvmesh.core.load import ZERO_LOAD, ActiveLoad
-from kvmesh.core.protocol import PROTOCOL_VERSION, PolicyOverride, RouteRequest, WorkerLoad
+from kvmesh.core.protocol import PolicyOverride, RouteRequest, WorkerLoad, check_version, error_field
 
 DEFAULT_MAX_TOKENS: Final[int] = 1_048_576
 GPU_TIER: Final[str] = "GPU"
@@ -115,10 +115,7 @@ class Policy:
 
 
 _decoder = msgspec.json.Decoder(RouteRequest)
-_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z_.]*)")
-_MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
 _TOKEN_RANGE = re.compile(r"Expected `int` (?:>=|<=) \d+ - at `\$\.token_ids\[(\d+)\]`")
-_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
 
 def parse_route_request(
@@ -145,24 +142,12 @@ def parse_route_request(
         r = _TOKEN_RANGE.match(text)
         if r is not None:
             raise RequestError(f"token_ids[{r.group(1)}] is outside [0, 2^32)", field="token_ids") from exc
-        m = _PATH.search(text)
-        name = m.group(1) if m else None
-        u = _UNKNOWN.search(text)
-        if u is not None:
-            name = f"{name}.{u.group(1)}" if name else u.group(1)
-        elif name is None:
-            mm = _MISSING.search(text)
-            name = mm.group(1) if mm else None
-        raise RequestError(f"invalid request: {text}", field=name) from exc
+        raise RequestError(f"invalid request: {text}", field=error_field(text)) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # msgspec recurses into nested values of unknown fields
         raise RequestError("request body is nested too deeply") from exc
-    if isinstance(req.version, int) and req.version > PROTOCOL_VERSION:  # as `kvmesh.core.protocol.decode`
-        raise RequestError(
-            f"RouteRequest of version {req.version}: this kvmesh reads up to version {PROTOCOL_VERSION}",
-            field="version",
-        )
+    check_version(req, RequestError)
     if not req.model:
         raise RequestError("model must be a non-empty string", field="model")
     if not req.token_ids:

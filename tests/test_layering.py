@@ -93,7 +93,7 @@ def test_shared_package_never_imports_a_service() -> None:
             assert not any(m.startswith(f"kvmesh.{s}") for s in SERVICES), (f, m)
 
 
-TOOLS_TIER = ("kvmesh.sim", "kvmesh.bench", "kvmesh.up", "kvmesh.harness")
+TOOLS_TIER = ("kvmesh.sim", "kvmesh.bench", "kvmesh.up", "kvmesh.harness", "kvmesh.deploy")
 
 
 def test_library_and_services_never_import_the_tools_tier() -> None:

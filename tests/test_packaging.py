@@ -32,7 +32,7 @@ DISTRIBUTION_OF = {
     "nkeys": "nkeys",
     "zmq": "pyzmq",
 }
-TOOLS_ONLY = ("kvmesh/sim/", "kvmesh/bench/", "kvmesh/up.py", "kvmesh/harness/")
+TOOLS_ONLY = ("kvmesh/sim/", "kvmesh/bench/", "kvmesh/up.py", "kvmesh/harness/", "kvmesh/deploy/")
 
 
 def _lock_dependencies(package: str) -> set[str]:

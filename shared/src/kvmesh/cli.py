@@ -48,6 +48,8 @@ PROVIDED_BY: dict[str, tuple[str, str]] = {
     "up": ("kvmesh-tools", "tools"),
     "sim": ("kvmesh-tools", "tools"),
     "bench": ("kvmesh-tools", "tools"),
+    "gen-creds": ("kvmesh-tools", "tools"),
+    "cluster": ("kvmesh-tools", "tools"),
     "ingest": ("kvmesh-ingest", "services/ingest"),
     "vllm": ("kvmesh-ingest", "services/ingest"),
     "sglang": ("kvmesh-ingest", "services/ingest"),

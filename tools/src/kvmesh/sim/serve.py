@@ -13,7 +13,8 @@ Self-made traffic (``--traffic-rps`` > 0): each rank also serves requests it mak
 rank appends every batch it publishes to ``<dir>/<worker>.<rank>.<start ns>.kv``
 (`kvmesh.sim.publisher.read_record`) and, when its traffic ends, writes its cache content to ``….kv.done``.
 
-Ports: worker *i* publishes on ``--base-port + 20·i`` and replays on ``--base-port + 20·i + 10``; its
+Worker ids are ``<--worker-prefix><i>``, or ``--worker-id`` exactly for a single worker (one engine per
+container, as docker-compose.yml runs them). Ports: worker *i* publishes on ``--base-port + 20·i`` and replays on ``--base-port + 20·i + 10``; its
 data-parallel rank *r* adds *r* to both (vLLM's rule), so up to 10 ranks per worker.
 """
 
@@ -52,6 +53,7 @@ class SimSettings(NatsAuth):
 
     workers: int = setting(2, "simulated workers")
     worker_prefix: str = setting("sim-", "worker ids are <prefix><i>")
+    worker_id: str = setting("", "the one worker's id exactly, instead of <prefix>0 (with --workers 1)")
     host: str = setting("127.0.0.1", "address to bind the ZMQ sockets on")
     base_port: int = setting(5557, "worker i publishes on base+20i, replays on base+20i+10")
     data_parallel_size: int = setting(1, "data-parallel ranks per worker (ports + rank)")
@@ -76,6 +78,10 @@ class SimSettings(NatsAuth):
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server for the generate endpoints")
     log_level: str = setting("INFO", "log level")
 
+    def worker_name(self, i: int) -> str:
+        """Return worker ``i``'s id: ``--worker-id`` for the one worker when given, else ``<prefix><i>``."""
+        return self.worker_id or f"{self.worker_prefix}{i}"
+
     def endpoints(self, i: int) -> tuple[str, str]:
         """Return worker ``i``'s base PUB and replay endpoints."""
         port = self.base_port + 20 * i
@@ -96,6 +102,8 @@ class SimSettings(NatsAuth):
         problems = []
         if self.workers < 1:
             problems.append("--workers must be ≥ 1")
+        if self.worker_id and self.workers != 1:
+            problems.append("--worker-id names one worker: it needs --workers 1")
         if not 1 <= self.data_parallel_size <= 10:
             problems.append("--data-parallel-size must be between 1 and 10")
         if self.hash_form not in ("int", "signed", "bytes"):
@@ -137,7 +145,7 @@ class SimFleet:
         started_ns = self._started_ns = time.time_ns()
         try:
             for i in range(s.workers):
-                wid = f"{s.worker_prefix}{i}"
+                wid = s.worker_name(i)
                 pub, replay = s.endpoints(i)
                 ranks = self._bind(wid, i)
                 self.workers[wid] = ranks

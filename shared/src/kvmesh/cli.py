@@ -16,6 +16,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -29,12 +30,15 @@ from kvmesh.core.errors import KvmeshError, RouteError
 from kvmesh.core.protocol import RouteRequest, SnapshotResult, encode
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth, add_fields, load
+from kvmesh.runtime.health import DEFAULT_MAX_AGE_S, check_health
 from kvmesh.runtime.nats import DEFAULT_NATS_URL, connect, connect_options, redact_url
 from kvmesh.runtime.runner import VERSION
 
 __all__ = [
     "finish_command",
+    "health_command",
     "main",
+    "provision_command",
     "replay_command",
     "reset_command",
     "route_command",
@@ -76,7 +80,11 @@ commands:
   snapshot  ask the index group's snapshot writer to write a snapshot now; print its stream sequence
   replay    rebuild an index offline from the stream (optionally from a snapshot): size, digest, time
   reset     start a new index epoch: every replica forgets its index at one point of the stream
+  provision create the events stream and the index group's buckets (at --replicas) before the services
+  health    check a service's --health-file (a container health check; reads no NATS)
   sim       run simulated vLLM workers that publish real KV events
+  gen-creds generate NKey users, certificates and the nats-server authorization for deploy/nats
+  cluster   run docker-compose.yml's services as local processes (a secured 3-node NATS cluster)
   bench     benchmarks: trace (routing policies on a Mooncake trace), index, ingest, route, recovery,
             soak (N minutes of traffic with periodic kills: memory, consumers, connections, nothing lost)
 
@@ -117,6 +125,8 @@ def _main(argv: Sequence[str] | None) -> int:
         "snapshot": snapshot_command,
         "replay": replay_command,
         "reset": reset_command,
+        "provision": provision_command,
+        "health": health_command,
     }
     if name in builtin:
         return builtin[name](rest)
@@ -452,6 +462,94 @@ def reset_command(argv: Sequence[str]) -> int:
         lambda nc: ops.reset(nc, stream=a.stream, reason=a.reason, prefix=a.events_prefix, wait_s=a.wait_s),
         show,
     )
+
+
+def provision_command(argv: Sequence[str]) -> int:
+    """``kvmesh provision``: create the events stream and the index group's buckets; print what exists."""
+    parser = _parser(
+        "provision",
+        "Create the events stream, the worker registry and snapshot-lease KV buckets and the snapshot "
+        "Object Store of one index group where they are missing, at --replicas replicas, with the settings "
+        "the services would use; leave existing ones as they are. Needed where the services' credentials "
+        "may not create streams (deploy/nats); run it once with operator credentials before the services. "
+        "Prints each resource (replicas, created) as JSON; exit status 1 when an existing one has another "
+        "replica count than --replicas.",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="replicas of everything created (3 on a cluster)"
+    )
+    parser.add_argument(
+        "--events-prefix", default=subjects.EVENTS_PREFIX, help="subject prefix of the stream"
+    )
+    parser.add_argument(
+        "--stream-max-age-s", type=float, default=ops.DEFAULT_STREAM_MAX_AGE_S, help="stream message max age"
+    )
+    parser.add_argument(
+        "--stream-max-bytes", type=int, default=ops.DEFAULT_STREAM_MAX_BYTES, help="stream size bound"
+    )
+    parser.add_argument("--worker-ttl-s", type=float, default=15.0, help="worker registry TTL (seconds)")
+    parser.add_argument("--lease-ttl-s", type=float, default=30.0, help="snapshot-writer lease TTL (seconds)")
+    parser.add_argument(
+        "--snapshot-max-bytes", type=int, default=-1, help="size bound of the snapshot bucket (-1: none)"
+    )
+    parser.add_argument("--memory", action="store_true", help="memory storage (tests, demos)")
+    parser.add_argument(
+        "--timeout-s", type=float, default=60.0, help="seconds to wait for JetStream to answer at all"
+    )
+    a = parser.parse_args(argv)
+    if a.replicas < 1:
+        parser.error("--replicas must be >= 1")
+    if a.worker_ttl_s <= 0 or a.lease_ttl_s <= 0:
+        parser.error("--worker-ttl-s and --lease-ttl-s must be > 0")
+
+    def show(result: ops.ProvisionResult) -> int:
+        _print_json(result)
+        for line in result.mismatched:
+            print(f"kvmesh provision: {line}", file=sys.stderr)
+        return 1 if result.mismatched else 0
+
+    return _run(
+        a,
+        lambda nc: ops.provision(
+            nc,
+            stream=a.stream,
+            events_prefix=a.events_prefix,
+            replicas=a.replicas,
+            stream_max_age_s=a.stream_max_age_s,
+            stream_max_bytes=a.stream_max_bytes,
+            worker_ttl_s=a.worker_ttl_s,
+            lease_ttl_s=a.lease_ttl_s,
+            snapshot_max_bytes=a.snapshot_max_bytes,
+            memory=a.memory,
+            timeout_s=a.timeout_s,
+        ),
+        show,
+    )
+
+
+def health_command(argv: Sequence[str]) -> int:
+    """``kvmesh health``: exit 0 when a service's health file is fresh and says it is connected, else 1."""
+    parser = argparse.ArgumentParser(
+        prog="kvmesh health",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Check the health file that a service started with --health-file (KVMESH_HEALTH_FILE) "
+        "rewrites every few seconds: exit 0 when it is younger than --max-age-s and the service was "
+        "connected to NATS, else print why and exit 1. Reads no NATS: a container health check.",
+    )
+    parser.add_argument(
+        "--file",
+        default=os.environ.get("KVMESH_HEALTH_FILE", ""),
+        help="the service's health file [env KVMESH_HEALTH_FILE]",
+    )
+    parser.add_argument("--max-age-s", type=float, default=DEFAULT_MAX_AGE_S, help="oldest write that counts")
+    a = parser.parse_args(argv)
+    if not a.file:
+        parser.error("give --file (or KVMESH_HEALTH_FILE)")
+    problem = check_health(a.file, max_age_s=a.max_age_s, now=time.time())
+    if problem is not None:
+        print(f"kvmesh health: {problem}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

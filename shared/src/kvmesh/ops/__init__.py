@@ -35,6 +35,7 @@ from kvmesh.ops.index import (
     reset,
     snapshot,
 )
+from kvmesh.ops.provision import ProvisionResult, Resource, provision
 from kvmesh.ops.replies import Gathered, gather, gather_replies, gather_status
 from kvmesh.ops.report import (
     STREAM_NOT_FOUND,
@@ -56,15 +57,20 @@ from kvmesh.ops.report import (
     worker_views,
 )
 from kvmesh.ops.requests import finish
+from kvmesh.runtime.snapshots import DEFAULT_STREAM_MAX_AGE_S, DEFAULT_STREAM_MAX_BYTES
 
 __all__ = [
+    "DEFAULT_STREAM_MAX_AGE_S",
+    "DEFAULT_STREAM_MAX_BYTES",
     "STREAM_NOT_FOUND",
     "STREAM_RECREATED",
     "Gathered",
+    "ProvisionResult",
     "ReplayResult",
     "ReplicaReset",
     "ReplicaStatus",
     "ResetResult",
+    "Resource",
     "RouterService",
     "RouterSummary",
     "SnapshotView",
@@ -79,6 +85,7 @@ __all__ = [
     "gather",
     "gather_replies",
     "gather_status",
+    "provision",
     "replay",
     "replica_status",
     "reset",

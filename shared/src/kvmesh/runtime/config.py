@@ -57,7 +57,10 @@ class NatsAuth:
 AUTH_FIELDS = frozenset(f.name for f in dataclasses.fields(NatsAuth))
 """The `NatsAuth` settings: shared by every service (``KVMESH_NATS_USER``, ``KVMESH_NATS_TLS_CA_FILE``, ...)."""
 
-SHARED_FIELDS = frozenset({"nats_url", "log_level", "route_subject", "match_subject", "stream"}) | AUTH_FIELDS
+SHARED_FIELDS = (
+    frozenset({"nats_url", "log_level", "route_subject", "match_subject", "stream", "health_file"})
+    | AUTH_FIELDS
+)
 
 _FILES = (
     "nats_nkey_seed_file",

@@ -25,6 +25,7 @@ from nats.aio.client import Client
 
 from kvmesh.core.errors import ConfigError, ConnectionClosedForGood, KvmeshError
 from kvmesh.runtime.config import add_arguments, load, to_dict
+from kvmesh.runtime.health import write_health
 from kvmesh.runtime.nats import NATS_ERRORS, transport_error, wait_closed
 
 S = TypeVar("S")
@@ -154,6 +155,7 @@ async def supervise(
     name: str,
     closed_poll_s: float = 1.0,
     stop_grace_s: float = 5.0,
+    health_file: str = "",
 ) -> None:
     """Run a service's background loops in one `asyncio.TaskGroup` until ``stop`` is set.
 
@@ -165,6 +167,8 @@ async def supervise(
         name: the service as logs name it (``"indexer i-0"``).
         closed_poll_s: how often the connection is checked for being closed for good, in seconds.
         stop_grace_s: seconds a cancelled loop gets to end before it is left behind (and logged).
+        health_file: when set, rewritten every few seconds while the loops run and removed at the end
+            (`kvmesh.runtime.health`; the service's ``--health-file``).
 
     Raises:
         ConnectionClosedForGood: ``nc`` was closed for good (not merely reconnecting) before ``stop``.
@@ -189,6 +193,9 @@ async def supervise(
                 for loop, aw in loops.items()
             ]
             tasks.append(tg.create_task(closed(), name=f"{name}: connection"))
+            if health_file:
+                health = write_health(health_file, nc, service=name)
+                tasks.append(tg.create_task(health, name=f"{name}: health file"))
             tg.create_task(until_stopped(tasks), name=f"{name}: stop")
     except BaseExceptionGroup as group:
         if len(group.exceptions) == 1:

@@ -46,6 +46,9 @@ class IndexerSettings(NatsAuth):
     )
     buckets_max_bytes: int = setting(-1, "size bound of the snapshot bucket in bytes (-1: none)")
     log_level: str = setting("INFO", "log level")
+    health_file: str = setting(
+        "", "file rewritten every 5 s while running and connected, for `kvmesh health --file` (none: off)"
+    )
 
     def validate(self) -> list[str]:
         """Return every problem with these settings."""

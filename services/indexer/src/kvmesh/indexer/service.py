@@ -282,6 +282,7 @@ class IndexerService:
                 stop=self._stop,
                 name=f"indexer {self.replica}",
                 stop_grace_s=_STOP_TIMEOUT_S,
+                health_file=s.health_file,
             )
         finally:
             self._stop.set()  # background loops check it: nats-py may swallow a cancellation

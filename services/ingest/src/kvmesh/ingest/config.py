@@ -100,6 +100,9 @@ class IngestSettings(NatsAuth):
         "engine HTTP URL probed for liveness when there is no replay socket (vLLM's /health; none: not probed)",
     )
     log_level: str = setting("INFO", "log level")
+    health_file: str = setting(
+        "", "file rewritten every 5 s while running and connected, for `kvmesh health --file` (none: off)"
+    )
 
     def liveness_policy(self) -> LivenessPolicy:
         """The engine liveness bounds these settings give."""

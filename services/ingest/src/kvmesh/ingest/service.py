@@ -147,7 +147,9 @@ class IngestService:
             s.stream,
         )
         try:
-            await supervise(self._nc, loops, stop=self._stop, name=f"ingest {s.worker_id}")
+            await supervise(
+                self._nc, loops, stop=self._stop, name=f"ingest {s.worker_id}", health_file=s.health_file
+            )
         finally:
             await self._shut_down(status_sub)
 

@@ -97,6 +97,9 @@ class RouterSettings(NatsAuth):
         "heartbeat intervals, 2/3 of the registry bucket's TTL; < 0: off)",
     )
     log_level: str = setting("INFO", "log level")
+    health_file: str = setting(
+        "", "file rewritten every 5 s while running and connected, for `kvmesh health --file` (none: off)"
+    )
 
     def registry_bucket_name(self) -> str:
         """Return the registry bucket, derived from the stream when unset."""

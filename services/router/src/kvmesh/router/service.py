@@ -214,7 +214,7 @@ class RouterService:
         try:
             # A failed index replica, registry watch or lag watch fails the router rather than let it serve
             # a stale index or stale candidates.
-            await supervise(nc, loops, stop=self._stop, name="router")
+            await supervise(nc, loops, stop=self._stop, name="router", health_file=s.health_file)
         finally:
             with contextlib.suppress(Exception):
                 await service.stop()

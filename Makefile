@@ -6,7 +6,7 @@ UV_ENV := UV_PYTHON_DOWNLOADS=never UV_PYTHON=$(PYTHON)
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-bench up test test-fast test-faults lint check lock clean
+.PHONY: install install-bench up cluster creds test test-fast test-faults lint check lock clean
 
 install: $(STAMP)
 
@@ -26,6 +26,16 @@ lock: $(UV)
 
 up: install
 	$(VENV)/bin/kvmesh up $(ARGS)
+
+# docker-compose.yml's services as local processes: a 3-node NATS cluster with TLS and one NKey user per role
+# (deploy/nats), simulated engines with their ingests, 2 indexers, 2 routers, the route example. Ctrl-C stops it.
+cluster: install
+	$(VENV)/bin/kvmesh cluster $(ARGS)
+
+# Fresh NKey users, certificates and nats-server authorization in deploy/nats/secrets/ (git-ignored).
+# To rotate: make creds ARGS=--force, then restart (or reload) the NATS nodes and the services.
+creds: install
+	$(VENV)/bin/kvmesh gen-creds $(ARGS)
 
 test: install
 	$(VENV)/bin/python -m pytest --ignore=tests/test_faults.py $(PYTEST_ARGS)

@@ -1,12 +1,427 @@
-"""Placeholder: filled in by the deployment work."""
+"""``kvmesh gen-creds``: fresh NKeys, a CA and a server certificate for a secured kvmesh NATS cluster.
+
+Writes into ``--out`` (default ``deploy/nats/secrets``, git-ignored):
+
+* ``ca.pem`` / ``ca-key.pem`` — a new certificate authority (EC P-256, 10 years); the key is 0600;
+* ``server.pem`` / ``server-key.pem`` — one certificate for every node (825 days), signed by the CA, usable as
+  server and as client (cluster routes present it both ways), subject alternative names: every ``--hosts``
+  name, ``localhost`` and ``127.0.0.1``; the key is 0600;
+* ``auth.conf`` — the nats-server ``authorization`` block: one NKey user per role with its publish and
+  subscribe permissions (`role_permissions`), included by ``deploy/nats/cluster.conf``;
+* one NKey seed file per role (0600): ``operator.nk``, ``indexer.nk``, ``router.nk``, ``client.nk``,
+  ``sim.nk`` and ``ingest-<worker>.nk`` for each worker of ``--workers``.
+
+Existing files are never overwritten without ``--force`` (exit 1 naming them). Rotation is re-running with
+``--force`` and restarting (or reloading) the nodes and the services: every key, seed and certificate is
+new, so the old ones stop working at once. Only public keys and file names are printed, never a seed.
+"""
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import ipaddress
+import os
+import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import nkeys
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvmesh.runtime import subjects
+
+DEFAULT_OUT: Final[str] = "deploy/nats/secrets"
+DEFAULT_WORKERS: Final[tuple[str, ...]] = ("sim-0", "sim-1")
+DEFAULT_HOSTS: Final[tuple[str, ...]] = ("nats-1", "nats-2", "nats-3")
+ROLES: Final[tuple[str, ...]] = ("operator", "indexer", "router", "client", "sim")
+"""The fixed roles; every worker adds an ``ingest-<worker>`` role."""
+CA_DAYS: Final[int] = 3650
+SERVER_DAYS: Final[int] = 825
+SECRET_MODE: Final[int] = 0o600
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
-def command(argv: Sequence[str] | None = None, prog: str = "kvmesh") -> int:
-    """Not implemented yet."""
-    print(f"{prog}: not implemented yet", file=sys.stderr)
-    return 2
+class CredsError(Exception):
+    """The arguments or the output directory do not allow writing the credentials (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Permissions:
+    """One NATS user's permissions: subjects it may publish and subscribe to, and whether it may answer the
+    requests it receives (``allow_responses``: publish once to each received message's reply subject)."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False
+
+
+@dataclass(slots=True)
+class Generated:
+    """What `generate` wrote: file name → mode, and role → NKey public key (``U…``)."""
+
+    files: dict[str, int] = field(default_factory=dict)
+    public_keys: dict[str, str] = field(default_factory=dict)
+
+
+def _js(verb: str, target: str) -> str:
+    return f"$JS.API.{verb}.{target}"
+
+
+def _consume(stream: str) -> tuple[str, ...]:
+    """JetStream API subjects of reading ``stream`` through consumers (ordered, pull or push) and its info."""
+    return (
+        _js("STREAM.INFO", stream),
+        _js("CONSUMER.CREATE", stream),
+        _js("CONSUMER.CREATE", f"{stream}.>"),
+        _js("CONSUMER.INFO", f"{stream}.>"),
+        _js("CONSUMER.DELETE", f"{stream}.>"),
+        _js("CONSUMER.MSG.NEXT", f"{stream}.>"),
+        f"$JS.ACK.{stream}.>",
+    )
+
+
+def role_permissions(
+    role: str, *, stream: str = subjects.STREAM, events_prefix: str = subjects.EVENTS_PREFIX
+) -> Permissions:
+    """The permissions of ``role`` (one of `ROLES` or ``ingest-<worker>``) for the events stream ``stream``.
+
+    Replies to a user's own requests (JetStream API answers, ``kvmesh.route`` answers, acks) arrive on
+    ``_INBOX.>``; flow-control answers of push consumers go to ``$JS.FC.>``.
+
+    Raises:
+        CredsError: an unknown role.
+    """
+    workers_kv = subjects.registry_bucket(stream)
+    lease_kv = subjects.lease_bucket(stream)
+    snaps = subjects.snapshot_bucket(stream)
+    kv_workers, kv_lease, obj_snaps = f"KV_{workers_kv}", f"KV_{lease_kv}", f"OBJ_{snaps}"
+    inbox, fc = "_INBOX.>", "$JS.FC.>"
+    requests, status = subjects.REQUESTS_PREFIX, subjects.STATUS_SUBJECT
+    if role == "operator":
+        # status, snapshot, replay, reset and provision: the whole kvmesh namespace and JetStream API.
+        return Permissions(
+            publish=("kvmesh.>", "$JS.API.>", "$KV.>", "$O.>", "$JS.ACK.>", fc, "$SRV.>"),
+            subscribe=(inbox,),
+        )
+    if role == "indexer":
+        return Permissions(
+            publish=(
+                "$JS.API.INFO",
+                *_consume(stream),
+                *_consume(kv_workers),
+                *_consume(kv_lease),
+                *_consume(obj_snaps),
+                _js("DIRECT.GET", f"{stream}.>"),
+                _js("STREAM.MSG.GET", stream),
+                _js("DIRECT.GET", f"{kv_workers}.>"),
+                _js("DIRECT.GET", f"{kv_lease}.>"),
+                _js("DIRECT.GET", obj_snaps),
+                _js("DIRECT.GET", f"{obj_snaps}.>"),
+                _js("STREAM.MSG.GET", obj_snaps),
+                _js("STREAM.PURGE", stream),  # after a snapshot: what no kept snapshot needs
+                _js("STREAM.PURGE", obj_snaps),  # the object store drops a replaced or deleted object so
+                f"$KV.{lease_kv}.>",
+                f"$O.{snaps}.>",
+                subjects.control_subject(events_prefix),
+                fc,
+            ),
+            subscribe=(inbox, subjects.MATCH_SUBJECT, status, subjects.SNAPSHOT_SUBJECT, "$SRV.>"),
+            allow_responses=True,
+        )
+    if role == "router":
+        return Permissions(
+            publish=(
+                "$JS.API.INFO",
+                *_consume(stream),
+                *_consume(kv_workers),
+                *_consume(obj_snaps),
+                _js("DIRECT.GET", f"{kv_workers}.>"),
+                _js("DIRECT.GET", obj_snaps),
+                _js("DIRECT.GET", f"{obj_snaps}.>"),
+                _js("STREAM.MSG.GET", obj_snaps),
+                subjects.MATCH_SUBJECT,
+                f"{requests}.>",
+                fc,
+            ),
+            subscribe=(
+                inbox,
+                subjects.ROUTE_SUBJECT,
+                f"{requests}.>",
+                f"{subjects.LOAD_PREFIX}.>",
+                f"{status}.router",
+                "$SRV.>",
+            ),
+            allow_responses=True,
+        )
+    if role == "client":
+        return Permissions(
+            publish=(
+                subjects.ROUTE_SUBJECT,
+                subjects.requests_subject(requests, "prefill_done"),
+                subjects.requests_subject(requests, "finished"),
+            ),
+            subscribe=(inbox,),
+        )
+    if role == "sim":
+        return Permissions(
+            publish=(f"{subjects.LOAD_PREFIX}.>", f"{requests}.prefill_done", f"{requests}.finished"),
+            subscribe=(inbox, f"{subjects.SIM_PREFIX}.>"),
+            allow_responses=True,
+        )
+    if role.startswith("ingest-") and len(role) > len("ingest-"):
+        worker = role[len("ingest-") :]
+        own = f"{events_prefix}.*.{subjects.token(worker)}.>"
+        key = subjects.kv_key(worker)
+        return Permissions(
+            publish=(
+                own,
+                f"$KV.{workers_kv}.{key}",
+                _js("STREAM.INFO", stream),
+                _js("STREAM.INFO", kv_workers),
+                _js("DIRECT.GET", f"{stream}.{own}"),
+                # The cursor recovery reads its last messages with STREAM.MSG.GET (subject in the body):
+                # the server cannot restrict that to the worker's own subjects.
+                _js("STREAM.MSG.GET", stream),
+                # Deletes its own re-ordered messages; the server cannot restrict the sequence to its subjects.
+                _js("STREAM.MSG.DELETE", stream),
+                _js("DIRECT.GET", f"{kv_workers}.$KV.{workers_kv}.{key}"),
+            ),
+            subscribe=(inbox, f"{status}.ingest"),
+            allow_responses=True,
+        )
+    raise CredsError(f"unknown role {role!r} (one of {', '.join(ROLES)} or ingest-<worker>)")
+
+
+def _quote(subject: str) -> str:
+    return '"' + subject.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def auth_conf(users: dict[str, str], *, stream: str = subjects.STREAM) -> str:
+    """The nats-server ``authorization`` block for ``users`` (role → NKey public key), as text."""
+    lines = [
+        "# Made by `kvmesh gen-creds`: one NKey user per role. Do not edit; re-run `kvmesh gen-creds --force`.",
+        "authorization {",
+        "  users: [",
+    ]
+    for role, public in users.items():
+        p = role_permissions(role, stream=stream)
+        lines += [
+            f"    # {role}",
+            "    {",
+            f"      nkey: {_quote(public)}",
+            "      permissions: {",
+            "        publish: { allow: [" + ", ".join(_quote(s) for s in p.publish) + "] }",
+            "        subscribe: { allow: [" + ", ".join(_quote(s) for s in p.subscribe) + "] }",
+        ]
+        if p.allow_responses:
+            lines.append("        allow_responses: true")
+        lines += ["      }", "    }"]
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` to ``path`` with ``mode`` (set before any byte is written, and again on overwrite)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _new_user() -> tuple[bytes, str]:
+    """A fresh NKey user: (seed ``SU…`` as bytes, public key ``U…``)."""
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    kp = nkeys.from_seed(bytearray(seed))
+    public = kp.public_key.decode()
+    kp.wipe()
+    return bytes(seed), public
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def certificates(hosts: Sequence[str], *, now: datetime.datetime | None = None) -> dict[str, bytes]:
+    """A new CA and one node certificate for ``hosts`` (+ localhost, 127.0.0.1): file name → PEM bytes."""
+    now = now or datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvmesh NATS CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = [x509.DNSName(h) for h in dict.fromkeys([*hosts, "localhost"])]
+    names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvmesh NATS server")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=SERVER_DAYS))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=True,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    return {
+        "ca.pem": ca.public_bytes(pem),
+        "ca-key.pem": _key_pem(ca_key),
+        "server.pem": server.public_bytes(pem),
+        "server-key.pem": _key_pem(key),
+    }
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not _NAME.match(name):
+        raise CredsError(
+            f"{kind} {name!r}: use letters, digits, '_', '.' and '-' (up to 100, starting with a letter or digit)"
+        )
+
+
+def generate(
+    out: Path,
+    *,
+    workers: Sequence[str] = DEFAULT_WORKERS,
+    hosts: Sequence[str] = DEFAULT_HOSTS,
+    stream: str = subjects.STREAM,
+    force: bool = False,
+) -> Generated:
+    """Write every credential file into ``out`` (created 0700 when missing); see the module docstring.
+
+    Raises:
+        CredsError: a bad worker or host name, duplicates, or files that exist without ``force``.
+    """
+    if not workers:
+        raise CredsError("--workers: give at least one worker id")
+    if not hosts:
+        raise CredsError("--hosts: give at least one host name")
+    for w in workers:
+        _check_name("worker", w)
+    for h in hosts:
+        _check_name("host", h)
+    if len(set(workers)) != len(workers):
+        raise CredsError("--workers: a worker id is given twice")
+    roles = [*ROLES, *(f"ingest-{w}" for w in workers)]
+    names = ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem", "auth.conf", *(f"{r}.nk" for r in roles)]
+    if out.exists() and not out.is_dir():
+        raise CredsError(f"{out} exists and is not a directory")
+    existing = [n for n in names if (out / n).exists()]
+    if existing and not force:
+        raise CredsError(
+            f"{out} already holds {', '.join(existing)}: pass --force to replace them (rotation)"
+        )
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    done = Generated()
+    for name, data in certificates(hosts).items():
+        mode = SECRET_MODE if name.endswith("-key.pem") else 0o644
+        _write(out / name, data, mode)
+        done.files[name] = mode
+    for role in roles:
+        seed, public = _new_user()
+        _write(out / f"{role}.nk", seed + b"\n", SECRET_MODE)
+        done.files[f"{role}.nk"] = SECRET_MODE
+        done.public_keys[role] = public
+    _write(out / "auth.conf", auth_conf(done.public_keys, stream=stream).encode(), 0o644)
+    done.files["auth.conf"] = 0o644
+    return done
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def command(argv: Sequence[str] | None = None, prog: str = "kvmesh gen-creds") -> int:
+    """``kvmesh gen-creds``: 0 written, 1 refused (files exist, bad names), 2 usage."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--workers",
+        default=",".join(DEFAULT_WORKERS),
+        help="comma-separated worker ids, one ingest user each (default %(default)s)",
+    )
+    parser.add_argument(
+        "--hosts",
+        default=",".join(DEFAULT_HOSTS),
+        help="comma-separated node host names for the server certificate (default %(default)s)",
+    )
+    parser.add_argument("--stream", default=subjects.STREAM, help="events stream name (default %(default)s)")
+    parser.add_argument("--force", action="store_true", help="replace existing files (rotation)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    try:
+        done = generate(
+            out, workers=_split(args.workers), hosts=_split(args.hosts), stream=args.stream, force=args.force
+        )
+    except CredsError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"{prog}: cannot write {exc.filename or out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(done.files)} files to {out}:")
+    for name, mode in done.files.items():
+        print(f"  {name} ({mode:04o})")
+    print("NKey users (public keys):")
+    for role, public in done.public_keys.items():
+        print(f"  {role}: {public}")
+    return 0

@@ -22,11 +22,13 @@ from kvmesh.core.protocol import (
 )
 from kvmesh.ops import (
     STREAM_RECREATED,
+    Convergence,
     RouterService,
     StatusReport,
     StreamState,
     Unreadable,
     age_s,
+    convergence,
     decode_router_service,
     replica_status,
     router_status,
@@ -277,6 +279,7 @@ def test_a_status_report_prints_only_what_was_read() -> None:
         workers={},
         ingests=[],
         routers=[],
+        convergence=convergence([], [], 0),
     )
     assert msgspec.to_builtins(report) == {
         "stream": {"name": "S", "error": "stream not found"},
@@ -285,6 +288,46 @@ def test_a_status_report_prints_only_what_was_read() -> None:
         "workers": {},
         "ingests": [],
         "routers": [],
+        "convergence": {
+            "converged": False,
+            "stream_last_seq": 0,
+            "indexers": 0,
+            "routers": 0,
+            "digests": [],
+            "behind": [],
+        },
     }
     bad = msgspec.structs.replace(report, undecodable=["kvmesh.index.status: bad IndexerStatus"])
     assert json.loads(encode(bad))["undecodable"] == ["kvmesh.index.status: bad IndexerStatus"]
+
+
+def test_convergence_needs_every_replica_at_the_last_sequence_with_one_digest() -> None:
+    """Indexers at the stream's last sequence with equal digests and local routers at it converge; a lagging
+    replica, a differing digest or no indexer at all does not, and remote routers are not counted."""
+    a = replica_status(indexer_status(200), 200)
+    b = replica_status(msgspec.structs.replace(indexer_status(200), replica="b"), 200)
+    local = router_status(
+        decode_router_service(micro_reply(msgspec.to_builtins(router_stats(local_index(200))))), 200
+    )
+    remote_index = RouterIndexStats(
+        route_mode="exact", holders={}, holders_not_exact=0, mode="remote", route_subject="kvmesh.route"
+    )
+    remote = router_status(RouterService(id="r9", version="0.2.0", stats=router_stats(remote_index)), 200)
+    assert convergence([a, b], [local, remote], 200) == Convergence(
+        converged=True, stream_last_seq=200, indexers=2, routers=1, digests=["00000000000000ff"], behind=[]
+    )
+    late = router_status(
+        decode_router_service(micro_reply(msgspec.to_builtins(router_stats(local_index(186))))), 200
+    )
+    other = replica_status(
+        msgspec.structs.replace(indexer_status(200), replica="c", digest="0000000000000001"), 200
+    )
+    lagging = replica_status(msgspec.structs.replace(indexer_status(190), replica="d"), 200)
+    got = convergence([a, other, lagging], [late], 200)
+    assert (got.converged, got.digests, got.behind) == (
+        False,
+        ["0000000000000001", "00000000000000ff"],
+        ["indexer d: lag 10", "router r1: lag 14"],
+    )
+    assert convergence([a, other], [], 200).converged is False
+    assert convergence([], [local], 200).converged is False

@@ -138,6 +138,24 @@ class RouterSummary(RouterIndexStats, frozen=True, kw_only=True, omit_defaults=T
     in_flight: int
 
 
+class Convergence(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether every index replica of the stream has caught up and agrees.
+
+    ``converged``: at least one indexer replica answered, every indexer replica and every local-index
+    router has applied the stream's last sequence, and the indexer replicas' digests are equal (routers
+    report no digest; their applied sequence is compared). ``behind`` names each replica that has not (with
+    its lag in messages), ``digests`` lists the distinct indexer digests (one when they agree).
+    """
+
+    converged: bool
+    stream_last_seq: int
+    indexers: int
+    routers: int
+    """Local-index routers counted (``--index remote`` routers hold no replica)."""
+    digests: list[str]
+    behind: list[str]
+
+
 class StatusReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Everything ``kvmesh status`` shows, for one stream.
 
@@ -152,7 +170,26 @@ class StatusReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     workers: dict[str, WorkerView] | Unreadable
     ingests: list[IngestStatus]
     routers: list[RouterSummary]
+    convergence: Convergence
     undecodable: list[str] = msgspec.field(default_factory=list)
+
+
+def convergence(
+    replicas: Sequence[ReplicaStatus], routers: Sequence[RouterSummary], stream_last_seq: int
+) -> Convergence:
+    """Summarise whether the replicas of one stream converged (see `Convergence`)."""
+    behind = [f"indexer {r.replica}: lag {r.lag}" for r in replicas if r.applied_seq != stream_last_seq]
+    local = [r for r in routers if r.applied_seq is not None]
+    behind += [f"router {r.id}: lag {r.lag}" for r in local if r.applied_seq != stream_last_seq]
+    digests = sorted({r.digest for r in replicas})
+    return Convergence(
+        converged=bool(replicas) and not behind and len(digests) == 1,
+        stream_last_seq=stream_last_seq,
+        indexers=len(replicas),
+        routers=len(local),
+        digests=digests,
+        behind=behind,
+    )
 
 
 # ---------------------------------------------------------------------------------------- pure parts
@@ -355,13 +392,16 @@ async def status(nc: Client, *, stream: str = subjects.STREAM, wait_s: float = 0
     mine = sorted((r for r in indexers.replies if r.stream == stream), key=lambda r: r.replica)
     now = time.time()
     summaries = (router_status(r, last) for r in routers)
+    replicas = [replica_status(r, last) for r in mine]
+    # A local-index router of another stream reports against that stream, not this one.
+    ours = sorted((r for r in summaries if r.stream in (None, stream)), key=lambda r: r.id)
     return StatusReport(
         stream=state,
-        replicas=[replica_status(r, last) for r in mine],
+        replicas=replicas,
         snapshots=await _snapshots(nc, stream, now),
         workers=await _workers(nc, stream, mine, now),
         ingests=sorted(ingests.replies, key=lambda r: r.worker_id),
-        # A local-index router of another stream reports against that stream, not this one.
-        routers=sorted((r for r in summaries if r.stream in (None, stream)), key=lambda r: r.id),
+        routers=ours,
+        convergence=convergence(replicas, ours, last),
         undecodable=[*indexers.undecodable, *ingests.undecodable, *bad_routers],
     )

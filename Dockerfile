@@ -1,21 +1,42 @@
-# One image for every kvmesh service; the command picks the service (kvmesh ingest|indexer|router).
-# The default (last) target holds the library and the services only: no simulator, benchmarks, trace data,
-# nats-server binary or kvmesh-tools. The `sim` target adds kvmesh-tools for docker-compose.yml's simulated
-# workers (`docker build --target sim .`).
-FROM python:3.11-slim AS base
-WORKDIR /app
+# One image for every kvmesh service; the command picks the service (kvmesh ingest|indexer|router, or an
+# operator command such as provision, route, status).
+#   builder  python:3.11-slim + uv: the locked dependencies and the library and services, built as wheels
+#            into /app/.venv (uv sync --frozen --no-dev --no-editable) from pyproject.toml and uv.lock
+#   sim      adds kvmesh-tools (the simulated engines) for docker-compose.yml's sim-0/sim-1 (`target: sim`)
+#   service  the default (last) target: python:3.11-slim with that venv only (no uv, no build tools, no
+#            tools/ sources, no simulator or benchmark code), run as the non-root user kvmesh (uid 1000)
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS builder
 RUN pip install --no-cache-dir "uv>=0.5,<1"
-ENV UV_PYTHON_DOWNLOADS=never PATH="/app/.venv/bin:$PATH"
+ENV UV_PYTHON_DOWNLOADS=never UV_PYTHON=/usr/local/bin/python3 UV_PROJECT_ENVIRONMENT=/app/.venv \
+    UV_COMPILE_BYTECODE=1 UV_LINK_MODE=copy
+WORKDIR /src
 COPY pyproject.toml uv.lock ./
 COPY shared ./shared
 COPY services ./services
-# uv needs every workspace member's pyproject.toml to read the workspace; the tools' sources stay out.
+# uv reads every workspace member's pyproject.toml; the tools' sources stay out of the service image.
 COPY tools/pyproject.toml ./tools/pyproject.toml
-ENTRYPOINT ["kvmesh"]
+RUN uv sync --frozen --no-dev --no-editable \
+    --package kvmesh-ingest --package kvmesh-indexer --package kvmesh-router
 
-FROM base AS sim
+FROM builder AS sim-builder
 COPY tools ./tools
-RUN uv sync --frozen --no-dev --package kvmesh-tools
+RUN uv sync --frozen --no-dev --no-editable --package kvmesh-tools
 
-FROM base AS service
-RUN uv sync --frozen --no-dev --package kvmesh-ingest --package kvmesh-indexer --package kvmesh-router
+FROM ${PYTHON_IMAGE} AS runtime
+RUN useradd --uid 1000 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvmesh
+ENV PATH="/app/.venv/bin:$PATH" PYTHONUNBUFFERED=1
+WORKDIR /app
+
+FROM runtime AS sim
+COPY --from=sim-builder /app/.venv /app/.venv
+USER kvmesh
+ENTRYPOINT ["kvmesh"]
+CMD ["sim", "--help"]
+
+FROM runtime AS service
+COPY --from=builder /app/.venv /app/.venv
+USER kvmesh
+ENTRYPOINT ["kvmesh"]
+CMD ["--help"]

@@ -72,7 +72,7 @@ class Generated:
 
 
 def _js(verb: str, target: str) -> str:
-    return f"$JS.API.{verb}.{target}"
+    return f"$JS.API.{verb}.{target}" if target else f"$JS.API.{verb}"
 
 
 def _consume(stream: str) -> tuple[str, ...]:
@@ -115,9 +115,12 @@ def role_permissions(
         return Permissions(
             publish=(
                 "$JS.API.INFO",
+                _js("STREAM.NAMES", ""),
                 *_consume(stream),
                 *_consume(kv_workers),
                 *_consume(kv_lease),
+                _js("STREAM.MSG.GET", kv_workers),
+                _js("STREAM.MSG.GET", kv_lease),
                 *_consume(obj_snaps),
                 _js("DIRECT.GET", f"{stream}.>"),
                 _js("STREAM.MSG.GET", stream),
@@ -140,9 +143,11 @@ def role_permissions(
         return Permissions(
             publish=(
                 "$JS.API.INFO",
+                _js("STREAM.NAMES", ""),
                 *_consume(stream),
                 *_consume(kv_workers),
                 *_consume(obj_snaps),
+                _js("STREAM.MSG.GET", kv_workers),
                 _js("DIRECT.GET", f"{kv_workers}.>"),
                 _js("DIRECT.GET", obj_snaps),
                 _js("DIRECT.GET", f"{obj_snaps}.>"),
@@ -193,6 +198,8 @@ def role_permissions(
                 # Deletes its own re-ordered messages; the server cannot restrict the sequence to its subjects.
                 _js("STREAM.MSG.DELETE", stream),
                 _js("DIRECT.GET", f"{kv_workers}.$KV.{workers_kv}.{key}"),
+                # KV get of its registry record on a bucket without allow_direct: the key is in the body.
+                _js("STREAM.MSG.GET", kv_workers),
             ),
             subscribe=(inbox, f"{status}.ingest"),
             allow_responses=True,

@@ -11,7 +11,8 @@ JetStream ``store_dir`` (``/data`` in a container) becomes ``<root>/<node>/data`
 
 `LocalNodes.start` starts every node and waits until JetStream has a meta leader; `LocalNodes.kill` SIGKILLs
 one node, `LocalNodes.start_node` starts it again on the same ports and store. Each node logs to
-``<root>/<node>.log``; `LocalNodes.violations` returns the "Permissions Violation" lines of all of them.
+``<root>/<node>.log``; `LocalNodes.violations` returns the permissions violation lines
+(``Publish Violation``, ``Subscription Violation``) of all of them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ CONFIG: Final[str] = "cluster.conf"
 _ROUTE = re.compile(r"nats-route://([A-Za-z0-9_.-]+):(\d+)")
 _STORE = re.compile(r'(\bstore_dir:\s*)"[^"]*"')
 _READY: Final[str] = "Server is ready"
-VIOLATION: Final[str] = "Permissions Violation"
+VIOLATION: Final = re.compile(r"(Publish|Subscription) Violation")
 
 
 def default_config_dir() -> Path:
@@ -305,9 +306,12 @@ class LocalNodes:
         return self._read_log(i)
 
     def violations(self) -> list[str]:
-        """Every "Permissions Violation" line logged by any node so far."""
+        """Every permissions violation line (publish or subscription) logged by any node so far."""
         return [
-            line for i in range(len(self)) for line in self._read_log(i).splitlines() if VIOLATION in line
+            line
+            for i in range(len(self))
+            for line in self._read_log(i).splitlines()
+            if VIOLATION.search(line)
         ]
 
     def __enter__(self) -> LocalNodes:

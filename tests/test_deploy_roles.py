@@ -59,7 +59,9 @@ class Deployment:
 
     def auth(self, role: str) -> NatsAuth:
         return NatsAuth(
-            nats_nkey_seed_file=str(self.nodes.seed_file(role)), nats_tls_ca_file=str(self.nodes.ca_file)
+            nats_nkey_seed_file=str(self.nodes.seed_file(role)),
+            nats_tls_ca_file=str(self.nodes.ca_file),
+            nats_inbox_prefix=creds.inbox_prefix(role),
         )
 
     def run(self, role: str, *args: str, log: Path) -> subprocess.Popen[bytes]:
@@ -204,6 +206,18 @@ async def test_client_cannot_answer_route_and_the_real_router_still_does(
         for _ in range(5):
             assert (await r.route(MODEL, list(range(32)))).worker_id == "sim-0"
     assert fake == []
+
+
+async def test_no_role_reads_another_roles_replies(as_role: object) -> None:
+    """A client may subscribe below its own inbox prefix only: every inbox (``_INBOX.>``) and the router's and
+    operator's inboxes are subscription violations."""
+    nc, errors = await as_role("client")  # type: ignore[operator]
+    await nc.subscribe("_INBOX_client.mine")
+    for n, subject in enumerate(("_INBOX.>", "_INBOX_router.>", "_INBOX_operator.>"), start=1):
+        await nc.subscribe(subject)
+        assert await errors.wait(n) == [
+            _sub_violation(s) for s in ("_INBOX.>", "_INBOX_router.>", "_INBOX_operator.>")[:n]
+        ]
 
 
 async def test_client_cannot_publish_kv_events(as_role: object) -> None:

@@ -345,6 +345,17 @@ def test_connect_options_map_every_form(tmp_path: Path) -> None:
     assert connect_options(NatsAuth(nats_token="t")) == {"token": "t"}
     assert connect_options(NatsAuth(nats_creds_file=str(creds))) == {"user_credentials": str(creds)}
     assert connect_options(NatsAuth(nats_nkey_seed_file=str(seed_path))) == {"nkeys_seed": str(seed_path)}
+    assert connect_options(NatsAuth(nats_inbox_prefix="_INBOX_router")) == {"inbox_prefix": "_INBOX_router"}
+
+
+@pytest.mark.parametrize("prefix", ["_INBOX.>", "a..b", "a.*", "a b", ".a", "a."])
+def test_an_inbox_prefix_that_is_not_literal_subject_tokens_is_refused(prefix: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load(NatsAuth, service="nats", environ={"KVMESH_NATS_INBOX_PREFIX": prefix})
+    assert info.value.problems == [
+        f"--nats-inbox-prefix {prefix!r} is not a subject prefix "
+        "(tokens of letters, digits, _ and - separated by dots; no wildcards)"
+    ]
 
 
 def test_a_seed_file_without_a_valid_seed_is_refused_without_its_content(tmp_path: Path) -> None:

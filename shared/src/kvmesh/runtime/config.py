@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,6 +53,10 @@ class NatsAuth:
     nats_tls_cert_file: str = setting("", "client certificate (PEM) presented to the NATS server")
     nats_tls_key_file: str = setting("", "key (PEM) of --nats-tls-cert-file (when not in the same file)")
     nats_tls_server_name: str = setting("", "name the NATS server's certificate must carry (SNI)")
+    nats_inbox_prefix: str = setting(
+        "",
+        "subject prefix of this process's reply inboxes (default _INBOX; deploy/nats gives each role its own)",
+    )
 
 
 AUTH_FIELDS = frozenset(f.name for f in dataclasses.fields(NatsAuth))
@@ -61,6 +66,9 @@ SHARED_FIELDS = (
     frozenset({"nats_url", "log_level", "route_subject", "match_subject", "stream", "health_file"})
     | AUTH_FIELDS
 )
+
+_INBOX_PREFIX = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
+"""A reply-inbox prefix: one or more literal subject tokens."""
 
 _FILES = (
     "nats_nkey_seed_file",
@@ -96,6 +104,11 @@ def auth_problems(auth: NatsAuth) -> list[str]:
         problems.append(f"give one way of authenticating to NATS, not {' and '.join(given)}")
     if auth.nats_password and not auth.nats_user:
         problems.append("--nats-password needs --nats-user")
+    if auth.nats_inbox_prefix and not _INBOX_PREFIX.fullmatch(auth.nats_inbox_prefix):
+        problems.append(
+            f"--nats-inbox-prefix {auth.nats_inbox_prefix!r} is not a subject prefix "
+            "(tokens of letters, digits, _ and - separated by dots; no wildcards)"
+        )
     if auth.nats_tls_key_file and not auth.nats_tls_cert_file:
         problems.append("--nats-tls-key-file needs --nats-tls-cert-file")
     for name in _FILES:

@@ -166,7 +166,9 @@ def connect_options(auth: NatsAuth) -> dict[str, Any]:
 
     User and password, token, NKey seed file (``nkeys_seed``) or ``.creds`` file (``user_credentials``); a
     TLS context verifying the server against ``nats_tls_ca_file`` (the system CAs when not given) and
-    presenting the client certificate, made when any TLS file or the server name is given.
+    presenting the client certificate, made when any TLS file or the server name is given; the reply-inbox
+    prefix (``inbox_prefix``) when ``nats_inbox_prefix`` is set (a server granting each role only its own
+    ``<prefix>.>`` keeps one role from reading another's replies).
 
     Raises:
         ConfigError: the settings contradict each other or name a missing file.
@@ -187,6 +189,8 @@ def connect_options(auth: NatsAuth) -> dict[str, Any]:
     if auth.nats_creds_file:
         _check_seed(auth.nats_creds_file, "--nats-creds-file", creds=True)
         out["user_credentials"] = auth.nats_creds_file
+    if auth.nats_inbox_prefix:
+        out["inbox_prefix"] = auth.nats_inbox_prefix
     if auth.nats_tls_ca_file or auth.nats_tls_cert_file or auth.nats_tls_server_name:
         try:
             ctx = ssl.create_default_context(cafile=auth.nats_tls_ca_file or None)

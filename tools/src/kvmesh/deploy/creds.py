@@ -7,7 +7,9 @@ Writes into ``--out`` (default ``deploy/nats/secrets``, git-ignored):
   server and as client (cluster routes present it both ways), subject alternative names: every ``--hosts``
   name, ``localhost`` and ``127.0.0.1``; the key is 0600;
 * ``auth.conf`` — the nats-server ``authorization`` block: one NKey user per role with its publish and
-  subscribe permissions (`role_permissions`), included by ``deploy/nats/cluster.conf``;
+  subscribe permissions (`role_permissions`), included by ``deploy/nats/cluster.conf``; each role receives
+  its replies below its own inbox prefix (`inbox_prefix`: ``_INBOX_<role>``), which its processes set with
+  ``KVMESH_NATS_INBOX_PREFIX``;
 * one NKey seed file per role (0600): ``operator.nk``, ``indexer.nk``, ``router.nk``, ``client.nk``,
   ``sim.nk`` and ``ingest-<worker>.nk`` for each worker of ``--workers``.
 
@@ -88,13 +90,20 @@ def _consume(stream: str) -> tuple[str, ...]:
     )
 
 
+def inbox_prefix(role: str) -> str:
+    """The reply-inbox prefix of ``role`` (``_INBOX_<role>``, characters other than letters, digits, ``_`` and
+    ``-`` as ``_``): its processes connect with ``KVMESH_NATS_INBOX_PREFIX`` set to it, and only they may
+    subscribe below it, so no role reads another's replies (JetStream API answers, route answers)."""
+    return "_INBOX_" + re.sub(r"[^A-Za-z0-9_-]", "_", role)
+
+
 def role_permissions(
     role: str, *, stream: str = subjects.STREAM, events_prefix: str = subjects.EVENTS_PREFIX
 ) -> Permissions:
     """The permissions of ``role`` (one of `ROLES` or ``ingest-<worker>``) for the events stream ``stream``.
 
-    Replies to a user's own requests (JetStream API answers, ``kvmesh.route`` answers, acks) arrive on
-    ``_INBOX.>``; flow-control answers of push consumers go to ``$JS.FC.>``.
+    Replies to a user's own requests (JetStream API answers, ``kvmesh.route`` answers, acks) arrive below its
+    own `inbox_prefix` (``_INBOX_<role>.>``); flow-control answers of push consumers go to ``$JS.FC.>``.
 
     Raises:
         CredsError: an unknown role.
@@ -103,7 +112,7 @@ def role_permissions(
     lease_kv = subjects.lease_bucket(stream)
     snaps = subjects.snapshot_bucket(stream)
     kv_workers, kv_lease, obj_snaps = f"KV_{workers_kv}", f"KV_{lease_kv}", f"OBJ_{snaps}"
-    inbox, fc = "_INBOX.>", "$JS.FC.>"
+    inbox, fc = f"{inbox_prefix(role)}.>", "$JS.FC.>"
     requests, status = subjects.REQUESTS_PREFIX, subjects.STATUS_SUBJECT
     if role == "operator":
         # status, snapshot, replay, reset and provision: the whole kvmesh namespace and JetStream API.

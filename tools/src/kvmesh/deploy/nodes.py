@@ -28,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Final
 
+from kvmesh.deploy.creds import inbox_prefix
 from kvmesh.harness.server import ServerError, server_binary
 
 CONFIG: Final[str] = "cluster.conf"
@@ -124,6 +125,7 @@ class LocalNodes:
             "KVMESH_NATS_URL": self.urls,
             "KVMESH_NATS_NKEY_SEED_FILE": str(self.seed_file(role)),
             "KVMESH_NATS_TLS_CA_FILE": str(self.ca_file),
+            "KVMESH_NATS_INBOX_PREFIX": inbox_prefix(role),
         }
 
     def log_path(self, i: int) -> Path:

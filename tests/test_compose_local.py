@@ -65,7 +65,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 def _auth(env: dict[str, str]) -> tuple[str, NatsAuth]:
     """A service's NATS URL and credentials, from its local environment."""
     return env["KVMESH_NATS_URL"], NatsAuth(
-        nats_nkey_seed_file=env["KVMESH_NATS_NKEY_SEED_FILE"], nats_tls_ca_file=env["KVMESH_NATS_TLS_CA_FILE"]
+        nats_nkey_seed_file=env["KVMESH_NATS_NKEY_SEED_FILE"],
+        nats_tls_ca_file=env["KVMESH_NATS_TLS_CA_FILE"],
+        nats_inbox_prefix=env["KVMESH_NATS_INBOX_PREFIX"],
     )
 
 

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from kvmesh.deploy.compose import load_services, start_order
+from kvmesh.deploy.creds import inbox_prefix
 from kvmesh.harness.server import server_binary
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.ingest.config import IngestSettings
@@ -143,6 +144,7 @@ def test_compose_kvmesh_services_environment_and_secrets() -> None:
         assert env["KVMESH_NATS_URL"] == NATS_URL, name
         assert env["KVMESH_NATS_TLS_CA_FILE"] == "/run/secrets/ca.pem", name
         assert env["KVMESH_NATS_NKEY_SEED_FILE"] == f"/run/secrets/{secret}", name
+        assert env["KVMESH_NATS_INBOX_PREFIX"] == inbox_prefix(secret.removesuffix(".nk")), name
         assert svc["secrets"] == [secret, "ca.pem"], name
         assert all(isinstance(v, str) for v in env.values()), name
         cmd = svc["command"]
@@ -239,6 +241,7 @@ def test_compose_override_example_points_ingests_at_vllm() -> None:
         assert env["KVMESH_INGEST_ZMQ_ENDPOINT"] == f"tcp://gpu-host-{i}:5557"
         assert env["KVMESH_INGEST_REPLAY_ENDPOINT"] == f"tcp://gpu-host-{i}:5567"
         assert env["KVMESH_NATS_NKEY_SEED_FILE"] == f"/run/secrets/ingest-vllm-{i}.nk"
+        assert env["KVMESH_NATS_INBOX_PREFIX"] == inbox_prefix(f"ingest-vllm-{i}")
         assert {"KVMESH_INGEST_BLOCK_SIZE", "KVMESH_INGEST_DATA_PARALLEL_SIZE"} <= set(env)
         known = {env_name("ingest", f.name) for f in dataclasses.fields(IngestSettings)}
         assert set(env) - known == set()

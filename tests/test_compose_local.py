@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -94,6 +95,54 @@ def _operator(stack: LocalStack, *args: str) -> dict[str, Any]:
 
 def _traffic_done(stack: LocalStack) -> list[str]:
     return [n for n in ("sim-0", "sim-1") if "traffic done" in (stack.logs / f"{n}.log").read_text()]
+
+
+def test_kvmesh_cluster_once_prints_urls_route_answer_and_status(tmp_path: Path) -> None:
+    """kvmesh cluster --once makes the credentials, brings the compose services up, prints the NATS URLs, the route example's answer, how to run kvmesh status and the status, and stops everything (exit 0)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "cluster",
+            "--once",
+            "--root",
+            str(tmp_path / "root"),
+            "--secrets",
+            str(tmp_path / "secrets"),
+            "--env",
+            "KVMESH_SIM_TRAFFIC_S=5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "secrets" / "auth.conf").is_file()
+    head, hint, rest = done.stdout.partition("kvmesh status against it (operator credentials):\n")
+    assert hint, done.stdout
+    for i in (1, 2, 3):
+        assert re.search(
+            rf"^  nats-{i} +tls://127\.0\.0\.1:\d+  monitoring http://127\.0\.0\.1:\d+$", head, re.M
+        )
+    for name in ("sim-0", "ingest-0", "sim-1", "ingest-1", "indexer-0", "indexer-1", "router-0", "router-1"):
+        assert re.search(rf"^  {name} +pid \d+  kvmesh ", head, re.M), name
+    route = json.loads(head.partition("route (exit 0):\n")[2])
+    assert route["worker_id"] in ("sim-0", "sim-1")
+    command_line, _, status_text = rest.partition("\n")
+    assert command_line.strip().endswith(" kvmesh status")
+    assert "KVMESH_NATS_NKEY_SEED_FILE=" in command_line and "operator.nk" in command_line
+    status = json.loads(status_text)
+    assert sorted(r["replica"] for r in status["replicas"]) == ["indexer-0", "indexer-1"]
+    for seed in (tmp_path / "secrets").glob("*.nk"):
+        assert seed.read_text().strip() not in done.stdout + done.stderr
+    assert {p.name for p in (tmp_path / "root" / "logs").glob("*.log")} >= {
+        "provision.log",
+        "route.log",
+        "router-0.log",
+    }
 
 
 async def test_nats_node_killed_mid_traffic_loses_nothing(stack: LocalStack) -> None:
@@ -226,9 +275,12 @@ def test_route_example_answers_from_sim_0(stack: LocalStack) -> None:
     assert [(s["worker_id"], s["overlap_blocks"]) for s in reply["scores"]] == [("sim-0", 3), ("sim-1", 0)]
 
 
-def test_each_service_gets_only_its_own_secrets(stack: LocalStack) -> None:
-    """Each local service's /run/secrets holds exactly what the compose file grants it."""
+def test_each_service_gets_only_its_own_secrets_and_needs_no_more(stack: LocalStack) -> None:
+    """Each local service's /run/secrets holds exactly what the compose file grants it, and no service's NATS user was refused anything (no permissions violation in any node's log)."""
     for name in ("provision", "sim-0", "ingest-0", "ingest-1", "indexer-0", "router-1", "route"):
         got = sorted(p.name for p in (stack.root / "run" / name / "secrets").iterdir())
         assert got == sorted(stack.services[name].secrets), name
         assert len(got) == 2 and "ca.pem" in got
+    assert stack.nodes is not None
+    violations = [v for v in stack.nodes.violations() if "compose-test-" not in v]
+    assert violations == [], "a service did something its role may not:\n" + "\n".join(violations)

@@ -123,7 +123,7 @@ def test_compose_nats_nodes_mount_config_and_certificates_only() -> None:
             "-q",
             "-O",
             "/dev/null",
-            "http://localhost:8222/healthz?js-enabled-only=true",
+            "http://127.0.0.1:8222/healthz?js-enabled-only=true",
         ]
         assert "secrets" not in svc
     assert doc["volumes"] == {"nats-1-data": {}, "nats-2-data": {}, "nats-3-data": {}}
@@ -216,7 +216,7 @@ def test_compose_dependencies_and_health_checks() -> None:
                 assert condition == "service_healthy", (name, dep)
     for name in ("ingest-0", "ingest-1", "indexer-0", "indexer-1", "router-0", "router-1"):
         assert services[name]["environment"]["KVMESH_HEALTH_FILE"] == "/tmp/kvmesh.health"
-    assert services["sim-0"]["healthcheck"]["test"][-1] == "localhost:5557"
+    assert services["sim-0"]["healthcheck"]["test"][-1] == "127.0.0.1:5557"
     assert set(services["provision"]["depends_on"]) == {"nats-1", "nats-2", "nats-3"}
     assert services["ingest-0"]["depends_on"] == {
         "provision": {"condition": "service_completed_successfully"},

@@ -133,18 +133,26 @@ def test_tools_commands_are_kvmesh_commands_entry_points() -> None:
 
 
 def test_service_image_installs_only_the_services() -> None:
-    """The Dockerfile's default (last) stage syncs the three services from the lock, without dev tools or
-    kvmesh-tools, and copies no tools sources; only the `sim` stage installs kvmesh-tools."""
-    stages = re.split(r"(?m)^FROM ", (ROOT / "Dockerfile").read_text())[1:]
-    final = stages[-1]
-    syncs = [line for line in final.splitlines() if "uv sync" in line]
+    """The Dockerfile's default (last) stage copies only the builder's venv, which syncs the three services
+    from the lock without dev tools or kvmesh-tools and copies no tools sources; only the `sim` stages install
+    kvmesh-tools."""
+    stages = {
+        s.split()[2]: s for s in re.split(r"(?m)^FROM ", (ROOT / "Dockerfile").read_text())[1:] if " AS " in s
+    }
+    final = list(stages.values())[-1]
+    assert final.startswith("runtime AS service")
+    assert "uv" not in final.replace("/app/.venv", "")
+    assert "COPY --from=builder /app/.venv /app/.venv" in final
+    builder = stages["builder"].replace("\\\n", " ")
+    syncs = [line for line in builder.splitlines() if "uv sync" in line]
     assert len(syncs) == 1
     (sync,) = syncs
     assert "--frozen" in sync
     assert "--no-dev" in sync
+    assert "--no-editable" in sync
     assert "--all-packages" not in sync
     assert re.findall(r"--package (\S+)", sync) == ["kvmesh-ingest", "kvmesh-indexer", "kvmesh-router"]
-    copied = [line for stage in (stages[0], final) for line in stage.splitlines() if line.startswith("COPY")]
+    copied = [line for stage in (builder, final) for line in stage.splitlines() if line.startswith("COPY")]
     assert [c for c in copied if "tools" in c] == ["COPY tools/pyproject.toml ./tools/pyproject.toml"]
-    (sim,) = (s for s in stages if s.split()[2:3] == ["sim"])
-    assert "--package kvmesh-tools" in sim
+    assert "--package kvmesh-tools" in stages["sim-builder"]
+    assert "COPY --from=sim-builder /app/.venv /app/.venv" in stages["sim"]

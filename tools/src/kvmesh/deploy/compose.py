@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final
 
+import yaml
+
 from kvmesh.core.errors import KvmeshError
 from kvmesh.deploy import creds
 from kvmesh.deploy.nodes import LocalNodes
@@ -143,10 +145,6 @@ def load_services(path: Path) -> dict[str, Service]:
     Raises:
         ComposeError: the file does not parse, has no services, or a service is malformed.
     """
-    try:
-        import yaml  # noqa: PLC0415 (kvmesh-tools is a development member: PyYAML comes with the dev dependencies)
-    except ImportError:
-        raise ComposeError("reading a compose file needs PyYAML: pip install pyyaml") from None
     try:
         doc = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:

@@ -63,7 +63,9 @@ AUTH_FIELDS = frozenset(f.name for f in dataclasses.fields(NatsAuth))
 """The `NatsAuth` settings: shared by every service (``KVMESH_NATS_USER``, ``KVMESH_NATS_TLS_CA_FILE``, ...)."""
 
 SHARED_FIELDS = (
-    frozenset({"nats_url", "log_level", "route_subject", "match_subject", "stream", "health_file"})
+    frozenset(
+        {"nats_url", "log_level", "route_subject", "match_subject", "stream", "health_file", "metrics_port"}
+    )
     | AUTH_FIELDS
 )
 

@@ -49,6 +49,9 @@ class IndexerSettings(NatsAuth):
     health_file: str = setting(
         "", "file rewritten every 5 s while running and connected, for `kvmesh health --file` (none: off)"
     )
+    metrics_port: int | None = setting(
+        None, "port of the Prometheus /metrics endpoint on every interface (0: a free one, logged; none: off)"
+    )
 
     def validate(self) -> list[str]:
         """Return every problem with these settings."""
@@ -59,6 +62,8 @@ class IndexerSettings(NatsAuth):
             problems.append("--snapshot-every-messages and --snapshot-every-s must be ≥ 0")
         if self.lease_ttl_s <= 0 or self.worker_ttl_s <= 0:
             problems.append("--lease-ttl-s and --worker-ttl-s must be > 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
         return problems
 
     def snapshot_bucket_name(self) -> str:

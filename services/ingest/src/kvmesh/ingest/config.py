@@ -103,6 +103,9 @@ class IngestSettings(NatsAuth):
     health_file: str = setting(
         "", "file rewritten every 5 s while running and connected, for `kvmesh health --file` (none: off)"
     )
+    metrics_port: int | None = setting(
+        None, "port of the Prometheus /metrics endpoint on every interface (0: a free one, logged; none: off)"
+    )
 
     def liveness_policy(self) -> LivenessPolicy:
         """The engine liveness bounds these settings give."""
@@ -149,4 +152,6 @@ class IngestSettings(NatsAuth):
                 problems.append(problem.replace(field, flags.get(field, field), 1))
             if self.engine_probe_timeout_s <= 0:
                 problems.append("--engine-probe-timeout-s must be > 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
         return problems

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 from nats.aio.client import Client
@@ -21,6 +21,9 @@ from kvmesh.ingest.jetstream import delete_stored
 from kvmesh.ingest.outbox import AckOutcome, AckWindow, MessageIds, Outbox, Outgoing
 from kvmesh.ingest.status import IngestCounters
 from kvmesh.runtime.nats import withdraw_buffered_publishes
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Histogram
 
 log = logging.getLogger("kvmesh.ingest")
 
@@ -58,6 +61,8 @@ class Publisher:
         """Connections lost so far: in-flight messages of an earlier connection are re-sent."""
         self.nc: Client | None = None
         self.js: JetStreamContext | None = None
+        self.latency: Histogram | None = None
+        """Send → ack seconds per dp_rank, recorded when metrics are on (None: nothing measured)."""
 
     @property
     def unacknowledged(self) -> int:
@@ -279,6 +284,8 @@ class Publisher:
                         break
                     outbox.pop()
                     window.sent(out, fut, loop.time())
+                    if self.latency is not None:
+                        fut.add_done_callback(self._timer(out.holder[1], loop.time()))
                 if failed:
                     if nc.is_connected:
                         await self._settle_window()
@@ -307,6 +314,17 @@ class Publisher:
                     ready.cancel()
         finally:
             self._requeue()
+
+    def _timer(self, dp_rank: int, sent: float) -> Callable[[asyncio.Future[Any]], None]:
+        """A done callback recording the seconds from ``sent`` to a successful ack in `latency`."""
+        hist, loop, labels = self.latency, asyncio.get_running_loop(), {"worker": self.settings.worker_id}
+        attributes = {**labels, "dp_rank": str(dp_rank)}
+
+        def acked(fut: asyncio.Future[Any]) -> None:
+            if hist is not None and not fut.cancelled() and fut.exception() is None:
+                hist.record(loop.time() - sent, attributes)
+
+        return acked
 
     async def flush(self, timeout_s: float) -> None:
         """Publish what is buffered for at most ``timeout_s`` seconds (a stopping ingest)."""

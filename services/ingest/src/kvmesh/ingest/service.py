@@ -38,6 +38,7 @@ from kvmesh.core.sequencing import SeqTracker
 from kvmesh.ingest.batches import Batches, Rank
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.liveness import EngineWatch, ProbeTarget
+from kvmesh.ingest.metrics import INSTRUMENTS, PUBLISH_LATENCY, ingest_samples
 from kvmesh.ingest.outbox import Coalescer, MessageIds, Outgoing
 from kvmesh.ingest.publish import Publisher
 from kvmesh.ingest.reader import RankReader
@@ -45,6 +46,7 @@ from kvmesh.ingest.recovery import RankCursor, fresh_tracker, recover_rank
 from kvmesh.ingest.registration import Registration
 from kvmesh.ingest.status import IngestCounters, ingest_status
 from kvmesh.runtime import subjects
+from kvmesh.runtime.metrics import ServiceMetrics, start_metrics
 from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, connect_options, ensure_stream
 from kvmesh.runtime.replica import retry_start
 from kvmesh.runtime.runner import supervise
@@ -77,6 +79,8 @@ class IngestService:
         """Rank → (engine seq, batch ts) of the last batch in the stream, checked against the engine's replay."""
         self._watch: EngineWatch | None = None
         """Engine liveness per rank (None with probing off)."""
+        self.metrics: ServiceMetrics | None = None
+        """The Prometheus endpoint (None with ``--metrics-port`` unset)."""
         self.ready = asyncio.Event()
 
     def _push(self, out: Outgoing) -> None:
@@ -96,6 +100,7 @@ class IngestService:
             **connect_options(s),
         )
         self.batches.max_payload = self._nc.max_payload or self.batches.max_payload
+        self.metrics = await start_metrics("ingest", s.metrics_port, self._declare_metrics)
         self._js = js = self._nc.jetstream()
         pub.nc, pub.js, self.registration.js = self._nc, js, js
         settings = StreamSettings(
@@ -117,6 +122,8 @@ class IngestService:
         if ensured is None:
             await close_quietly(self._nc)
             self._ctx.destroy(linger=0)
+            if self.metrics is not None:
+                await self.metrics.aclose()
             return
         with contextlib.suppress(Exception):  # the registry gets the stream's replica count (3 on a cluster)
             info = await js.stream_info(s.stream)
@@ -240,6 +247,8 @@ class IngestService:
         assert self._nc is not None
         await close_quietly(self._nc)
         self._ctx.destroy(linger=0)
+        if self.metrics is not None:
+            await self.metrics.aclose()
 
     def stop(self) -> None:
         """Ask `run()` to finish (publishing what is buffered first, for a few seconds)."""
@@ -298,6 +307,14 @@ class IngestService:
         return ingest_status(
             self.settings, self.counters, self.publisher.unacknowledged, self._ranks, engines
         )
+
+    def _declare_metrics(self, metrics: ServiceMetrics) -> None:
+        """The ingest's metrics (`kvmesh.ingest.metrics`): its status counters and the publish latency."""
+        metrics.observe(lambda: ingest_samples(self.status(), reconnects=self._reconnects()), INSTRUMENTS)
+        self.publisher.latency = metrics.histogram(PUBLISH_LATENCY, "seconds from publish to JetStream ack")
+
+    def _reconnects(self) -> int:
+        return int(self._nc.stats["reconnects"]) if self._nc is not None else 0
 
     async def _on_status(self, msg: Any) -> None:
         if msg.reply:

@@ -100,6 +100,9 @@ class RouterSettings(NatsAuth):
     health_file: str = setting(
         "", "file rewritten every 5 s while running and connected, for `kvmesh health --file` (none: off)"
     )
+    metrics_port: int | None = setting(
+        None, "port of the Prometheus /metrics endpoint on every interface (0: a free one, logged; none: off)"
+    )
 
     def registry_bucket_name(self) -> str:
         """Return the registry bucket, derived from the stream when unset."""
@@ -146,4 +149,6 @@ class RouterSettings(NatsAuth):
         for p in self.policy().problems():
             flag = p.split(" ", 1)[0].split(".", 1)[0].replace("_", "-")
             problems.append(f"--{flag}: {p}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
         return problems

@@ -72,12 +72,22 @@ from nats.micro import add_service
 from nats.micro.service import EndpointConfig, EndpointStats, ServiceConfig
 
 from kvmesh.core.load import EngineLoads, LoadLedger
+from kvmesh.core.protocol import RouterStats
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.endpoint import MAX_IN_FLIGHT, RouteEndpoint, WorkerRegistry
 from kvmesh.router.local_index import LAG_CHECK_S, LocalIndex
+from kvmesh.router.metrics import INSTRUMENTS, REPLICA_PREFIX, router_samples
 from kvmesh.router.notes import LifecycleNotes
 from kvmesh.router.stats import index_stats, router_stats
 from kvmesh.runtime import subjects
+from kvmesh.runtime.metrics import (
+    Samples,
+    ServiceMetrics,
+    replica_instruments,
+    replica_samples,
+    replica_view,
+    start_metrics,
+)
 from kvmesh.runtime.nats import connect, connect_options, micro_endpoint
 from kvmesh.runtime.registry import RegistryWatcher
 from kvmesh.runtime.replica import StreamReplica
@@ -122,6 +132,8 @@ class RouterService:
             settings, policy=self.policy, notes=self.notes, local=self.local, clock=clock
         )
         self.endpoint.registry = registry
+        self.metrics: ServiceMetrics | None = None
+        """The Prometheus endpoint (None with ``--metrics-port`` unset)."""
 
     @property
     def registry(self) -> WorkerRegistry | None:
@@ -145,6 +157,7 @@ class RouterService:
         # back would only be decoded and applied a second time (idempotently) on every route.
         self._nc = nc = await connect(s.nats_url, name="kvmesh-router", no_echo=True, **connect_options(s))
         self.endpoint.bind(nc)
+        self.metrics = await start_metrics("router", s.metrics_port, self._declare_metrics)
         follow: asyncio.Task[None] | None = None
         watch: asyncio.Task[None] | None = None
         lag: asyncio.Task[None] | None = None
@@ -177,6 +190,8 @@ class RouterService:
                 await asyncio.wait(background, timeout=_STOP_TIMEOUT_S)
             with contextlib.suppress(Exception):
                 await nc.drain()
+            if self.metrics is not None:
+                await self.metrics.aclose()
 
     async def _serve(self, nc: Client, loops: dict[str, asyncio.Task[None]]) -> None:
         s = self.settings
@@ -238,7 +253,11 @@ class RouterService:
         return self.local.lag(now) if self.local is not None else (0, 0.0)
 
     def _stats(self, _endpoint: EndpointStats) -> dict[str, Any]:
-        """The route endpoint's ``$SRV.STATS`` data (`kvmesh.router.stats.router_stats`)."""
+        """The route endpoint's ``$SRV.STATS`` data (`stats_message`)."""
+        return msgspec.to_builtins(self.stats_message())  # type: ignore[no-any-return]
+
+    def stats_message(self) -> RouterStats:
+        """The route endpoint's stats now (`kvmesh.router.stats.router_stats`)."""
         e = self.endpoint
         now = self._clock()
         route_mode, reason = e.index_mode(now)
@@ -250,7 +269,7 @@ class RouterService:
             match_subject=self.settings.match_subject,
             replica=self.local.figures(now) if self.local is not None else None,
         )
-        stats = router_stats(
+        return router_stats(
             routed=e.routed,
             errors=e.errors,
             ledger=self.ledger.stats(),
@@ -259,4 +278,18 @@ class RouterService:
             candidates_cut=e.bounded,
             index=index,
         )
-        return msgspec.to_builtins(stats)  # type: ignore[no-any-return]
+
+    def _declare_metrics(self, metrics: ServiceMetrics) -> None:
+        """The router's metrics (`kvmesh.router.metrics`) and, with a local index, its replica's."""
+        metrics.observe(lambda: router_samples(self.stats_message()), INSTRUMENTS)
+        if self.local is not None:
+            metrics.observe(self._replica_samples, replica_instruments(REPLICA_PREFIX))
+
+    def _replica_samples(self) -> Samples:
+        local = self.local
+        if local is None or local.replica is None:
+            return {}
+        view = replica_view(
+            local.replica, stream_last_seq=local.lag_meter.stream_last_seq, lag=local.lag(self._clock())
+        )
+        return replica_samples(REPLICA_PREFIX, view, {})

@@ -11,8 +11,10 @@ from kvmesh.core.errors import InternalError, NoWorkersError, ProtocolError, Unk
 from kvmesh.core.events import Event, EventsMessage, Stored
 from kvmesh.core.hashing import local_block_hashes
 from kvmesh.core.index import Holder
-from kvmesh.core.load import EngineLoads, LedgerStats, LoadLedger
+from kvmesh.core.load import EngineLoads, LedgerStats, LoadLedger, Receipts
 from kvmesh.core.protocol import (
+    LedgerEntry,
+    LedgerSnapshot,
     MatchHolder,
     MatchReply,
     Routed,
@@ -22,7 +24,14 @@ from kvmesh.core.protocol import (
     encode,
     error_reply,
 )
-from kvmesh.core.route import Candidate, Policy, RankSet, RegisteredWorker, parse_route_request
+from kvmesh.core.route import (
+    Candidate,
+    Policy,
+    RankSet,
+    RegisteredWorker,
+    available_tokens,
+    parse_route_request,
+)
 from kvmesh.core.state import IndexState
 from kvmesh.router.answer import (
     MatchAnswer,
@@ -258,7 +267,7 @@ def test_a_reply_has_the_exact_bytes_of_the_route_api() -> None:
     assert out.error is None and out.reply is not None
     assert encode(out.reply) == (
         b'{"request_id":"r1","worker_id":"a","dp_rank":0,"overlap_blocks":4,"cached_tokens":16,'
-        b'"block_size":4,"index_seq":7,"mode":"exact"}'
+        b'"available_tokens":16,"block_size":4,"index_seq":7,"mode":"exact"}'
     )
     assert out.mode == "exact"
     assert out.routed == Routed(request_id="r1", worker_id="a", dp_rank=0, prefill_tokens=0, blocks=4)
@@ -277,7 +286,7 @@ def test_an_explained_reply_has_every_score_load_health_and_the_selection() -> N
     assert out.reply is not None
     assert encode(out.reply) == (
         b'{"request_id":"r1","worker_id":"a","dp_rank":0,"overlap_blocks":4,"cached_tokens":16,'
-        b'"block_size":4,"index_seq":7,"scores":['
+        b'"available_tokens":16,"block_size":4,"index_seq":7,"scores":['
         b'{"worker_id":"a","dp_rank":0,"overlap_blocks":4,"cached_tokens":16,"cached_tokens_by_tier":{"GPU":16},'
         b'"weighted_cached_tokens":16.0,"cached_blocks":10,'
         b'"load":{"active_prefill_tokens":0,"active_blocks":0,"active_requests":0},'
@@ -514,6 +523,7 @@ def test_router_stats_shape_for_a_remote_and_a_local_index() -> None:
             "route_subject": "r",
             "match_subject": "mt",
         },
+        "receipts": {},
     }
     figures = ReplicaFigures(
         stream="S",
@@ -546,3 +556,168 @@ def test_router_stats_shape_for_a_remote_and_a_local_index() -> None:
         "apply_errors": 0,
         "recovery": {"snapshot": None},
     }
+
+
+# ---------------------------------------------------------------------------------------- route receipts
+
+
+def test_available_tokens_is_the_longest_overlap_of_a_live_holder_in_its_own_block_size() -> None:
+    """Available reuse is the most overlap tokens of any holder the registry lists as live (each in its own
+    block size, the model's when it has none); stale and unregistered holders do not count; no overlap is 0."""
+    holders = [
+        Candidate(worker_id="a", dp_rank=0, overlap_blocks=3, cached_blocks=9, block_size=4),  # 12 tokens
+        Candidate(worker_id="b", dp_rank=0, overlap_blocks=2, cached_blocks=2, block_size=16),  # 32
+        Candidate(worker_id="c", dp_rank=0, overlap_blocks=5, cached_blocks=5),  # 5 × the model's 8 = 40
+        Candidate(worker_id="s", dp_rank=1, overlap_blocks=9, cached_blocks=9, block_size=16),  # stale: 144
+    ]
+    assert available_tokens(holders, None, block_size=8) == 144
+    ranks = RankSet(
+        [
+            RegisteredWorker("a", 1, {}),
+            RegisteredWorker("b", 1, {}),
+            RegisteredWorker("s", 2, {1: "silent"}),
+        ]
+    )
+    assert available_tokens(holders, ranks, block_size=8) == 32  # c is not registered, s/1 is stale
+    assert available_tokens(holders, ranks.only(["a"]), block_size=8) == 12
+    assert available_tokens([cand("z", 0, 5)], None, block_size=8) == 0
+    assert available_tokens([], ranks, block_size=0) == 0
+    no_bs = Candidate(worker_id="a", dp_rank=0, overlap_blocks=3, cached_blocks=3)
+    assert available_tokens([no_bs], None, block_size=0) == 3  # unknown block size: counts tokens
+
+
+def test_a_reply_carries_the_available_tokens_beyond_what_the_choice_captured() -> None:
+    """The best holder left out by ``candidates``, or skipped as busy, still counts as available, so the reply's
+    available_tokens exceeds its cached_tokens by the regret; load_only has nothing available."""
+    narrowed = answer(request(request_id="r1", candidates=["b"]))
+    assert narrowed.reply is not None
+    assert (narrowed.reply.worker_id, narrowed.reply.cached_tokens, narrowed.reply.available_tokens) == (
+        "b",
+        0,
+        16,
+    )
+    busy = EngineLoads()
+    busy.update(WorkerLoad(worker_id="a", kv_usage=0.99), 99.0)
+    skipped = answer(request(), engine_loads=busy)
+    assert skipped.reply is not None
+    assert (skipped.reply.worker_id, skipped.reply.cached_tokens, skipped.reply.available_tokens) == (
+        "b",
+        0,
+        16,
+    )
+    three = MatchAnswer(index_seq=7, block_size=BS, candidates=(cand("a", 4, 10), cand("b", 2, 2)))
+    partial = answer(request(candidates=["b"]), three)
+    assert partial.reply is not None
+    assert (partial.reply.cached_tokens, partial.reply.available_tokens) == (8, 16)
+    rebuilding = answer(request(), mode=("load_only", "rebuilding"))
+    assert rebuilding.reply is not None
+    assert (rebuilding.reply.cached_tokens, rebuilding.reply.available_tokens) == (0, 0)
+
+
+def test_a_stale_best_holder_is_not_available() -> None:
+    """A holder whose engine is stale is no candidate, so its overlap is not available reuse either."""
+    ranks = RankSet([RegisteredWorker("a", 1, {0: "silent"}), RegisteredWorker("b", 1, {})])
+    three = MatchAnswer(index_seq=7, block_size=BS, candidates=(cand("a", 4, 10), cand("b", 1, 2)))
+    out = answer(request(), three, ranks)
+    assert out.reply is not None
+    assert (out.reply.worker_id, out.reply.cached_tokens, out.reply.available_tokens) == ("b", 4, 4)
+
+
+def _routed(rid: str, worker: str = "a") -> Routed:
+    return Routed(request_id=rid, worker_id=worker, dp_rank=0, prefill_tokens=10, blocks=4)
+
+
+def test_the_ledger_counts_receipts_as_token_counters_and_delivers_once() -> None:
+    """Answered routes add available, captured and regret; a finish with the engine's count adds delivered,
+    the shortfall against captured (misprediction) and the surplus, once; a finish without a count, of a peer's
+    request, of a restored entry or with a negative count delivers nothing."""
+    led = LoadLedger()
+    for rid, captured in (("r1", 16), ("r2", 32), ("r3", 48)):
+        led.answered("a", 0, available_tokens=48, captured_tokens=captured)
+        led.routed(_routed(rid), 1.0, captured_tokens=captured)
+    led.answered("b", 0, available_tokens=48, captured_tokens=0)  # a route without a request id
+    assert led.finished("r1", 2.0, cached_tokens=16)
+    assert led.finished("r2", 2.0, cached_tokens=16)  # 16 promised tokens not there
+    assert not led.finished("r2", 2.0, cached_tokens=32)  # a second finish: unknown, not counted again
+    assert led.finished("r3", 2.0)  # no count: nothing delivered
+    assert led.receipts() == {
+        Holder("a", 0): Receipts(
+            requests=3,
+            available_tokens=144,
+            captured_tokens=96,
+            regret_tokens=48,
+            delivered_requests=2,
+            delivered_tokens=32,
+            misprediction_tokens=16,
+            unpredicted_tokens=0,
+        ),
+        Holder("b", 0): Receipts(requests=1, available_tokens=48, captured_tokens=0, regret_tokens=48),
+    }
+    led.routed(_routed("p1"), 3.0)  # a peer answered it: its receipt, not ours
+    led.routed(_routed("m1"), 3.0, captured_tokens=0)
+    led.routed(_routed("m1"), 3.5)  # a retry a peer answered takes the receipt over
+    led.routed(_routed("u1"), 3.0, captured_tokens=0)
+    led.restore(
+        LedgerSnapshot(
+            entries=[
+                LedgerEntry(request_id="s1", worker_id="a", dp_rank=0, prefill_tokens=0, blocks=1, age_s=0.5)
+            ]
+        ),
+        4.0,
+    )
+    for rid in ("p1", "m1", "s1"):
+        assert led.finished(rid, 5.0, cached_tokens=64)
+    assert led.finished("u1", 5.0, cached_tokens=-1) and led.finished("x", 5.0, cached_tokens=8) is False
+    assert led.receipts()[Holder("a", 0)].delivered_requests == 2
+    led.routed(_routed("u2"), 6.0, captured_tokens=8)
+    assert led.finished("u2", 6.0, cached_tokens=24)  # the engine had more than the index knew
+    got = led.stats().receipts[Holder("a", 0)]
+    assert (
+        got.delivered_requests,
+        got.delivered_tokens,
+        got.misprediction_tokens,
+        got.unpredicted_tokens,
+    ) == (
+        3,
+        56,
+        16,
+        16,
+    )
+
+
+def test_router_stats_carry_the_receipts_per_worker_and_rank() -> None:
+    """The stats list each holder's receipts under "worker/rank", sorted, with every counter."""
+    remote = index_stats("exact", None, ({}, 0), route_subject="r", match_subject="mt", replica=None)
+    receipts = {
+        Holder("b", 1): Receipts(requests=1, available_tokens=16, captured_tokens=0, regret_tokens=16),
+        Holder("a", 0): Receipts(
+            requests=2,
+            available_tokens=32,
+            captured_tokens=32,
+            delivered_requests=1,
+            delivered_tokens=12,
+            misprediction_tokens=4,
+        ),
+    }
+    stats = router_stats(
+        routed=3,
+        errors={},
+        ledger=LedgerStats(receipts=receipts),
+        engine_reports=0,
+        modes={},
+        candidates_cut={},
+        index=remote,
+    )
+    got = msgspec.to_builtins(stats)["receipts"]
+    assert list(got) == ["a/0", "b/1"]
+    assert got["a/0"] == {
+        "requests": 2,
+        "available_tokens": 32,
+        "captured_tokens": 32,
+        "regret_tokens": 0,
+        "delivered_requests": 1,
+        "delivered_tokens": 12,
+        "misprediction_tokens": 4,
+        "unpredicted_tokens": 0,
+    }
+    assert got["b/1"]["regret_tokens"] == 16

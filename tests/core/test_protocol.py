@@ -210,6 +210,7 @@ def test_every_message_type_has_a_round_trip_sample() -> None:
         "EngineStatus",
         "HolderStatus",
         "RouterIndexStats",
+        "RouteReceipts",
         "LedgerStats",
         "LedgerEntry",
         "Message",

@@ -22,14 +22,21 @@ Example::
 
     async with await Router.connect("nats://127.0.0.1:4222") as router:
         reply = await router.route("my-model", [1, 2, 3], request_id="r-1")
-        print(reply.worker_id, reply.cached_tokens)
+        print(reply.worker_id, reply.cached_tokens, reply.available_tokens)
         ...  # send the request to reply.worker_id
         await router.mark_prefill_done("r-1")  # first token out: its prompt no longer loads the worker
-        await router.finish("r-1")  # done: its KV blocks no longer count
+        # done: its KV blocks no longer count; the engine's cached prompt tokens (vLLM's
+        # usage.prompt_tokens_details.cached_tokens) are the route's delivered reuse
+        await router.finish("r-1", cached_tokens=usage.prompt_tokens_details.cached_tokens)
 
 Load accounting: a route with a ``request_id`` counts on the chosen worker in every router replica (active
 prefill tokens until `Router.mark_prefill_done`, active blocks until `Router.finish`, or until the routers'
 request TTL, 300 s by default). Call both (or at least ``finish``) for every routed request.
+
+Route receipts: each reply carries ``cached_tokens`` (what the router's choice *captured*) and
+``available_tokens`` (the most any live candidate had cached); passing the engine's own count of cached
+prompt tokens to `Router.finish` lets the router that answered count what was *delivered*, per worker, in
+its stats (``kvmesh status``) and metrics.
 """
 
 from __future__ import annotations
@@ -236,15 +243,31 @@ class Router:
         """Tell every router that ``request_id``'s prompt is computed (its prefill tokens stop counting)."""
         await self._lifecycle("prefill_done", request_id)
 
-    async def finish(self, request_id: str) -> None:
-        """Tell every router that ``request_id`` is over (its KV blocks stop counting)."""
-        await self._lifecycle("finished", request_id)
+    async def finish(self, request_id: str, *, cached_tokens: int | None = None) -> None:
+        """Tell every router that ``request_id`` is over (its KV blocks stop counting).
 
-    async def _lifecycle(self, event: str, request_id: str) -> None:
+        Args:
+            request_id: the id the request was routed with.
+            cached_tokens: the engine's own count of the request's prompt tokens served from its prefix cache
+                (vLLM's and SGLang's ``usage.prompt_tokens_details.cached_tokens``), ≥ 0; the router that
+                answered the route counts it as the worker's delivered tokens. None (default): not known,
+                nothing is counted delivered.
+
+        Raises:
+            ValueError: ``cached_tokens`` is not an int ≥ 0 (nothing was sent).
+            UnavailableError: the note could not be published.
+        """
+        if cached_tokens is not None and (
+            isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int) or cached_tokens < 0
+        ):
+            raise ValueError(f"cached_tokens must be an int >= 0, got {cached_tokens!r}")
+        await self._lifecycle("finished", request_id, cached_tokens)
+
+    async def _lifecycle(self, event: str, request_id: str, cached_tokens: int | None = None) -> None:
         try:
             await self._nc.publish(
                 subjects.requests_subject(self._requests_prefix, event),
-                encode(RequestRef(request_id=request_id)),
+                encode(RequestRef(request_id=request_id, cached_tokens=cached_tokens)),
             )
         except nats.errors.Error as exc:
             raise UnavailableError(f"cannot publish {event} for {request_id!r}: {exc}") from exc

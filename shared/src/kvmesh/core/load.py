@@ -17,6 +17,14 @@ Two sources, both keyed by (worker id, dp rank):
   that worker's prefill throughput learned from its own lifecycle events (see `LoadLedger`). Without it a
   worker half-way through a 7,000-token prefill looks as loaded as one that has not started it, and
   returning conversations are diverted from their cache (``docs/benchmarks.md`` section 1).
+  *Route receipts*: the replica that answered a route counts it for the chosen (worker, dp rank)
+  (`LoadLedger.answered`: the available and captured tokens of the reply) and remembers the captured tokens
+  of a request with a ``request_id`` (`LoadLedger.routed` with ``captured_tokens``); when that request's
+  `Finished` carries the engine's own count of cached prompt tokens, that replica alone counts it as
+  delivered (`LoadLedger.finished` with ``cached_tokens``). A peer's `Routed` for the same id (a retry it
+  answered) takes the receipt over; entries restored from a peer's snapshot are never this replica's. So a
+  request is delivered once across the replicas, and a finish without a count, after expiry, or after this
+  replica restarted, delivers nothing. `Receipts` holds the token counters, never a mean of ratios.
 * `EngineLoads` — the engines' own reports (`WorkerLoad`, JSON on ``kvmesh.load.<worker>``): running and
   waiting requests, KV-cache usage (0–1) and prefix-cache hit rate. A report older than ``ttl_s`` is ignored.
 
@@ -76,6 +84,8 @@ class _Active:
     prefill_tokens: int
     blocks: int
     routed_s: float
+    captured: int = -1
+    """The chosen worker's cached tokens when this replica answered the request, else −1 (not its receipt)."""
 
 
 @dataclass(slots=True)
@@ -104,6 +114,34 @@ class _Rate:
 
 
 @dataclass(slots=True)
+class Receipts:
+    """Route receipts of one (worker, dp rank) on the replica that answered its routes (token counters, each
+    only ever growing; see `kvmesh.core.protocol.RouteReceipts` for each one's meaning)."""
+
+    requests: int = 0
+    available_tokens: int = 0
+    captured_tokens: int = 0
+    regret_tokens: int = 0
+    delivered_requests: int = 0
+    delivered_tokens: int = 0
+    misprediction_tokens: int = 0
+    unpredicted_tokens: int = 0
+
+    def copy(self) -> Receipts:
+        """Return a copy (a snapshot of the counters)."""
+        return Receipts(
+            requests=self.requests,
+            available_tokens=self.available_tokens,
+            captured_tokens=self.captured_tokens,
+            regret_tokens=self.regret_tokens,
+            delivered_requests=self.delivered_requests,
+            delivered_tokens=self.delivered_tokens,
+            misprediction_tokens=self.misprediction_tokens,
+            unpredicted_tokens=self.unpredicted_tokens,
+        )
+
+
+@dataclass(slots=True)
 class LedgerStats:
     """Counters of a `LoadLedger` (a snapshot)."""
 
@@ -114,6 +152,8 @@ class LedgerStats:
     expired: int = 0
     unknown: int = 0
     """Lifecycle events for request ids the ledger does not hold (already finished, expired, or never seen)."""
+    receipts: dict[Holder, Receipts] = field(default_factory=dict)
+    """Route receipts per (worker, dp rank) of the routes this replica answered (copies)."""
 
 
 @dataclass(slots=True)
@@ -160,6 +200,7 @@ class LoadLedger:
     _rates: dict[Holder, _Rate] = field(default_factory=dict)
     _now_s: float = -math.inf
     _stats: LedgerStats = field(default_factory=LedgerStats)
+    _receipts: dict[Holder, Receipts] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.prefill_rate_alpha <= 1:
@@ -175,18 +216,56 @@ class LoadLedger:
         self._now_s = max(self._now_s, now_s)
         return now_s
 
-    def routed(self, event: Routed, now_s: float) -> bool:
-        """Apply a `Routed` event; return False when it changed nothing (already held on that worker)."""
+    def routed(self, event: Routed, now_s: float, *, captured_tokens: int | None = None) -> bool:
+        """Apply a `Routed` event; return False when it changed no load (already held on that worker).
+
+        Args:
+            event: the note.
+            now_s: when it was routed (or received).
+            captured_tokens: given by the replica that answered the request (its own route): the chosen
+                worker's cached tokens, kept so that the request's `finished` counts its delivered tokens here;
+                None for a peer's note, which takes the receipt away from this replica (the peer answered it
+                last).
+        """
         self._clock(now_s)
         key = Holder(event.worker_id, event.dp_rank)
+        captured = max(captured_tokens, 0) if captured_tokens is not None else -1
         old = self._requests.get(event.request_id)
         if old is not None:
             if old.key == key:
+                old.captured = captured
                 return False
             self._remove(event.request_id, now_s)
         self._add(event.request_id, key, max(event.prefill_tokens, 0), max(event.blocks, 0), now_s)
+        self._requests[event.request_id].captured = captured
         self._stats.routed += 1
         return True
+
+    def answered(self, worker_id: str, dp_rank: int, *, available_tokens: int, captured_tokens: int) -> None:
+        """Count one route this replica answered with (worker, dp rank) in that holder's receipts.
+
+        Args:
+            worker_id: the chosen worker; ``dp_rank``: its rank.
+            available_tokens: the most tokens any live candidate had cached (the reply's ``available_tokens``).
+            captured_tokens: the chosen worker's cached tokens (the reply's ``cached_tokens``); regret grows by
+                ``available_tokens − captured_tokens`` (never below 0).
+
+        Cost: O(1).
+        """
+        key = Holder(worker_id, dp_rank)
+        r = self._receipts.get(key)
+        if r is None:
+            r = self._receipts[key] = Receipts()
+        available = max(available_tokens, 0)
+        captured = max(captured_tokens, 0)
+        r.requests += 1
+        r.available_tokens += available
+        r.captured_tokens += captured
+        r.regret_tokens += max(available - captured, 0)
+
+    def receipts(self) -> dict[Holder, Receipts]:
+        """Return a copy of the route receipts per (worker, dp rank) (see `answered` and `finished`)."""
+        return {k: r.copy() for k, r in self._receipts.items()}
 
     def prefill_done(self, request_id: str, now_s: float | None = None) -> bool:
         """The request's prompt is computed: its prefill tokens stop counting. False if unknown or done.
@@ -209,11 +288,27 @@ class LoadLedger:
         self._stats.prefill_done += 1
         return True
 
-    def finished(self, request_id: str, now_s: float | None = None) -> bool:
-        """The request is over: drop it. False if unknown."""
-        if request_id not in self._requests:
+    def finished(
+        self, request_id: str, now_s: float | None = None, *, cached_tokens: int | None = None
+    ) -> bool:
+        """The request is over: drop it. False if unknown.
+
+        ``cached_tokens`` (the engine's own count of the request's cached prompt tokens, ≥ 0; None or negative:
+        not known) is counted as delivered in the chosen worker's receipts when this replica answered the
+        request (`routed` with ``captured_tokens``), once: the entry is gone afterwards.
+        """
+        a = self._requests.get(request_id)
+        if a is None:
             self._stats.unknown += 1
             return False
+        if cached_tokens is not None and cached_tokens >= 0 and a.captured >= 0:
+            r = self._receipts.get(a.key)
+            if r is None:
+                r = self._receipts[a.key] = Receipts()
+            r.delivered_requests += 1
+            r.delivered_tokens += cached_tokens
+            r.misprediction_tokens += max(a.captured - cached_tokens, 0)
+            r.unpredicted_tokens += max(cached_tokens - a.captured, 0)
         self._remove(request_id, self._clock(now_s))
         self._stats.finished += 1
         return True
@@ -343,6 +438,7 @@ class LoadLedger:
             finished=s.finished,
             expired=s.expired,
             unknown=s.unknown,
+            receipts=self.receipts(),
         )
 
     def _add(self, rid: str, key: Holder, prefill_tokens: int, blocks: int, routed_s: float) -> None:

@@ -76,6 +76,7 @@ __all__ = [
     "MicroServiceStats",
     "PolicyOverride",
     "RequestRef",
+    "RouteReceipts",
     "RouteReply",
     "RouteRequest",
     "Routed",
@@ -226,6 +227,12 @@ class RouteReply(Message, kw_only=True, frozen=True, omit_defaults=True):
     dp_rank: int
     overlap_blocks: int
     cached_tokens: int
+    """Leading prompt tokens the chosen worker has cached, as the index sees them (the *captured* reuse)."""
+    available_tokens: int | None = None
+    """The most leading prompt tokens any live candidate of the model has cached (the *available* reuse):
+    holders the request's ``candidates`` left out and busy holders included, stale ranks not; 0 in
+    ``load_only`` mode. ``available_tokens − cached_tokens`` is what the choice gave up for load. None from a
+    router older than this field."""
     block_size: int
     index_seq: int
     """Stream sequence the answering index had applied."""
@@ -414,6 +421,38 @@ class LedgerStats(msgspec.Struct, kw_only=True, frozen=True):
     unknown: int
 
 
+class RouteReceipts(msgspec.Struct, kw_only=True, frozen=True):
+    """One (worker, dp rank)'s route receipts on the router replica that answered its requests: token counters
+    since the replica started (sums, never ratios; a ratio of two counters is the caller's to take).
+
+    Each answered route adds its ``available_tokens`` and the chosen worker's ``cached_tokens`` (captured) to
+    the chosen worker; a ``finished`` note with the engine's own count of cached prompt tokens
+    (`RequestRef.cached_tokens`) adds it as delivered, on the replica that answered the request only.
+    ``captured_tokens`` over the requests with a delivered count = ``delivered_tokens`` +
+    ``misprediction_tokens`` − ``unpredicted_tokens``.
+    """
+
+    requests: int
+    """Routes answered with this worker."""
+    available_tokens: int
+    """Sum over those routes of the most tokens any live candidate had cached."""
+    captured_tokens: int
+    """Sum over those routes of this worker's cached tokens as the index saw them."""
+    regret_tokens: int
+    """``available_tokens − captured_tokens``: reuse given up by the choice (for load, or by ``candidates``)."""
+    delivered_requests: int
+    """Routed requests finished with the engine's count of cached prompt tokens."""
+    delivered_tokens: int
+    """Sum of the engines' counts over those requests."""
+    misprediction_tokens: int
+    """Sum over those requests of ``max(captured − delivered, 0)``: tokens the index promised that the engine
+    did not have (an evicted block, a lagging index, the engine recomputing a fully cached prompt's last
+    block)."""
+    unpredicted_tokens: int
+    """Sum over those requests of ``max(delivered − captured, 0)``: tokens the engine had that the index did
+    not know of."""
+
+
 class RouterStats(Message, kw_only=True, frozen=True):
     """The ``data`` of a router's route endpoint in ``$SRV.STATS`` (what `kvmesh status` shows)."""
 
@@ -425,6 +464,9 @@ class RouterStats(Message, kw_only=True, frozen=True):
     modes: dict[str, int]
     candidates_cut: dict[str, int]
     index: RouterIndexStats
+    receipts: dict[str, RouteReceipts] = msgspec.field(default_factory=dict)
+    """``"worker/rank"`` → the route receipts of the requests this replica answered (empty from a router older
+    than route receipts)."""
 
 
 class MicroEndpointStats(msgspec.Struct, frozen=True):
@@ -500,10 +542,15 @@ class Routed(Message, kw_only=True, frozen=True):
     """KV blocks the request occupies while it runs: ceil(prompt tokens / block size)."""
 
 
-class RequestRef(Message, kw_only=True, frozen=True):
+class RequestRef(Message, kw_only=True, frozen=True, omit_defaults=True):
     """Body of ``kvmesh.requests.prefill_done`` and ``kvmesh.requests.finished``."""
 
     request_id: str
+    cached_tokens: int | None = None
+    """``finished`` only: the engine's own count of the request's cached prompt tokens (vLLM's
+    ``usage.prompt_tokens_details.cached_tokens``), ≥ 0, which the router that answered the request counts as
+    delivered; absent (None) when the caller does not know it (nothing is counted delivered). A negative
+    value is ignored."""
 
 
 class LedgerEntry(msgspec.Struct, kw_only=True, frozen=True, array_like=True):

@@ -378,6 +378,34 @@ def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[fl
     return [w / total for w in weights]
 
 
+def available_tokens(candidates: Sequence[Candidate], ranks: RankSet | None, *, block_size: int) -> int:
+    """Return the most leading prompt tokens any live candidate has cached (the route's *available* reuse).
+
+    Args:
+        candidates: the index's holders of the model with their overlaps (before a request's ``candidates``
+            narrows them or the bound cuts them: reuse that a narrowed or bounded choice could not reach
+            still counts as available).
+        ranks: the model's registered ranks (a holder not live in it is not counted), or None (every holder
+            counts).
+        block_size: the model's block size (a holder with ``block_size`` 0 counts in it; 0 here counts 1).
+
+    Returns:
+        ``max(overlap_blocks × the holder's own block size)`` over those holders, 0 when none overlaps;
+        unweighted by tier, the same measure as `Score.overlap_tokens`, so the winner's never exceeds it.
+
+    Cost: O(candidates).
+    """
+    model_bs = max(block_size, 1)
+    best = 0
+    for c in candidates:
+        if c.overlap_blocks <= 0:
+            continue
+        tokens = c.overlap_blocks * (c.block_size if c.block_size > 0 else model_bs)
+        if tokens > best and (ranks is None or ranks.contains(c.worker_id, c.dp_rank)):
+            best = tokens
+    return best
+
+
 def merge_candidates(indexed: Sequence[Candidate], live: Sequence[Holder] | None) -> list[Candidate]:
     """Combine the index's candidates with a worker registry's live (worker, dp rank) list.
 

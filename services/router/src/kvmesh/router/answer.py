@@ -10,8 +10,8 @@ One route, in order:
 2. the match answer (`MatchAnswer`), built by `match_answer` from the local replica's `MatchResult`, from an
    indexer's reply (`parse_match_reply`), or empty for a registered model the index lacks
    (`serves_unindexed`);
-3. `route_answer` — ``load_only`` zeroes the overlaps, the request's ``candidates`` narrow them, the bound
-   chooses (`kvmesh.core.route.select_candidates`), `kvmesh.core.route.decide` picks, each scored holder's
+3. `route_answer` — ``load_only`` zeroes the overlaps, the available reuse is taken over every live holder
+   (`kvmesh.core.route.available_tokens`), the request's ``candidates`` narrow them, the bound chooses (`kvmesh.core.route.select_candidates`), `kvmesh.core.route.decide` picks, each scored holder's
    health (`kvmesh.router.health.holder_state`) may turn ``exact`` into ``degraded``, and the reply (with
    explain when asked) is shaped.
 """
@@ -49,6 +49,7 @@ from kvmesh.core.route import (
     Score,
     Selection,
     apply_override,
+    available_tokens,
     decide,
     route_seed,
     select_candidates,
@@ -237,6 +238,7 @@ def route_answer(
             for c in indexed
         ]
     seed = route_seed(parsed.request_id, body)
+    available = available_tokens(indexed, ranks, block_size=match.block_size)
 
     def loaded(worker_id: str, dp_rank: int) -> bool:
         return (
@@ -315,6 +317,7 @@ def route_answer(
         mode=mode,
         degraded_reason=mode_reason,
         selection=explain_selection(selection) if parsed.explain else None,
+        available_tokens=available,
     )
     return RouteOutcome(selection=selection, mode=mode, reply=reply, routed=routed)
 
@@ -331,9 +334,10 @@ def route_reply(
     mode: str,
     degraded_reason: str | None,
     selection: SelectionExplain | None,
+    available_tokens: int = 0,
 ) -> RouteReply:
-    """Return the reply: the winner, the mode and why not exact, and with explain each score and the
-    selection."""
+    """Return the reply: the winner, the available reuse (at least the winner's cached tokens), the mode and
+    why not exact, and with explain each score and the selection."""
     w = decision.winner
     return RouteReply(
         request_id=parsed.request_id,
@@ -341,6 +345,7 @@ def route_reply(
         dp_rank=w.dp_rank,
         overlap_blocks=w.overlap_blocks,
         cached_tokens=w.overlap_tokens,
+        available_tokens=max(available_tokens, w.overlap_tokens),
         block_size=match.block_size,
         index_seq=match.index_seq,
         scores=[

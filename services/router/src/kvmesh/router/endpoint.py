@@ -215,6 +215,12 @@ class RouteEndpoint:
             )
             return
         self.routed += 1
+        self.ledger.answered(
+            reply.worker_id,
+            reply.dp_rank,
+            available_tokens=reply.available_tokens or 0,
+            captured_tokens=reply.cached_tokens,
+        )
         await req.respond(data)
 
     def _reply_limit(self) -> int:
@@ -275,7 +281,7 @@ class RouteEndpoint:
         assert outcome.reply is not None
         self.modes[outcome.mode] = self.modes.get(outcome.mode, 0) + 1
         if outcome.routed is not None:
-            await self.notes.routed(outcome.routed)
+            await self.notes.routed(outcome.routed, captured_tokens=outcome.reply.cached_tokens)
         return outcome.reply
 
     def _note_bound(self, model: str, selection: Selection) -> None:

@@ -4,7 +4,9 @@ Plain subscriptions (no queue group), so every replica sees every note:
 
 * ``<requests_prefix>.routed`` — `Routed`, published by the replica that routed a request with a
   ``request_id`` (after recording it itself, before it replies: `LifecycleNotes.routed`);
-* ``<requests_prefix>.prefill_done`` / ``.finished`` — `RequestRef`, published by clients;
+* ``<requests_prefix>.prefill_done`` / ``.finished`` — `RequestRef`, published by clients; a ``finished``
+  note's ``cached_tokens`` (the engine's count) is counted as delivered by the replica that answered the
+  request only (`kvmesh.core.load.LoadLedger.finished`), so a request is delivered once across replicas;
 * ``<requests_prefix>.sync`` — a starting replica asks its peers for their ledger (`LedgerSnapshot`,
   msgpack); it subscribes to the notes first, so nothing falls between the snapshot and the live notes;
 * ``<load_prefix>.<worker>`` — engine load reports (`WorkerLoad`, JSON).
@@ -93,9 +95,13 @@ class LifecycleNotes:
         """Answer later replicas' sync requests with this replica's ledger; return the subscription."""
         return await nc.subscribe(self._subject("sync"), cb=self._on_sync)
 
-    async def routed(self, event: Routed) -> None:
-        """Record a request this replica routed and tell every replica (before the client hears back)."""
-        self.ledger.routed(event, self._clock())
+    async def routed(self, event: Routed, *, captured_tokens: int) -> None:
+        """Record a request this replica routed and tell every replica (before the client hears back).
+
+        ``captured_tokens`` (the reply's ``cached_tokens``) makes the request's receipt this replica's: its
+        ``finished`` note's delivered count is compared with it here.
+        """
+        self.ledger.routed(event, self._clock(), captured_tokens=captured_tokens)
         if self._nc is None:
             return
         with contextlib.suppress(nats.errors.Error):
@@ -134,7 +140,7 @@ class LifecycleNotes:
     async def _on_finished(self, msg: Msg) -> None:
         ref = self._ref(msg, "finished")
         if ref is not None:
-            self.ledger.finished(ref.request_id, self._clock())
+            self.ledger.finished(ref.request_id, self._clock(), cached_tokens=ref.cached_tokens)
 
     def _ref(self, msg: Msg, event: str) -> RequestRef | None:
         """The note's `RequestRef`, or None (logged, counted in `undecodable`) when it does not decode."""

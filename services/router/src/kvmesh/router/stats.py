@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.core import load
-from kvmesh.core.protocol import HolderStatus, LedgerStats, RouterIndexStats, RouterStats
+from kvmesh.core.index import Holder
+from kvmesh.core.protocol import HolderStatus, LedgerStats, RouteReceipts, RouterIndexStats, RouterStats
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,7 +80,8 @@ def router_stats(
     index: RouterIndexStats,
 ) -> RouterStats:
     """Return the route endpoint's stats: replies, error replies per code, the shared ledger's counters and
-    in-flight requests, engine reports held, replies per mode, candidates cut per model, and ``index``."""
+    in-flight requests, engine reports held, replies per mode, candidates cut per model, ``index``, and the
+    route receipts of the routes this replica answered (`route_receipts`)."""
     return RouterStats(
         routed=routed,
         errors=dict(errors),
@@ -95,4 +97,22 @@ def router_stats(
         modes=dict(modes),
         candidates_cut=dict(candidates_cut),
         index=index,
+        receipts=route_receipts(ledger.receipts),
     )
+
+
+def route_receipts(receipts: Mapping[Holder, load.Receipts]) -> dict[str, RouteReceipts]:
+    """Return the receipts keyed ``"worker/rank"`` (sorted), as `RouterStats.receipts` carries them."""
+    return {
+        f"{h.worker_id}/{h.dp_rank}": RouteReceipts(
+            requests=r.requests,
+            available_tokens=r.available_tokens,
+            captured_tokens=r.captured_tokens,
+            regret_tokens=r.regret_tokens,
+            delivered_requests=r.delivered_requests,
+            delivered_tokens=r.delivered_tokens,
+            misprediction_tokens=r.misprediction_tokens,
+            unpredicted_tokens=r.unpredicted_tokens,
+        )
+        for h, r in sorted(receipts.items())
+    }

@@ -19,6 +19,7 @@ from kvmesh.ops.replies import gather_replies
 from kvmesh.ops.report import decode_router_service
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.service import RouterService
+from kvmesh.runtime.metrics import parse_exposition
 from kvmesh.runtime.nats import connect
 from kvmesh.runtime.vllm_metrics import publish_load
 
@@ -40,8 +41,8 @@ class Replicas:
         self.routers: list[RouterService] = []
         self.tasks: list[asyncio.Task[None]] = []
 
-    async def start_router(self) -> Router:
-        """Start one more replica on its own route subject; return a client of it."""
+    async def start_router(self, **kw: Any) -> Router:
+        """Start one more replica on its own route subject (extra settings ``kw``); return a client of it."""
         i = len(self.routers)
         svc = RouterService(
             RouterSettings(
@@ -52,6 +53,7 @@ class Replicas:
                 load_prefix=f"t{self.uid}.load",
                 index="remote",
                 use_registry=False,
+                **kw,
             )
         )
         self.routers.append(svc)
@@ -208,3 +210,70 @@ async def test_an_older_finish_note_without_cached_tokens_still_finishes(nats_ur
         assert (await f.receipts(0))["a/0"].delivered_requests == 0
         with pytest.raises(ValueError, match="cached_tokens must be an int >= 0"):
             await client.finish("old", cached_tokens=-1)
+
+
+# ---------------------------------------------------------------------------------------- metrics
+
+
+async def scrape(port: int) -> dict[str, float]:
+    """The router's Prometheus exposition, parsed (`kvmesh.runtime.metrics.parse_exposition`)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return parse_exposition(body.decode())
+
+
+async def test_routes_and_receipts_move_the_router_metrics_by_exactly_what_was_done(
+    nats_url: str, uid: str
+) -> None:
+    """Scraped from the router's --metrics-port: n routes raise the route counter by n and each stage's
+    latency count by n; the receipts' counters hold the delivered 48 tokens of 2 requests, the regret of a busy
+    best holder, and the busy skip."""
+    async with replicas(nats_url, uid) as f:
+        client = await f.start_router(metrics_port=0)
+        svc = f.routers[0]
+        assert svc.metrics is not None and svc.metrics.port is not None
+        if svc.endpoint.metrics is None:  # the service wires it where it declares its metrics
+            svc.endpoint.use_metrics(svc.metrics)
+        before = await scrape(svc.metrics.port)
+        for rid in ("m1", "m2", "m3"):
+            await client.route("m", PROMPT, request_id=rid)
+        await client.finish("m1", cached_tokens=16)
+        await client.finish("m2", cached_tokens=32)
+        await publish_load(f.nc, WorkerLoad(worker_id="a", kv_usage=0.99), prefix=f"t{uid}.load")
+        await until(lambda: svc.engine_loads.get("a", 0, time.monotonic()) is not None)
+        await until(lambda: svc.ledger.stats().finished == 2)
+        await client.route("m", PROMPT)  # to b: a is busy
+        after = await scrape(svc.metrics.port)
+    a, b = 'dp_rank="0",worker_id="a"', 'dp_rank="0",worker_id="b"'
+
+    def moved(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert moved('kvmesh_router_routes_total{mode="exact"}') == 4
+    for stage in ("decode", "match", "decision", "total"):
+        assert moved(f'kvmesh_router_route_seconds_count{{stage="{stage}"}}') == 4
+    assert moved("kvmesh_router_route_candidates_count") == 4
+    assert {k: after[k] for k in after if "_tokens_total" in k or "_requests_total" in k} == {
+        f"kvmesh_router_chosen_requests_total{{{a}}}": 3,
+        f"kvmesh_router_available_tokens_total{{{a}}}": 192,
+        f"kvmesh_router_captured_tokens_total{{{a}}}": 192,
+        f"kvmesh_router_regret_tokens_total{{{a}}}": 0,
+        f"kvmesh_router_delivered_requests_total{{{a}}}": 2,
+        f"kvmesh_router_delivered_tokens_total{{{a}}}": 48,
+        f"kvmesh_router_misprediction_tokens_total{{{a}}}": 80,
+        f"kvmesh_router_unpredicted_tokens_total{{{a}}}": 0,
+        f"kvmesh_router_chosen_requests_total{{{b}}}": 1,
+        f"kvmesh_router_available_tokens_total{{{b}}}": 64,
+        f"kvmesh_router_captured_tokens_total{{{b}}}": 0,
+        f"kvmesh_router_regret_tokens_total{{{b}}}": 64,
+        f"kvmesh_router_delivered_requests_total{{{b}}}": 0,
+        f"kvmesh_router_delivered_tokens_total{{{b}}}": 0,
+        f"kvmesh_router_misprediction_tokens_total{{{b}}}": 0,
+        f"kvmesh_router_unpredicted_tokens_total{{{b}}}": 0,
+    }
+    assert after[f"kvmesh_router_busy_skips_total{{{a}}}"] == 1

@@ -197,6 +197,8 @@ class RouteOutcome:
     reply: RouteReply | None = None
     routed: Routed | None = None
     """The lifecycle note of a request with a ``request_id``: record it, then tell every replica."""
+    busy_skipped: tuple[Holder, ...] = ()
+    """Candidates passed over because their engine reported them busy while another was free."""
 
 
 def route_answer(
@@ -319,7 +321,15 @@ def route_answer(
         selection=explain_selection(selection) if parsed.explain else None,
         available_tokens=available,
     )
-    return RouteOutcome(selection=selection, mode=mode, reply=reply, routed=routed)
+    busy: list[Holder] = []
+    if not w.busy:  # busy candidates sort last when another is free
+        for s in reversed(decision.scores):
+            if not s.busy:
+                break
+            busy.append(Holder(s.worker_id, s.dp_rank))
+    return RouteOutcome(
+        selection=selection, mode=mode, reply=reply, routed=routed, busy_skipped=tuple(reversed(busy))
+    )
 
 
 # ---------------------------------------------------------------------------------------- reply

@@ -55,7 +55,9 @@ from kvmesh.router.answer import (
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.health import RecordLike, heartbeat_late_after, holders_status, index_mode
 from kvmesh.router.local_index import LocalIndex
+from kvmesh.router.metrics import RouteMetrics
 from kvmesh.router.notes import LifecycleNotes
+from kvmesh.runtime.metrics import ServiceMetrics
 from kvmesh.runtime.nats import count_endpoint_error
 from kvmesh.runtime.registry import RegistryWatcher
 
@@ -113,10 +115,16 @@ class RouteEndpoint:
         """Route replies per mode."""
         self.bounded: dict[str, int] = {}
         """Model → live candidates cut from its last route beyond ``--max-candidates`` (warned once each)."""
+        self.metrics: RouteMetrics | None = None
+        """Per-route latency, candidates and busy skips (`use_metrics`); None: nothing is timed."""
 
     def bind(self, nc: Client) -> None:
         """Use ``nc`` for match queries and replies."""
         self._nc = nc
+
+    def use_metrics(self, metrics: ServiceMetrics) -> None:
+        """Record each route's stage latencies, candidates and busy skips in ``metrics``."""
+        self.metrics = RouteMetrics(metrics)
 
     async def drain(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the routes being answered."""
@@ -186,6 +194,7 @@ class RouteEndpoint:
 
     async def _serve_route(self, req: Request) -> None:
         request_id: str | None = None
+        m, t0 = self.metrics, time.perf_counter()
         try:
             try:
                 parsed = parse_route_request(
@@ -193,6 +202,8 @@ class RouteEndpoint:
                 )
             except RequestError as exc:
                 raise BadRequestError(str(exc)) from exc
+            if m is not None:
+                m.lap("decode", t0)
             request_id = parsed.request_id
             reply = await self._route(parsed, req.data)
         except RouteError as exc:
@@ -222,6 +233,8 @@ class RouteEndpoint:
             captured_tokens=reply.cached_tokens,
         )
         await req.respond(data)
+        if m is not None:
+            m.lap("total", t0)
 
     def _reply_limit(self) -> int:
         """Largest reply body we send: the server closes a connection that publishes more than its max payload
@@ -245,6 +258,7 @@ class RouteEndpoint:
         refusal = refuse_without_live_ranks(parsed, ranks)
         if refusal is not None:
             raise refusal
+        m, t = self.metrics, time.perf_counter()
         try:
             match = await self._match(parsed)
         except RouteError as exc:
@@ -253,6 +267,8 @@ class RouteEndpoint:
             replica = self.local.replica if self.local is not None else None
             index_seq = replica.state.applied_seq if replica is not None else 0
             match = match_answer(index_seq, registered_block_size(self.records(), parsed.model), ())
+        if m is not None:
+            t = m.lap("match", t)
         now = self._clock()
         mode = self.index_mode(now)
         self.ledger.expire(now)
@@ -274,6 +290,9 @@ class RouteEndpoint:
             records=self.records(),
             heartbeat_late_s=self.heartbeat_late_s(),
         )
+        if m is not None:
+            m.lap("decision", t)
+            m.route(len(outcome.selection.candidates) if outcome.selection else 0, outcome.busy_skipped)
         if outcome.selection is not None:
             self._note_bound(parsed.model, outcome.selection)
         if outcome.error is not None:

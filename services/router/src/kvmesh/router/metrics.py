@@ -1,14 +1,38 @@
-"""The router's Prometheus metrics, from its ``$SRV.STATS`` data (sans I/O: no NATS, loop or clock).
+"""The router's Prometheus metrics, from its ``$SRV.STATS`` data (no NATS or event loop).
 
 `INSTRUMENTS` declares them (name, kind, unit, description: `kvmesh.runtime.metrics.ServiceMetrics.observe`
 rows); `router_samples` gives their values from a `RouterStats`, the counters the route endpoint already keeps.
 The local replica's metrics (``--index local``: ``kvmesh_router_replica_*``, applied sequence, lag, blocks
 per worker and tier) are `kvmesh.runtime.metrics.replica_instruments`, shared with the indexer.
+
+Route receipts (`RouterStats.receipts`, the routes this replica answered), per ``worker_id`` and ``dp_rank``,
+as token counters (the exporter adds ``_total``): ``kvmesh_router_available_tokens``, ``…_captured_tokens``,
+``…_regret_tokens`` (available − captured), ``…_delivered_tokens`` (the engines' counts reported with
+``Router.finish(..., cached_tokens=...)``), ``…_misprediction_tokens`` (captured beyond delivered, over the
+requests with a delivered count), ``…_unpredicted_tokens`` (delivered beyond captured), and the requests:
+``kvmesh_router_chosen_requests`` (routes answered with the worker) and ``kvmesh_router_delivered_requests``.
+A hit ratio is a ratio of two of these counters' rates, never a mean of ratios.
+
+`RouteMetrics` holds what is recorded per route when metrics are on (the endpoint checks one ``None``
+otherwise): the latency histogram ``kvmesh_router_route_seconds`` by ``stage`` (``decode``: parsing the
+request; ``match``: the index's answer, prompt hashing included, since the index hashes lazily while it
+matches, or the indexers' round trip with ``--index remote``; ``decision``: candidates, costs and the reply;
+``total``: from the request's arrival to its reply being sent), ``kvmesh_router_route_candidates`` (candidates
+scored per route) and ``kvmesh_router_busy_skips`` (per ``worker_id``, ``dp_rank``: candidates passed over
+because their engine reported them busy while another was free).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvmesh.core.index import Holder
 from kvmesh.core.protocol import RouterStats
+
+if TYPE_CHECKING:
+    from kvmesh.runtime.metrics import ServiceMetrics
 
 Row = tuple[str, str, str, str]
 Sample = tuple[dict[str, str], float]
@@ -25,6 +49,49 @@ INSTRUMENTS: tuple[Row, ...] = (
     ("kvmesh_router_candidates_cut", "gauge", "{candidate}", "candidates cut from the last bounded route"),
     ("kvmesh_router_route_mode", "gauge", "1", "1 for the mode a route would get now"),
     ("kvmesh_router_holders_not_exact", "gauge", "{holder}", "holders stale or incomplete"),
+    ("kvmesh_router_chosen_requests", "counter", "{request}", "routes answered with this worker"),
+    (
+        "kvmesh_router_available_tokens",
+        "counter",
+        "{token}",
+        "most prompt tokens any live candidate had cached, summed over the routes answered with this worker",
+    ),
+    (
+        "kvmesh_router_captured_tokens",
+        "counter",
+        "{token}",
+        "prompt tokens cached on the chosen worker as the index saw them, summed over its routes",
+    ),
+    (
+        "kvmesh_router_regret_tokens",
+        "counter",
+        "{token}",
+        "available minus captured tokens: reuse given up by the choice",
+    ),
+    (
+        "kvmesh_router_delivered_requests",
+        "counter",
+        "{request}",
+        "routed requests finished with the engine's count of cached prompt tokens",
+    ),
+    (
+        "kvmesh_router_delivered_tokens",
+        "counter",
+        "{token}",
+        "cached prompt tokens the engine reported for those requests",
+    ),
+    (
+        "kvmesh_router_misprediction_tokens",
+        "counter",
+        "{token}",
+        "captured tokens the engine did not deliver, over the requests with a delivered count",
+    ),
+    (
+        "kvmesh_router_unpredicted_tokens",
+        "counter",
+        "{token}",
+        "delivered tokens beyond the captured ones, over the requests with a delivered count",
+    ),
 )
 """Every observed router metric (besides the local replica's)."""
 
@@ -54,4 +121,94 @@ def router_samples(stats: RouterStats) -> dict[str, list[Sample]]:
             ({"mode": m}, 1.0 if stats.index.route_mode == m else 0.0) for m in _MODES
         ],
         "kvmesh_router_holders_not_exact": [({}, float(stats.index.holders_not_exact))],
+        **receipt_samples(stats),
     }
+
+
+_RECEIPTS: tuple[tuple[str, str], ...] = (
+    ("kvmesh_router_chosen_requests", "requests"),
+    ("kvmesh_router_available_tokens", "available_tokens"),
+    ("kvmesh_router_captured_tokens", "captured_tokens"),
+    ("kvmesh_router_regret_tokens", "regret_tokens"),
+    ("kvmesh_router_delivered_requests", "delivered_requests"),
+    ("kvmesh_router_delivered_tokens", "delivered_tokens"),
+    ("kvmesh_router_misprediction_tokens", "misprediction_tokens"),
+    ("kvmesh_router_unpredicted_tokens", "unpredicted_tokens"),
+)
+
+
+def receipt_samples(stats: RouterStats) -> dict[str, list[Sample]]:
+    """The route receipts' counters per ``worker_id`` and ``dp_rank`` (from ``"worker/rank"`` keys)."""
+    out: dict[str, list[Sample]] = {name: [] for name, _ in _RECEIPTS}
+    for key, r in stats.receipts.items():
+        worker, _, rank = key.rpartition("/")
+        labels = {"worker_id": worker, "dp_rank": rank}
+        for name, field in _RECEIPTS:
+            out[name].append((labels, float(getattr(r, field))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- per route
+
+ROUTE_SECONDS = "kvmesh_router_route_seconds"
+CANDIDATES_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""Upper bounds of the candidates-per-route histogram (the default ``--max-candidates`` is 1,024)."""
+ROUTE_INSTRUMENTS: tuple[Row, ...] = (
+    (
+        "kvmesh_router_busy_skips",
+        "counter",
+        "{candidate}",
+        "candidates passed over because their engine reported them busy while another was free",
+    ),
+)
+"""The observed metrics `RouteMetrics` declares."""
+
+_STAGES = {stage: {"stage": stage} for stage in ("decode", "match", "decision", "total")}
+
+
+class RouteMetrics:
+    """What the route endpoint records per route (only when the router serves metrics).
+
+    Args:
+        metrics: the router's `ServiceMetrics` (its histograms are created here; ``kvmesh_router_busy_skips`` is
+            observed from `busy_skips`).
+
+    Cost per route, measured: see ``docs/benchmarks.md`` (route latency with metrics on and off).
+    """
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self._seconds = metrics.histogram(
+            ROUTE_SECONDS, "route latency by stage: decode, match (hashing included), decision, total"
+        )
+        # ServiceMetrics.histogram is for seconds; a count histogram needs the meter itself.
+        self._candidates = metrics._meter.create_histogram(
+            "kvmesh_router_route_candidates",
+            unit="{candidate}",
+            description="candidates scored per route",
+            explicit_bucket_boundaries_advisory=list(CANDIDATES_BUCKETS),
+        )
+        self.busy_skips: dict[Holder, int] = {}
+        """(worker, dp rank) → candidates passed over as busy."""
+        metrics.observe(self.samples, ROUTE_INSTRUMENTS)
+
+    def lap(self, stage: str, since: float) -> float:
+        """Record a stage (``decode``, ``match``, ``decision`` or ``total``) that began at ``since``
+        (`time.perf_counter` seconds); return the time now, where the next stage begins."""
+        now = time.perf_counter()
+        self._seconds.record(now - since, _STAGES[stage])
+        return now
+
+    def route(self, candidates: int, busy: Sequence[Holder]) -> None:
+        """Record one decided route: the candidates it scored and those it skipped as busy."""
+        self._candidates.record(candidates)
+        for h in busy:
+            self.busy_skips[h] = self.busy_skips.get(h, 0) + 1
+
+    def samples(self) -> dict[str, list[Sample]]:
+        """The values of `ROUTE_INSTRUMENTS`."""
+        return {
+            "kvmesh_router_busy_skips": [
+                ({"worker_id": h.worker_id, "dp_rank": str(h.dp_rank)}, float(n))
+                for h, n in sorted(self.busy_skips.items())
+            ]
+        }

@@ -9,10 +9,12 @@ codes ``bad_request`` (400) and ``unknown_model`` (404). Status: `IndexerStatus`
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import nats.errors
@@ -23,7 +25,25 @@ from kvmesh.core.errors import RequestError, UnknownModelError, clip_echo
 from kvmesh.core.protocol import ERROR_STATUS, IndexerStatus, MatchRequest
 from kvmesh.core.state import IndexState
 from kvmesh.indexer import policy
+from kvmesh.indexer.metrics import INSTRUMENTS, MATCH_LATENCY, PREFIX, IndexerFigures, indexer_samples
+from kvmesh.runtime.metrics import (
+    Samples,
+    ServiceMetrics,
+    StreamLag,
+    replica_instruments,
+    replica_samples,
+    replica_view,
+    start_metrics,
+)
 from kvmesh.runtime.replica import StreamReplica
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Histogram
+
+    from kvmesh.indexer.service import IndexerService
+
+LAG_CHECK_S = 1.0
+"""Seconds between two reads of the stream's last sequence, with metrics on (the replica's lag)."""
 
 
 class MatchEndpoint:
@@ -32,20 +52,32 @@ class MatchEndpoint:
     Args:
         replica: this replica's name (in every reply).
         state: returns the index state to match against (a replica replaces its state when it rebuilds).
+        latency: seconds per match, by outcome (None: not measured).
     """
 
-    def __init__(self, replica: str, state: Callable[[], IndexState]) -> None:
+    def __init__(
+        self, replica: str, state: Callable[[], IndexState], latency: Histogram | None = None
+    ) -> None:
         self.replica = replica
         self._state = state
         self._encoder = msgspec.msgpack.Encoder()
+        self._latency = latency
 
     async def handle(self, req: Request) -> None:
         """Answer one match request (a bad one with ``bad_request``, an unserved model with ``unknown_model``)."""
+        if self._latency is None:
+            await self._handle(req)
+            return
+        t0 = time.perf_counter()
+        outcome = await self._handle(req)
+        self._latency.record(time.perf_counter() - t0, {"outcome": outcome})
+
+    async def _handle(self, req: Request) -> str:
         try:
             query = protocol.decode(req.data, MatchRequest, format="msgpack")
         except RequestError as exc:
             await self._error(req, "bad_request", str(exc))
-            return
+            return "bad_request"
         try:
             tokens = query.token_ids
             result = self._state().match(
@@ -56,11 +88,12 @@ class MatchEndpoint:
             )
         except UnknownModelError:
             await self._error(req, "unknown_model", f"no worker serves model {query.model!r}")
-            return
+            return "unknown_model"
         except RequestError as exc:
             await self._error(req, "bad_request", str(exc))
-            return
+            return "bad_request"
         await req.respond(protocol.encode(policy.match_reply(result, self.replica), format="msgpack"))
+        return "ok"
 
     async def _error(self, req: Request, code: str, message: str) -> None:
         message = clip_echo(message)  # it may repeat the request's model name
@@ -124,3 +157,76 @@ def status_responder(status: Callable[[], IndexerStatus]) -> Callable[[Any], Awa
                 await msg.respond(protocol.encode(status()))
 
     return on_status
+
+
+class IndexerMetrics:
+    """An indexer's Prometheus endpoint (``--metrics-port``): its replica's figures, its own
+    (`kvmesh.indexer.metrics`) and the match latency; `watch` reads the stream's last sequence every
+    `LAG_CHECK_S` (the lag) and notes when this replica writes a snapshot (its age)."""
+
+    def __init__(self, service: IndexerService, metrics: ServiceMetrics) -> None:
+        self._service = service
+        self.metrics = metrics
+        self.lag = StreamLag()
+        self.match_latency: Histogram = metrics.histogram(MATCH_LATENCY, "seconds to answer a match query")
+        self._written = 0
+        self._written_at: float | None = None
+        metrics.observe(self._replica_samples, replica_instruments(PREFIX))
+        metrics.observe(self._own_samples, INSTRUMENTS)
+
+    @classmethod
+    async def open(cls, service: IndexerService) -> IndexerMetrics | None:
+        """Serve the service's metrics on its ``--metrics-port`` (None when unset: nothing is created).
+
+        Raises:
+            OSError: the port is taken.
+        """
+        made: list[IndexerMetrics] = []
+        metrics = await start_metrics(
+            "indexer", service.settings.metrics_port, lambda m: made.append(cls(service, m))
+        )
+        return made[0] if metrics is not None else None
+
+    async def watch(self, js: Any) -> None:
+        """Read the stream's last sequence every `LAG_CHECK_S` (NATS errors skip a read) until cancelled."""
+        stream = self._service.settings.stream
+        while True:
+            with contextlib.suppress(Exception):
+                info = await js.stream_info(stream)
+                self.lag.note(int(info.state.last_seq), time.monotonic())
+            self._note_snapshot()
+            await asyncio.sleep(LAG_CHECK_S)
+
+    def _note_snapshot(self) -> None:
+        written = int(self._service.snapshots.get("written", 0))
+        if written != self._written:
+            self._written, self._written_at = written, time.monotonic()
+
+    def _replica_samples(self) -> Samples:
+        svc = self._service
+        reader = svc._replica  # None before it connected
+        if reader is None:
+            return {}
+        lag = self.lag.lag(reader.state.applied_seq, time.monotonic())
+        view = replica_view(reader, stream_last_seq=self.lag.stream_last_seq, lag=lag)
+        return replica_samples(PREFIX, view, {"replica": svc.replica})
+
+    def _own_samples(self) -> Samples:
+        svc = self._service
+        self._note_snapshot()
+        writer = svc._writer
+        return indexer_samples(
+            IndexerFigures(
+                replica=svc.replica,
+                ready=svc.ready.is_set(),
+                snapshot_writer=writer is not None and writer.lease.held,
+                snapshots=svc.snapshots,
+                snapshot_age_s=None if self._written_at is None else time.monotonic() - self._written_at,
+                pending_messages=svc._schedule.since,
+                removals_published=svc.removals_published,
+            )
+        )
+
+    async def aclose(self) -> None:
+        """Stop serving."""
+        await self.metrics.aclose()

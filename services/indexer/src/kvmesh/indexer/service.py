@@ -34,7 +34,7 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 from kvmesh.core.protocol import IndexerStatus
 from kvmesh.core.state import IndexState
 from kvmesh.indexer.config import IndexerSettings
-from kvmesh.indexer.endpoints import MatchEndpoint, status_reply, status_responder
+from kvmesh.indexer.endpoints import IndexerMetrics, MatchEndpoint, status_reply, status_responder
 from kvmesh.indexer.members import RegistryWatch
 from kvmesh.indexer.policy import SnapshotSchedule
 from kvmesh.indexer.writer import SnapshotWriter, check_retention, new_stats
@@ -90,6 +90,8 @@ class IndexerService:
         )
         self.snapshots: dict[str, Any] = new_stats()
         """Snapshots written by this replica (`kvmesh.indexer.writer.new_stats`)."""
+        self.metrics: IndexerMetrics | None = None
+        """The Prometheus endpoint (None with ``--metrics-port`` unset)."""
 
     # The replica's state and counters (an empty state until `run()` has connected).
 
@@ -133,8 +135,11 @@ class IndexerService:
         s = self.settings
         self._nc = nc = await connect(s.nats_url, name=f"kvmesh-indexer-{self.replica}", **connect_options(s))
         try:
+            self.metrics = await IndexerMetrics.open(self)
             await self._run(nc)
         finally:
+            if self.metrics is not None:
+                await self.metrics.aclose()
             # Always close the connection, even when start-up failed or a task would not stop: a connection
             # left open outlives its event loop (and, in tests, surfaces as an unclosed socket elsewhere).
             await close_quietly(nc)
@@ -246,7 +251,8 @@ class IndexerService:
                     queue_group=subjects.INDEXER_QUEUE,
                 ),
             )
-            match = MatchEndpoint(self.replica, lambda: self.state)
+            m = self.metrics
+            match = MatchEndpoint(self.replica, lambda: self.state, m.match_latency if m else None)
             await service.add_endpoint(
                 EndpointConfig(name="match", subject=s.match_subject, handler=match.handle)
             )
@@ -278,7 +284,8 @@ class IndexerService:
                     "snapshot lease": writer.hold_lease(),
                     "snapshot writer": writer.run(),
                     "registry watch": watch.run(),
-                },
+                }
+                | ({"metrics lag watch": m.watch(js)} if m else {}),
                 stop=self._stop,
                 name=f"indexer {self.replica}",
                 stop_grace_s=_STOP_TIMEOUT_S,

@@ -232,7 +232,11 @@ class Up:
             self.server = NatsServer(store_dir=self.tmp / "nats").start()
             url = self.server.url
             self.say(f"started nats-server with JetStream at {url} (store in a temporary directory)")
-        base = a.base_port or _free_base_port(20 * a.workers + 11)
+        base = a.base_port or _free_base_port(20 * a.workers + 13 + a.workers)
+        metrics = base + 20 * a.workers + 11  # one Prometheus port per service after the engines' ports
+        ports = {"indexer": metrics, "router": metrics + 1} | {
+            f"ingest-{i}": metrics + 2 + i for i in range(a.workers)
+        }
         self.children.spawn(
             "sim",
             "-m",
@@ -271,20 +275,27 @@ class Up:
                 f"tcp://127.0.0.1:{port + 10}",
                 "--block-size",
                 str(a.block_size),
+                "--metrics-port",
+                str(ports[f"ingest-{i}"]),
                 *ns.service_args(),
             )
         self.children.spawn(
             "indexer", "-m", "kvmesh.indexer", "--nats-url", url, *ns.service_args(),
-            "--match-subject", ns.match_subject,
+            "--match-subject", ns.match_subject, "--metrics-port", str(ports["indexer"]),
         )  # fmt: skip
         self.children.spawn(
             "router", "-m", "kvmesh.router", "--nats-url", url, *ns.service_args(),
             "--match-subject", ns.match_subject, "--route-subject", ns.route_subject,
             "--requests-prefix", ns.requests_prefix, "--load-prefix", ns.load_prefix,
+            "--metrics-port", str(ports["router"]),
         )  # fmt: skip
         self.say(
             f"started {a.workers} simulated workers, {a.workers} ingests, an indexer and a router "
             f"(logs in {self.log_dir if a.log_dir else 'a temporary directory'})"
+        )
+        self.say(
+            "metrics (Prometheus): "
+            + ", ".join(f"{name} http://127.0.0.1:{port}/metrics" for name, port in ports.items())
         )
         return url
 

@@ -2,7 +2,9 @@
 
 Every policy serves the same requests on the same fleet: N `kvmesh.sim.timing.TimedWorker` engines (vLLM-like
 block pools with a timing model), in simulated time. Per policy it reports the prefix-cache hit ratio, the
-simulated time to first token (p50/p99), the simulated request rate, and, for kvmesh, the route latency.
+simulated time to first token (p50/p99), the simulated request rate, for kvmesh the route latency, and the
+route receipts in tokens: *available* (the most any worker had cached), *captured* (the chosen worker's, as
+the policy saw it) and *delivered* (the engine's own count; kvmesh passes it to ``Router.finish``).
 
 Timing rule (the same dispatch path for every policy, `_Fleet`): a request's TTFT counts from its trace
 arrival time. At that simulated time the policy decides, seeing the fleet as it is then; the request reaches
@@ -102,6 +104,13 @@ class PolicyResult:
     """At each arrival, the running requests of the fleet's busiest worker (the decode batch a skewed policy
     builds: in a real engine a larger batch means slower tokens for every request in it)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    available_tokens: int = 0
+    """Route receipts: the most prompt tokens any worker had cached, summed over the requests (for ``kvmesh``
+    the router's ``available_tokens``; in-process policies: the pools' truth at the decision)."""
+    captured_tokens: int = 0
+    """The chosen worker's cached tokens as the policy saw them (``kvmesh``: the reply's ``cached_tokens``).
+    Delivered tokens are ``cached_tokens``: the engines' own count, which ``kvmesh`` reports to the router
+    with ``Router.finish(..., cached_tokens=...)``."""
 
     @property
     def hit_ratio(self) -> float:
@@ -195,6 +204,8 @@ class _Fleet:
         self._pending: list[tuple[float, int, int, _Prepared]] = []
         self._notes: list[tuple[float, int, int, int, str]] = []
         self._serial = 0
+        self.delivered: dict[str, int] = {}
+        """Request id → the engine's cached prompt tokens, once the request finished (what ``finish`` reports)."""
 
     def _next_serial(self) -> int:
         self._serial += 1
@@ -246,6 +257,7 @@ class _Fleet:
                 )
         for t in w.take_finished():
             self.result.add(t)
+            self.delivered[t.request_id] = t.cached_tokens
             if t.finished_s is not None:
                 self.last_finish_s = max(self.last_finish_s, t.finished_s)
             at_s = t.finished_s if t.finished_s is not None else now_s
@@ -360,7 +372,11 @@ def simulate_policy(
         p = _prepare(req, i, t0_ms)
         chooser.observe(fleet.advance(p.arrival_s))
         fleet.sample()
-        fleet.send(p, chooser.choose(i, p), 0.0)
+        k = chooser.choose(i, p)
+        hits = [w.pool.match_prefix(p.tokens) for w in fleet.workers]
+        result.available_tokens += max(hits, default=0)
+        result.captured_tokens += hits[k]
+        fleet.send(p, k, 0.0)
     fleet.advance(math.inf)
     fleet.close(0.0)
     result.wall_s = time.perf_counter() - start
@@ -481,10 +497,10 @@ async def run_kvmesh(
                         late.append(-delay)
                     if kind == _EVENTS:
                         pipe.publishers[k].publish(payload.events)
-                    else:
-                        _fire(
-                            tasks, router, "mark_prefill_done" if kind == _PREFILL_DONE else "finish", payload
-                        )
+                    elif kind == _PREFILL_DONE:
+                        _fire(tasks, router.mark_prefill_done(payload))
+                    else:  # the engine's count of cached prompt tokens: the route's delivered reuse
+                        _fire(tasks, router.finish(payload, cached_tokens=fleet.delivered.pop(payload, None)))
                 await asyncio.sleep(0)
 
             start = time.perf_counter()
@@ -499,6 +515,8 @@ async def run_kvmesh(
                 try:
                     reply = await router.route(MODEL, p.tokens, request_id=p.request_id)
                     k = int(reply.worker_id.removeprefix("sim-"))
+                    result.available_tokens += reply.available_tokens or 0
+                    result.captured_tokens += reply.cached_tokens
                     seen = min(reply.overlap_blocks, (len(p.tokens) - 1) // spec.block_size)
                     overlap.append(seen - fleet.workers[k].pool.match_prefix(p.tokens) // spec.block_size)
                 except RouteError as exc:
@@ -534,8 +552,8 @@ async def run_kvmesh(
         pipe.stop()
 
 
-def _fire(tasks: set[asyncio.Task[Any]], router: Any, method: str, request_id: str) -> None:
-    task = asyncio.ensure_future(getattr(router, method)(request_id))
+def _fire(tasks: set[asyncio.Task[Any]], note: Any) -> None:
+    task = asyncio.ensure_future(note)
     tasks.add(task)
     task.add_done_callback(tasks.discard)
 
@@ -547,8 +565,9 @@ def table(results: Sequence[PolicyResult]) -> str:
     """Return the per-policy Markdown table."""
     rows = [
         "| policy | requests | hit ratio | vs oracle | TTFT p50 (s) | TTFT p99 (s) | requests/s (simulated) "
-        "| routing delay p50 / p99 (ms) | busiest worker's running requests p50 / p99 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| routing delay p50 / p99 (ms) | busiest worker's running requests p50 / p99 "
+        "| available / captured / delivered tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     oracle = next((r for r in results if r.policy == "oracle"), None)
     for r in results:
@@ -565,7 +584,8 @@ def table(results: Sequence[PolicyResult]) -> str:
         )
         rows.append(
             f"| {r.policy} | {r.requests} | {100 * r.hit_ratio:.2f} % | {vs} | {percentile(r.ttft_s, 0.5):.3f} | "
-            f"{percentile(r.ttft_s, 0.99):.3f} | {r.requests_per_s:.2f} | {lat} | {busy} |"
+            f"{percentile(r.ttft_s, 0.99):.3f} | {r.requests_per_s:.2f} | {lat} | {busy} "
+            f"| {r.available_tokens:,} / {r.captured_tokens:,} / {r.cached_tokens:,} |"
         )
     return "\n".join(rows)
 
@@ -613,7 +633,8 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
         )
         say(
             f"  hit ratio {100 * r.hit_ratio:.2f} %, TTFT p50 {percentile(r.ttft_s, 0.5):.3f} s, "
-            f"p99 {percentile(r.ttft_s, 0.99):.3f} s{lat}, {r.wall_s:.1f} s wall"
+            f"p99 {percentile(r.ttft_s, 0.99):.3f} s{lat}, {r.wall_s:.1f} s wall; tokens available "
+            f"{r.available_tokens:,}, captured {r.captured_tokens:,}, delivered {r.cached_tokens:,}"
         )
         results.append(r)
     return results

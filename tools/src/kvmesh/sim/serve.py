@@ -3,7 +3,9 @@
 Each worker is a `SimWorker` (block pool with prefix caching + ZMQ PUB and replay ROUTER). Requests reach
 them over NATS request-reply, standing in for the engine's HTTP API: subject ``kvmesh.sim.<worker>.generate``
 with a msgpack body ``{"token_ids": [...], "output_length": n, "lora_name": ..., "cache_salt": ...}``, reply
-``{"cached_tokens", "prompt_tokens", "worker_id", "dp_rank"}`` (plus the simulated ``queue_s`` and ``ttft_s``
+``{"cached_tokens", "prompt_tokens", "worker_id", "dp_rank"}`` (``cached_tokens`` counted as an engine counts
+it, vLLM's ``usage.prompt_tokens_details.cached_tokens``: whole blocks, never the prompt's last token; what
+a caller passes to ``Router.finish(..., cached_tokens=...)``; plus the simulated ``queue_s`` and ``ttft_s``
 with ``--speed`` > 0, which turns on the `kvmesh.sim.timing.TimingModel`: concurrent requests up to
 ``--max-batch``, prefill and decode delays scaled by ``--speed``) or ``{"error": "..."}``; and
 ``kvmesh.sim.<worker>.reset`` (reset the prefix cache: AllBlocksCleared).

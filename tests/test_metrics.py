@@ -77,7 +77,7 @@ def test_ingest_samples_map_the_status_counters_exactly() -> None:
     """Per rank and per worker, each metric is the status counter it names; undecodable batches are the
     decode errors less the ranks' malformed events."""
     got = ingest_samples(_ingest_status(), reconnects=5)
-    rank = {"worker": W, "dp_rank": "0"}
+    rank = {"worker_id": W, "dp_rank": "0"}
     assert set(got) == {row[0] for row in INGEST_INSTRUMENTS}
     assert got["kvmesh_ingest_batches"] == [(rank, 7.0)]
     assert got["kvmesh_ingest_gaps"] == [(rank, 1.0)]
@@ -96,14 +96,14 @@ def test_ingest_samples_map_the_status_counters_exactly() -> None:
         ({**rank, "reason": "unknown_type"}, 0.0),
     ]
     assert got["kvmesh_ingest_dropped_batches"] == [
-        ({"worker": W, "reason": "outbox"}, 2.0),
-        ({"worker": W, "reason": "bad_dp_rank"}, 1.0),
-        ({"worker": W, "reason": "undecodable"}, 2.0),
-        ({"worker": W, "reason": "bad_replay_topic"}, 0.0),
+        ({"worker_id": W, "reason": "outbox"}, 2.0),
+        ({"worker_id": W, "reason": "bad_dp_rank"}, 1.0),
+        ({"worker_id": W, "reason": "undecodable"}, 2.0),
+        ({"worker_id": W, "reason": "bad_replay_topic"}, 0.0),
     ]
-    assert got["kvmesh_ingest_published"] == [({"worker": W}, 6.0)]
-    assert got["kvmesh_ingest_nats_reconnects"] == [({"worker": W}, 5.0)]
-    assert got["kvmesh_ingest_outbox_messages"] == [({"worker": W}, 4.0)]
+    assert got["kvmesh_ingest_published"] == [({"worker_id": W}, 6.0)]
+    assert got["kvmesh_ingest_nats_reconnects"] == [({"worker_id": W}, 5.0)]
+    assert got["kvmesh_ingest_outbox_messages"] == [({"worker_id": W}, 4.0)]
     assert got["kvmesh_ingest_epoch"] == [(rank, 2.0)]
     assert got["kvmesh_ingest_engine_seq"] == [(rank, 41.0)]
 
@@ -198,9 +198,9 @@ def test_replica_samples_count_blocks_per_worker_rank_and_tier() -> None:
 
 
 def test_the_mapping_modules_import_no_io_event_loop_or_clock() -> None:
-    """The ingest's and the indexer's metrics modules import neither nats, asyncio, time, logging nor the
-    runtime."""
-    for service in ("ingest", "indexer"):
+    """The ingest's, the indexer's and the router's metrics modules import neither nats, asyncio, time,
+    logging nor the runtime."""
+    for service in ("ingest", "indexer", "router"):
         path = ROOT / "services" / service / "src" / "kvmesh" / service / "metrics.py"
         assert io_imports(path) == [], service
 
@@ -214,22 +214,22 @@ async def test_the_exposition_names_counters_total_and_keeps_unit_suffixes() -> 
 
     def read() -> dict[str, list[tuple[dict[str, str], float]]]:
         reads.append(1)
-        return {"kvmesh_x_gaps": [({"worker": W}, 2.0)], "kvmesh_x_lag_seconds": [({}, 0.25)]}
+        return {"kvmesh_x_gaps": [({"worker_id": W}, 2.0)], "kvmesh_x_lag_seconds": [({}, 0.25)]}
 
     metrics.observe(
         read, [("kvmesh_x_gaps", "counter", "{gap}", "g"), ("kvmesh_x_lag_seconds", "gauge", "s", "l")]
     )
-    metrics.histogram("kvmesh_x_latency_seconds", "h").record(0.003, {"worker": W})
+    metrics.histogram("kvmesh_x_latency_seconds", "h").record(0.003, {"worker_id": W})
     port = await metrics.serve(0, "127.0.0.1")
     try:
         text = await asyncio.to_thread(_get, port)
     finally:
         await metrics.aclose()
     values = parse_exposition(text)
-    assert values['kvmesh_x_gaps_total{worker="w"}'] == 2.0
+    assert values['kvmesh_x_gaps_total{worker_id="w"}'] == 2.0
     assert values["kvmesh_x_lag_seconds"] == 0.25
-    assert values['kvmesh_x_latency_seconds_bucket{le="0.005",worker="w"}'] == 1.0
-    assert values['kvmesh_x_latency_seconds_bucket{le="0.0025",worker="w"}'] == 0.0
+    assert values['kvmesh_x_latency_seconds_bucket{le="0.005",worker_id="w"}'] == 1.0
+    assert values['kvmesh_x_latency_seconds_bucket{le="0.0025",worker_id="w"}'] == 0.0
     assert len(reads) == 1
 
 
@@ -315,33 +315,33 @@ async def test_counters_move_by_exactly_what_the_run_caused(
         )  # fmt: skip
         router = _port_of(tmp_path / "router.log", procs)
         await pub.wait_for_subscribers(1, timeout_s=20.0)
-        key = 'kvmesh_ingest_published_total{worker="w"}'
+        key = 'kvmesh_ingest_published_total{worker_id="w"}'
         base = await _until(ingest, key, 1.0)  # the rank's announcement
         for i in range(3):
             pub.publish([stored([10 + i], blk(T, i), parent=(10 + i - 1) if i else None)])
         got = await _until(ingest, key, base[key] + 3)
-        assert got['kvmesh_ingest_batches_total{dp_rank="0",worker="w"}'] == 3.0
-        assert got['kvmesh_ingest_events_total{dp_rank="0",kind="stored",worker="w"}'] == 3.0
-        gaps, replays = (f'kvmesh_ingest_{n}_total{{dp_rank="0",worker="w"}}' for n in ("gaps", "replays"))
+        assert got['kvmesh_ingest_batches_total{dp_rank="0",worker_id="w"}'] == 3.0
+        assert got['kvmesh_ingest_events_total{dp_rank="0",kind="stored",worker_id="w"}'] == 3.0
+        gaps, replays = (f'kvmesh_ingest_{n}_total{{dp_rank="0",worker_id="w"}}' for n in ("gaps", "replays"))
         assert (got[gaps], got[replays]) == (0.0, 0.0)
         pub.drop_next(1)
         pub.publish([stored([20], blk(U, 0))])  # dropped: a gap the next batch reveals
         pub.publish([stored([21], blk(U, 1), parent=20)])
         after_gap = await _until(ingest, key, got[key] + 2)
         assert (after_gap[gaps], after_gap[replays]) == (1.0, 1.0)
-        assert after_gap['kvmesh_ingest_resyncs_total{dp_rank="0",worker="w"}'] == 0.0
-        rejected = 'kvmesh_ingest_rejected_events_total{dp_rank="0",reason="block_size",worker="w"}'
+        assert after_gap['kvmesh_ingest_resyncs_total{dp_rank="0",worker_id="w"}'] == 0.0
+        rejected = 'kvmesh_ingest_rejected_events_total{dp_rank="0",reason="block_size",worker_id="w"}'
         assert after_gap[rejected] == 0.0
         pub.publish([stored([30], list(range(500, 508)), block_size=2 * BS)])
         after_reject = await _until(ingest, rejected, 1.0)
-        assert after_reject['kvmesh_ingest_engine_seq{dp_rank="0",worker="w"}'] == 5.0  # seqs 0-5
+        assert after_reject['kvmesh_ingest_engine_seq{dp_rank="0",worker_id="w"}'] == 5.0  # seqs 0-5
         nc = await connect(nats_url, name="test-metrics")
         try:
             js = nc.jetstream()
             await _until(ingest, key, after_gap[key] + 1)
             last = int((await js.stream_info(f"KVMESH_M_{uid}")).state.last_seq)
             idx = await _until(indexer, 'kvmesh_indexer_applied_seq{replica="idx"}', float(last))
-            assert idx['kvmesh_indexer_blocks{dp_rank="0",replica="idx",tier="gpu",worker="w"}'] == 5.0
+            assert idx['kvmesh_indexer_blocks{dp_rank="0",replica="idx",tier="gpu",worker_id="w"}'] == 5.0
             assert idx['kvmesh_indexer_ready{replica="idx"}'] == 1.0
             await _until(indexer, 'kvmesh_indexer_lag_messages{replica="idx"}', 0.0)
             await _until(router, "kvmesh_router_replica_applied_seq", float(last))
@@ -355,7 +355,7 @@ async def test_counters_move_by_exactly_what_the_run_caused(
             reply = await client.route(MODEL, list(T))
         assert reply.worker_id == W
         routed = await _until(router, 'kvmesh_router_routes_total{mode="exact"}', 1.0)
-        assert routed['kvmesh_router_replica_blocks{dp_rank="0",tier="gpu",worker="w"}'] == 5.0
+        assert routed['kvmesh_router_replica_blocks{dp_rank="0",tier="gpu",worker_id="w"}'] == 5.0
     finally:
         pub.close()
 

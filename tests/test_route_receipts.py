@@ -237,8 +237,7 @@ async def test_routes_and_receipts_move_the_router_metrics_by_exactly_what_was_d
         client = await f.start_router(metrics_port=0)
         svc = f.routers[0]
         assert svc.metrics is not None and svc.metrics.port is not None
-        if svc.endpoint.metrics is None:  # the service wires it where it declares its metrics
-            svc.endpoint.use_metrics(svc.metrics)
+        assert svc.endpoint.metrics is not None  # the service records per route when it serves metrics
         before = await scrape(svc.metrics.port)
         for rid in ("m1", "m2", "m3"):
             await client.route("m", PROMPT, request_id=rid)

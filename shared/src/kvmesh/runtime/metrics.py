@@ -148,12 +148,18 @@ class ServiceMetrics:
                 raise ValueError(f"metric {inst.name}: unknown kind {inst.kind!r}")
 
     def histogram(
-        self, name: str, description: str, *, buckets: Sequence[float] = LATENCY_BUCKETS_S
+        self,
+        name: str,
+        description: str,
+        *,
+        buckets: Sequence[float] = LATENCY_BUCKETS_S,
+        unit: str = "s",
     ) -> Histogram:
-        """A latency histogram in seconds (name ending in ``_seconds``; ``buckets``: upper bounds in seconds);
-        record with ``h.record(seconds, attributes)``."""
+        """A histogram: by default of latencies in seconds (name ending in ``_seconds``; ``buckets``: upper
+        bounds in ``unit``); record with ``h.record(value, attributes)``. A count histogram gives its
+        ``unit`` as an annotation (``"{candidate}"``) and its own ``buckets``."""
         return self._meter.create_histogram(
-            name, unit="s", description=description, explicit_bucket_boundaries_advisory=list(buckets)
+            name, unit=unit, description=description, explicit_bucket_boundaries_advisory=list(buckets)
         )
 
     def exposition(self) -> bytes:
@@ -355,7 +361,7 @@ def replica_samples(prefix: str, view: ReplicaView, labels: Mapping[str, str]) -
     for (worker, rank), tier, count, held in _holder_tiers(st):
         orphans += held
         if count or tier == "gpu":
-            blocks.append(({**base, "worker": worker, "dp_rank": str(rank), "tier": tier}, float(count)))
+            blocks.append(({**base, "worker_id": worker, "dp_rank": str(rank), "tier": tier}, float(count)))
     c = st.counters
     return {
         f"{prefix}_applied_seq": [(base, float(st.applied_seq))],

@@ -2,7 +2,7 @@
 
 `INSTRUMENTS` declares them (name, kind, unit, description: `kvmesh.runtime.metrics.ServiceMetrics.observe`
 rows); `ingest_samples` gives their values from an `IngestStatus`, the counters the ingest already keeps.
-Per-rank metrics carry ``worker`` and ``dp_rank`` labels, the ingest's own ones ``worker`` alone. The publish
+Per-rank metrics carry ``worker_id`` and ``dp_rank`` labels, the ingest's own ones ``worker_id`` alone. The publish
 latency histogram (`PUBLISH_LATENCY`) is recorded by `kvmesh.ingest.publish` (send → ack).
 """
 
@@ -74,12 +74,12 @@ def ingest_samples(status: IngestStatus, *, reconnects: int) -> dict[str, list[S
     payload), ``bad_dp_rank`` (a dp_rank this ingest does not read), ``undecodable`` (the batch did not
     decode: the ingest's decode errors less the ranks' malformed events), ``bad_replay_topic``.
     """
-    worker = {"worker": status.worker_id}
+    worker = {"worker_id": status.worker_id}
     c = status.counters
     out: dict[str, list[Sample]] = {row[0]: [] for row in INSTRUMENTS}
     malformed = 0
     for rank_key, r in sorted(status.ranks.items(), key=lambda kv: int(kv[0])):
-        labels = {"worker": status.worker_id, "dp_rank": rank_key}
+        labels = {"worker_id": status.worker_id, "dp_rank": rank_key}
         for name, fld, _u, _d in _PER_RANK:
             out[name].append((labels, float(r.sequence.get(fld, 0))))
         ev = r.events

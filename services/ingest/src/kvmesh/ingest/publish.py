@@ -317,7 +317,7 @@ class Publisher:
 
     def _timer(self, dp_rank: int, sent: float) -> Callable[[asyncio.Future[Any]], None]:
         """A done callback recording the seconds from ``sent`` to a successful ack in `latency`."""
-        hist, loop, labels = self.latency, asyncio.get_running_loop(), {"worker": self.settings.worker_id}
+        hist, loop, labels = self.latency, asyncio.get_running_loop(), {"worker_id": self.settings.worker_id}
         attributes = {**labels, "dp_rank": str(dp_rank)}
 
         def acked(fut: asyncio.Future[Any]) -> None:

@@ -55,8 +55,8 @@ from kvmesh.router.answer import (
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.health import RecordLike, heartbeat_late_after, holders_status, index_mode
 from kvmesh.router.local_index import LocalIndex
-from kvmesh.router.metrics import RouteMetrics
 from kvmesh.router.notes import LifecycleNotes
+from kvmesh.router.route_metrics import RouteMetrics
 from kvmesh.runtime.metrics import ServiceMetrics
 from kvmesh.runtime.nats import count_endpoint_error
 from kvmesh.runtime.registry import RegistryWatcher

@@ -13,8 +13,8 @@ requests with a delivered count), ``…_unpredicted_tokens`` (delivered beyond c
 ``kvmesh_router_chosen_requests`` (routes answered with the worker) and ``kvmesh_router_delivered_requests``.
 A hit ratio is a ratio of two of these counters' rates, never a mean of ratios.
 
-`RouteMetrics` holds what is recorded per route when metrics are on (the endpoint checks one ``None``
-otherwise): the latency histogram ``kvmesh_router_route_seconds`` by ``stage`` (``decode``: parsing the
+What is recorded per route when metrics are on (`kvmesh.router.route_metrics.RouteMetrics`, a shell: it
+reads the clock): the latency histogram ``kvmesh_router_route_seconds`` by ``stage`` (``decode``: parsing the
 request; ``match``: the index's answer, prompt hashing included, since the index hashes lazily while it
 matches, or the indexers' round trip with ``--index remote``; ``decision``: candidates, costs and the reply;
 ``total``: from the request's arrival to its reply being sent), ``kvmesh_router_route_candidates`` (candidates
@@ -24,15 +24,12 @@ because their engine reported them busy while another was free).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvmesh.core.index import Holder
 from kvmesh.core.protocol import RouterStats
 
 if TYPE_CHECKING:
-    from kvmesh.runtime.metrics import ServiceMetrics
+    pass
 
 Row = tuple[str, str, str, str]
 Sample = tuple[dict[str, str], float]
@@ -146,69 +143,3 @@ def receipt_samples(stats: RouterStats) -> dict[str, list[Sample]]:
         for name, field in _RECEIPTS:
             out[name].append((labels, float(getattr(r, field))))
     return out
-
-
-# ---------------------------------------------------------------------------------------- per route
-
-ROUTE_SECONDS = "kvmesh_router_route_seconds"
-CANDIDATES_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-"""Upper bounds of the candidates-per-route histogram (the default ``--max-candidates`` is 1,024)."""
-ROUTE_INSTRUMENTS: tuple[Row, ...] = (
-    (
-        "kvmesh_router_busy_skips",
-        "counter",
-        "{candidate}",
-        "candidates passed over because their engine reported them busy while another was free",
-    ),
-)
-"""The observed metrics `RouteMetrics` declares."""
-
-_STAGES = {stage: {"stage": stage} for stage in ("decode", "match", "decision", "total")}
-
-
-class RouteMetrics:
-    """What the route endpoint records per route (only when the router serves metrics).
-
-    Args:
-        metrics: the router's `ServiceMetrics` (its histograms are created here; ``kvmesh_router_busy_skips`` is
-            observed from `busy_skips`).
-
-    Cost per route, measured: see ``docs/benchmarks.md`` (route latency with metrics on and off).
-    """
-
-    def __init__(self, metrics: ServiceMetrics) -> None:
-        self._seconds = metrics.histogram(
-            ROUTE_SECONDS, "route latency by stage: decode, match (hashing included), decision, total"
-        )
-        # ServiceMetrics.histogram is for seconds; a count histogram needs the meter itself.
-        self._candidates = metrics._meter.create_histogram(
-            "kvmesh_router_route_candidates",
-            unit="{candidate}",
-            description="candidates scored per route",
-            explicit_bucket_boundaries_advisory=list(CANDIDATES_BUCKETS),
-        )
-        self.busy_skips: dict[Holder, int] = {}
-        """(worker, dp rank) → candidates passed over as busy."""
-        metrics.observe(self.samples, ROUTE_INSTRUMENTS)
-
-    def lap(self, stage: str, since: float) -> float:
-        """Record a stage (``decode``, ``match``, ``decision`` or ``total``) that began at ``since``
-        (`time.perf_counter` seconds); return the time now, where the next stage begins."""
-        now = time.perf_counter()
-        self._seconds.record(now - since, _STAGES[stage])
-        return now
-
-    def route(self, candidates: int, busy: Sequence[Holder]) -> None:
-        """Record one decided route: the candidates it scored and those it skipped as busy."""
-        self._candidates.record(candidates)
-        for h in busy:
-            self.busy_skips[h] = self.busy_skips.get(h, 0) + 1
-
-    def samples(self) -> dict[str, list[Sample]]:
-        """The values of `ROUTE_INSTRUMENTS`."""
-        return {
-            "kvmesh_router_busy_skips": [
-                ({"worker_id": h.worker_id, "dp_rank": str(h.dp_rank)}, float(n))
-                for h, n in sorted(self.busy_skips.items())
-            ]
-        }

@@ -282,6 +282,7 @@ class RouterService:
     def _declare_metrics(self, metrics: ServiceMetrics) -> None:
         """The router's metrics (`kvmesh.router.metrics`) and, with a local index, its replica's."""
         metrics.observe(lambda: router_samples(self.stats_message()), INSTRUMENTS)
+        self.endpoint.use_metrics(metrics)
         if self.local is not None:
             metrics.observe(self._replica_samples, replica_instruments(REPLICA_PREFIX))
 

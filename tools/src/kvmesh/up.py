@@ -65,6 +65,11 @@ class WorkerTally:
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    """Delivered: the prompt tokens the engine served from its cache."""
+    available_tokens: int = 0
+    """The most any candidate had cached, as the router saw it (route receipts)."""
+    captured_tokens: int = 0
+    """The chosen worker's cached tokens, as the router saw it."""
 
 
 @dataclass(slots=True)
@@ -73,12 +78,15 @@ class Tally:
 
     workers: dict[str, WorkerTally] = field(default_factory=dict)
 
-    def add(self, worker: str, prompt: int, cached: int) -> None:
-        """Count one served request."""
+    def add(self, worker: str, prompt: int, cached: int, *, available: int = 0, captured: int = 0) -> None:
+        """Count one served request (``cached``: delivered by the engine; ``available``/``captured``: the
+        route reply's ``available_tokens``/``cached_tokens``)."""
         t = self.workers.setdefault(worker, WorkerTally())
         t.requests += 1
         t.prompt_tokens += prompt
         t.cached_tokens += cached
+        t.available_tokens += available
+        t.captured_tokens += captured
 
     def totals(self) -> WorkerTally:
         """Sum over workers."""
@@ -87,6 +95,8 @@ class Tally:
             out.requests += t.requests
             out.prompt_tokens += t.prompt_tokens
             out.cached_tokens += t.cached_tokens
+            out.available_tokens += t.available_tokens
+            out.captured_tokens += t.captured_tokens
         return out
 
 
@@ -374,14 +384,24 @@ class Up:
                         timeout=60,
                     )
                     result = msgspec.msgpack.decode(msg.data)
-                    # The simulated worker served the request to completion: release its load at the routers.
-                    await router.finish(f"req-{i}")
+                    # The simulated worker served the request to completion: release its load at the routers
+                    # and report what its cache delivered, as a gateway does with vLLM's usage.
+                    delivered = result.get("cached_tokens")
+                    await router.finish(
+                        f"req-{i}", cached_tokens=delivered if isinstance(delivered, int) else None
+                    )
                     if "error" in result:
                         failures += 1
                         self.say(f"\nrequest {i}: worker {reply.worker_id} failed: {result['error']}")
                         continue
                     shown = "sim-" + reply.worker_id.removeprefix(self.ns.worker_prefix)
-                    tally.add(shown, result["prompt_tokens"], result["cached_tokens"])
+                    tally.add(
+                        shown,
+                        result["prompt_tokens"],
+                        result["cached_tokens"],
+                        available=reply.available_tokens or 0,
+                        captured=reply.cached_tokens,
+                    )
                     done += 1
                     self.progress(done, len(trace), tally, start)
 
@@ -492,6 +512,19 @@ def round_robin(trace: Sequence[TraceRequest], args: argparse.Namespace) -> Tall
         pool.take_events()
         tally.add(f"sim-{w}", adm.prompt_tokens, adm.cached_tokens)
     return tally
+
+
+def print_receipts(out: TextIO, tally: Tally) -> None:
+    """Print the route receipts of the kvmesh run: reuse available in the fleet, captured by the router's
+    choices and delivered by the engines, in prompt tokens (the same counters the router exports)."""
+    t = tally.totals()
+    print(
+        f"route receipts: available {t.available_tokens:,} tokens, captured {t.captured_tokens:,} "
+        f"({100 * _ratio(t.captured_tokens, t.available_tokens):.1f} % of available; regret "
+        f"{t.available_tokens - t.captured_tokens:,}), delivered {t.cached_tokens:,} "
+        f"({100 * _ratio(t.cached_tokens, t.prompt_tokens):.1f} % of {t.prompt_tokens:,} prompt tokens)",
+        file=out,
+    )
 
 
 def print_table(out: TextIO, kv: Tally, rr: Tally, workers: int) -> None:
@@ -676,4 +709,5 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh up") -> int:
     up.say("computing the round-robin baseline on the same requests…")
     rr = round_robin(trace[:served] if served < len(trace) else trace, args)
     print_table(sys.stdout, tally, rr, args.workers)
+    print_receipts(sys.stdout, tally)
     return 0 if failures == 0 else 1

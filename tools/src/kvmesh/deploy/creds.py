@@ -77,19 +77,6 @@ def _js(verb: str, target: str) -> str:
     return f"$JS.API.{verb}.{target}" if target else f"$JS.API.{verb}"
 
 
-def _consume(stream: str) -> tuple[str, ...]:
-    """JetStream API subjects of reading ``stream`` through consumers (ordered, pull or push) and its info."""
-    return (
-        _js("STREAM.INFO", stream),
-        _js("CONSUMER.CREATE", stream),
-        _js("CONSUMER.CREATE", f"{stream}.>"),
-        _js("CONSUMER.INFO", f"{stream}.>"),
-        _js("CONSUMER.DELETE", f"{stream}.>"),
-        _js("CONSUMER.MSG.NEXT", f"{stream}.>"),
-        f"$JS.ACK.{stream}.>",
-    )
-
-
 def inbox_prefix(role: str) -> str:
     """The reply-inbox prefix of ``role`` (``_INBOX_<role>``, characters other than letters, digits, ``_`` and
     ``-`` as ``_``): its processes connect with ``KVMESH_NATS_INBOX_PREFIX`` set to it, and only they may
@@ -102,8 +89,9 @@ def role_permissions(
 ) -> Permissions:
     """The permissions of ``role`` (one of `ROLES` or ``ingest-<worker>``) for the events stream ``stream``.
 
-    Replies to a user's own requests (JetStream API answers, ``kvmesh.route`` answers, acks) arrive below its
-    own `inbox_prefix` (``_INBOX_<role>.>``); flow-control answers of push consumers go to ``$JS.FC.>``.
+    Each grant is one a running fleet uses (a whole fleet run with every other grant removed shows the
+    server refusing it); deploy/nats/README.md lists them. Replies to a user's own requests (JetStream API
+    answers, ``kvmesh.route`` answers) arrive below its own `inbox_prefix` (``_INBOX_<role>.>``).
 
     Raises:
         CredsError: an unknown role.
@@ -112,68 +100,78 @@ def role_permissions(
     lease_kv = subjects.lease_bucket(stream)
     snaps = subjects.snapshot_bucket(stream)
     kv_workers, kv_lease, obj_snaps = f"KV_{workers_kv}", f"KV_{lease_kv}", f"OBJ_{snaps}"
-    inbox, fc = f"{inbox_prefix(role)}.>", "$JS.FC.>"
+    inbox = f"{inbox_prefix(role)}.>"
     requests, status = subjects.REQUESTS_PREFIX, subjects.STATUS_SUBJECT
     if role == "operator":
         # status, snapshot, replay, reset and provision: the whole kvmesh namespace and JetStream API.
         return Permissions(
-            publish=("kvmesh.>", "$JS.API.>", "$KV.>", "$O.>", "$JS.ACK.>", fc, "$SRV.>"),
+            publish=("kvmesh.>", "$JS.API.>", "$KV.>", "$O.>", "$JS.ACK.>", "$JS.FC.>", "$SRV.>"),
             subscribe=(inbox,),
+        )
+    if role in ("indexer", "router"):
+        service = f"kvmesh-{role}"
+        micro = (  # the nats.micro service's discovery endpoints, for its own service name only
+            "$SRV.PING",
+            "$SRV.INFO",
+            "$SRV.STATS",
+            f"$SRV.*.{service}",  # $SRV.<verb>.kvmesh-<role>
+            f"$SRV.*.{service}.*",  # $SRV.<verb>.kvmesh-<role>.<instance id>
+        )
+        replica = (
+            _js("STREAM.INFO", stream),  # wait for the events stream, its subjects and bounds
+            _js("CONSUMER.CREATE", stream),  # ordered consumer of the replica (ephemeral, unnamed)
+            # The replica's caught-up check (a message past applied_seq?); the indexer's purge also reads
+            # each live rank's last message (get_last_msg, subject in the body) so no cursor is purged.
+            _js("STREAM.MSG.GET", stream),
+            "$JS.FC.>",  # flow-control replies of nats-py's ordered consumers (a large catch-up)
+            _js("STREAM.INFO", kv_workers),  # KV watch of the registry: bind the bucket
+            _js("CONSUMER.CREATE", kv_workers),  # KV watch of the registry: its ordered consumer
+            _js("CONSUMER.INFO", f"{kv_workers}.>"),  # KV watch of the registry: its pending count
+            # Object Store get of a snapshot: nats-py finds the chunk stream by subject.
+            _js("STREAM.NAMES", ""),
+            _js("STREAM.INFO", obj_snaps),  # Object Store bind of the snapshot bucket
+            _js("CONSUMER.CREATE", obj_snaps),  # Object Store get: ordered consumer of the chunks
+            _js("STREAM.MSG.GET", obj_snaps),  # Object Store get/list: a snapshot's metadata message
         )
     if role == "indexer":
         return Permissions(
             publish=(
-                "$JS.API.INFO",
-                _js("STREAM.NAMES", ""),
-                *_consume(stream),
-                *_consume(kv_workers),
-                *_consume(kv_lease),
-                _js("STREAM.MSG.GET", kv_workers),
-                _js("STREAM.MSG.GET", kv_lease),
-                *_consume(obj_snaps),
-                _js("DIRECT.GET", f"{stream}.>"),
-                _js("STREAM.MSG.GET", stream),
-                _js("DIRECT.GET", f"{kv_workers}.>"),
-                _js("DIRECT.GET", f"{kv_lease}.>"),
-                _js("DIRECT.GET", obj_snaps),
-                _js("DIRECT.GET", f"{obj_snaps}.>"),
-                _js("STREAM.MSG.GET", obj_snaps),
+                *replica,
                 _js("STREAM.PURGE", stream),  # after a snapshot: what no kept snapshot needs
-                _js("STREAM.PURGE", obj_snaps),  # the object store drops a replaced or deleted object so
-                f"$KV.{lease_kv}.>",
-                f"$O.{snaps}.>",
-                subjects.control_subject(events_prefix),
-                fc,
+                _js("STREAM.INFO", kv_lease),  # KV bind of the snapshot-writer lease
+                _js("STREAM.MSG.GET", kv_lease),  # KV get of the lease (the key is in the body)
+                f"$KV.{lease_kv}.>",  # KV create/update of the lease
+                f"$O.{snaps}.>",  # Object Store put of a snapshot: its chunks and metadata
+                _js("STREAM.PURGE", obj_snaps),  # Object Store put/delete drops a replaced or deleted object
+                subjects.control_subject(
+                    events_prefix
+                ),  # WorkerRemoved of a worker whose registry key expired
             ),
-            subscribe=(inbox, subjects.MATCH_SUBJECT, status, subjects.SNAPSHOT_SUBJECT, "$SRV.>"),
-            allow_responses=True,
+            subscribe=(
+                inbox,
+                subjects.MATCH_SUBJECT,  # match queries of remote-index routers (queue group)
+                status,  # kvmesh status
+                subjects.SNAPSHOT_SUBJECT,  # kvmesh snapshot
+                *micro,
+            ),
+            allow_responses=True,  # answers to match, status, snapshot and $SRV requests
         )
     if role == "router":
         return Permissions(
             publish=(
-                "$JS.API.INFO",
-                _js("STREAM.NAMES", ""),
-                *_consume(stream),
-                *_consume(kv_workers),
-                *_consume(obj_snaps),
-                _js("STREAM.MSG.GET", kv_workers),
-                _js("DIRECT.GET", f"{kv_workers}.>"),
-                _js("DIRECT.GET", obj_snaps),
-                _js("DIRECT.GET", f"{obj_snaps}.>"),
-                _js("STREAM.MSG.GET", obj_snaps),
-                subjects.MATCH_SUBJECT,
-                f"{requests}.>",
-                fc,
+                *replica,
+                subjects.MATCH_SUBJECT,  # --index remote: match queries to the indexers
+                f"{requests}.>",  # routed notes and the ledger sync request of a starting router
             ),
             subscribe=(
                 inbox,
-                subjects.ROUTE_SUBJECT,
-                f"{requests}.>",
-                f"{subjects.LOAD_PREFIX}.>",
-                f"{status}.router",
-                "$SRV.>",
+                subjects.ROUTE_SUBJECT,  # route requests (queue group)
+                f"{requests}.>",  # lifecycle notes (routed, prefill_done, finished) and peers' ledger sync
+                f"{subjects.LOAD_PREFIX}.>",  # engine load reports
+                f"{status}.router",  # kvmesh status
+                *micro,
             ),
-            allow_responses=True,
+            allow_responses=True,  # answers to route, status, ledger sync and $SRV requests
         )
     if role == "client":
         return Permissions(
@@ -186,9 +184,11 @@ def role_permissions(
         )
     if role == "sim":
         return Permissions(
-            publish=(f"{subjects.LOAD_PREFIX}.>", f"{requests}.prefill_done", f"{requests}.finished"),
-            subscribe=(inbox, f"{subjects.SIM_PREFIX}.>"),
-            allow_responses=True,
+            # It publishes nothing but replies; an empty allow list would be no restriction at all, so it
+            # holds the role's own inbox prefix, which only its own processes read.
+            publish=(inbox,),
+            subscribe=(f"{subjects.SIM_PREFIX}.>",),  # generate and reset requests of its workers
+            allow_responses=True,  # answers to generate and reset
         )
     if role.startswith("ingest-") and len(role) > len("ingest-"):
         worker = role[len("ingest-") :]
@@ -196,22 +196,22 @@ def role_permissions(
         key = subjects.kv_key(worker)
         return Permissions(
             publish=(
-                own,
-                f"$KV.{workers_kv}.{key}",
-                _js("STREAM.INFO", stream),
-                _js("STREAM.INFO", kv_workers),
-                _js("DIRECT.GET", f"{stream}.{own}"),
-                # The cursor recovery reads its last messages with STREAM.MSG.GET (subject in the body):
-                # the server cannot restrict that to the worker's own subjects.
+                own,  # its worker's events (JetStream publish)
+                subjects.load_subject(subjects.LOAD_PREFIX, worker),  # --metrics-url: its engine's load
+                f"$KV.{workers_kv}.{key}",  # registry heartbeat: KV put of its own key
+                _js("STREAM.INFO", stream),  # wait for the events stream
+                _js("STREAM.INFO", kv_workers),  # KV bind of the registry
+                # KV get of its registry record (liveness, incarnation): the bucket has no allow_direct, so
+                # the key is in the body and the server cannot restrict it to the worker's own key.
+                _js("STREAM.MSG.GET", kv_workers),
+                # Cursor recovery reads each rank's last message with STREAM.MSG.GET (subject in the body):
+                # through the stream leader, for consistency; the server cannot restrict it to its subjects.
                 _js("STREAM.MSG.GET", stream),
                 # Deletes its own re-ordered messages; the server cannot restrict the sequence to its subjects.
                 _js("STREAM.MSG.DELETE", stream),
-                _js("DIRECT.GET", f"{kv_workers}.$KV.{workers_kv}.{key}"),
-                # KV get of its registry record on a bucket without allow_direct: the key is in the body.
-                _js("STREAM.MSG.GET", kv_workers),
             ),
-            subscribe=(inbox, f"{status}.ingest"),
-            allow_responses=True,
+            subscribe=(inbox, f"{status}.ingest"),  # kvmesh status
+            allow_responses=True,  # answers to kvmesh status
         )
     raise CredsError(f"unknown role {role!r} (one of {', '.join(ROLES)} or ingest-<worker>)")
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
+import re
 import socket
 import ssl
 import stat
@@ -293,7 +295,38 @@ async def test_a_client_trusting_another_ca_is_refused(deployment: Deployment, t
         await connect(deployment.nodes.urls, name="x", wait_s=3, **connect_options(auth))
     assert str(info.value) == (
         f"cannot connect to NATS at {deployment.nodes.urls}: TLS handshake failed: CERTIFICATE_VERIFY_FAILED"
+        " (the server's certificate is not signed by a CA this process trusts, or does not name the host: "
+        "set --nats-tls-ca-file / KVMESH_NATS_TLS_CA_FILE to its CA, --nats-tls-server-name to its name)"
     )
+
+
+async def test_a_role_without_its_inbox_prefix_is_told_why_its_requests_time_out(
+    deployment: Deployment, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator connecting without its inbox prefix may not subscribe to _INBOX.>: its JetStream request
+    times out, and the connection logs the server's refusal with the setting that fixes it."""
+    auth = NatsAuth(
+        nats_nkey_seed_file=str(deployment.nodes.seed_file("operator")),
+        nats_tls_ca_file=str(deployment.nodes.ca_file),
+    )
+    nc = await connect(deployment.nodes.urls, name="no-prefix", wait_s=5, **connect_options(auth))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvmesh.runtime.nats"):
+            with pytest.raises(nats.errors.TimeoutError):
+                await nc.jetstream(timeout=1.0).stream_info(STREAM)
+            for _ in range(100):
+                if caplog.records:
+                    break
+                await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(
+        r'nats: no-prefix: the server refused: nats: permissions violation for subscription to "_inbox\.\w+\.\*"'
+        r"; the reply inbox is not permitted: set --nats-inbox-prefix / KVMESH_NATS_INBOX_PREFIX to the "
+        r"role's own prefix",
+        message,
+    ), message
 
 
 def test_routes_are_mutual_tls(deployment: Deployment) -> None:

@@ -15,7 +15,7 @@ import logging
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote, urlsplit
@@ -315,7 +315,14 @@ def _definite(exc: BaseException, shown: str) -> ConnectError | None:
             "the server refused the credentials (authorization violation)", servers=shown
         )
     if isinstance(exc, ssl.SSLError):
-        return TLSError(f"TLS handshake failed: {exc.reason or exc}", servers=shown)
+        reason = str(exc.reason or exc)
+        hint = (
+            " (the server's certificate is not signed by a CA this process trusts, or does not name the host: "
+            "set --nats-tls-ca-file / KVMESH_NATS_TLS_CA_FILE to its CA, --nats-tls-server-name to its name)"
+            if "CERTIFICATE_VERIFY_FAILED" in reason
+            else ""
+        )
+        return TLSError(f"TLS handshake failed: {reason}{hint}", servers=shown)
     if "expecting info" in text or "info message" in text:
         return NotNatsServerError(
             "the server did not greet with NATS INFO: not a NATS client port", servers=shown
@@ -487,6 +494,8 @@ class _Attempt:
     definite: asyncio.Future[ConnectError]
     connected: bool = False
     last: BaseException | None = None
+    refused: set[str] = field(default_factory=set)
+    """Permission violations already logged (each distinct one once)."""
 
     async def on_error(self, exc: Exception) -> None:
         if not self.connected:
@@ -494,6 +503,20 @@ class _Attempt:
             found = _definite(exc, self.shown)
             if found is not None and not self.definite.done():
                 self.definite.set_result(found)
+        text = _scrub(str(exc), self.secrets)
+        if "permissions violation" in text.lower():
+            # The server drops what the credentials may not do and says so only here: a request then times
+            # out and a subscription stays silent, so name it where an operator looks.
+            if text not in self.refused and len(self.refused) < 32:
+                self.refused.add(text)
+                hint = (
+                    "; the reply inbox is not permitted: set --nats-inbox-prefix / KVMESH_NATS_INBOX_PREFIX "
+                    "to the role's own prefix"
+                    if "_inbox" in text.lower() and "subscription" in text.lower()
+                    else "; the credentials' role does not allow it"
+                )
+                log.warning("nats: %s: the server refused: %s%s", self.name, text, hint)
+            return
         log.debug("nats: %s: %s", self.name, _scrub(repr(exc), self.secrets))
 
 

@@ -1,5 +1,5 @@
 """Stateful property test: `PrefixIndex` driven by random events on several storage tiers agrees with a naive
-model."""
+model, and its incrementally kept digest equals the one computed from scratch after every step."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class PrefixIndexMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.index = PrefixIndex(max_orphans=MAX_ORPHANS)
+        self.index = PrefixIndex(max_orphans=MAX_ORPHANS, track_digest=True)
         self.model: dict[Holder, Tiers] = {}
         # prefix key -> tokens of the whole prefix up to that block (content, independent of holder)
         self.paths: dict[int, tuple[int, ...]] = {}
@@ -148,6 +148,64 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         assert result.attached == attached
         assert result.duplicates == duplicates
         assert result.dropped_orphans == 0
+
+    @rule(data=st.data())
+    def store_child_first(self, data: st.DataObject) -> None:
+        """Store a chain's tail before its head: the tail is held, then attaches when the head arrives."""
+        holder = data.draw(st.sampled_from(HOLDERS), label="holder")
+        head_medium = data.draw(st.sampled_from(MEDIA), label="head_medium")
+        tail_medium = data.draw(st.sampled_from(MEDIA), label="tail_medium")
+        copy = data.draw(st.integers(0, 1), label="copy")
+        n_head = data.draw(st.integers(1, MAX_DEPTH - 1), label="n_head")
+        n_tail = data.draw(st.integers(1, MAX_DEPTH - n_head), label="n_tail")
+        bits = st.integers(0, 1)
+        head = tuple(data.draw(st.lists(bits, min_size=n_head * BLOCK_SIZE, max_size=n_head * BLOCK_SIZE)))
+        tail = tuple(data.draw(st.lists(bits, min_size=n_tail * BLOCK_SIZE, max_size=n_tail * BLOCK_SIZE)))
+        head_local = local_block_hashes(head, BLOCK_SIZE)
+        head_keys = prefix_keys(head_local)
+        head_engine = [_engine_hash(holder, k, copy) for k in head_keys]
+        parent = engine_key60(head_engine[-1])
+        if parent in self._blocks(holder):  # the head is there already: the tail would attach at once
+            return
+        tail_local = local_block_hashes(tail, BLOCK_SIZE)
+        tail_keys = prefix_keys(tail_local, head_keys[-1])
+        tail_engine = [_engine_hash(holder, k, copy) for k in tail_keys]
+
+        held = self.index.store(holder, tail_engine, head_engine[-1], tail_local, tail_medium)
+        self.live_holders.add(holder)
+        waiting = self.orphans.get(holder, 0) + 1
+        dropped = max(0, waiting - MAX_ORPHANS)  # the oldest go, never the one just held
+        self.orphans[holder] = waiting - 1 - dropped  # the tail attaches below
+        self.orphans_dropped += dropped
+        assert (held.held, held.attached, held.dropped_orphans) == (True, 0, dropped)
+
+        result = self.index.store(holder, head_engine, None, head_local, head_medium)
+        attached = duplicates = 0
+        for medium, engine, keys, tokens in (
+            (head_medium, head_engine, head_keys, head),
+            (tail_medium, tail_engine, tail_keys, head + tail),
+        ):
+            tier_blocks = self.model.setdefault(holder, {}).setdefault(tier_name(medium), {})
+            start = 0 if tokens is head else len(head)
+            for i, (eh, key) in enumerate(zip(engine, keys, strict=True)):
+                ek = engine_key60(eh)
+                self.paths[key] = tokens[: start + (i + 1) * BLOCK_SIZE]
+                self.copies[ek] = copy
+                entry = tier_blocks.get(ek)
+                if entry is None:
+                    tier_blocks[ek] = [key, 1]
+                    attached += 1
+                else:
+                    entry[1] += 1
+                    duplicates += 1
+        assert (result.held, result.attached, result.duplicates) == (False, attached, duplicates)
+
+    @rule(data=st.data())
+    def restore_from_export(self, data: st.DataObject) -> None:
+        """Continue on an index restored from an export (a snapshot), tracking its digest from the start or
+        from its first `digest` call."""
+        track = data.draw(st.booleans(), label="track_digest")
+        self.index = PrefixIndex.from_export(self.index.export(), track_digest=track)
 
     @rule(holder=st.sampled_from(HOLDERS), n_blocks=st.integers(1, 2), medium=st.sampled_from(MEDIA))
     def store_under_unknown_parent(self, holder: Holder, n_blocks: int, medium: str | None) -> None:
@@ -265,6 +323,11 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         for holder in HOLDERS:
             expected = sum(len(b) for b in self.model.get(holder, {}).values())
             assert self.index.block_count(holder) == expected
+
+    @invariant()
+    def digest_kept_equals_from_scratch(self) -> None:
+        """The digest kept incrementally equals the one computed from the block maps."""
+        assert self.index.digest() == self.index.digest_from_scratch()
 
     @invariant()
     def digest_equals_rebuilt_model(self) -> None:

@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Final
 
@@ -277,6 +277,8 @@ class IndexState:
         """Stream sequence after which messages were lost, or None when the state is whole."""
         self._healed: set[Holder] = set()
         self._digest: tuple[tuple[int, int, int], int] | None = None
+        self._track_digest = False
+        """Whether the indexes keep their digests incrementally (on since the first `digest` call)."""
         self._holds: list[tuple[int, str, int]] = []
         """Heap of (stream seq a hold began, worker, rank), stale entries included: where holds expire."""
 
@@ -367,7 +369,7 @@ class IndexState:
         by_size = self._indexes.setdefault(model, {})
         index = by_size.get(block_size)
         if index is None:
-            index = by_size[block_size] = PrefixIndex()
+            index = by_size[block_size] = PrefixIndex(track_digest=self._track_digest)
         return index
 
     def _apply_events(self, msg: EventsMessage) -> None:
@@ -680,20 +682,40 @@ class IndexState:
         return info is not None and info.removed_epoch is not None
 
     def digest(self) -> int:
-        """Return an order-independent digest over every model's index content.
+        """Return an order-independent digest over every model's index content: the XOR over (model, block
+        size) of ``XXH3-64(f"{model}\\0{block_size}\\0{PrefixIndex.digest()}", seed 1337)``.
 
-        O(total blocks) (about 1 s per million blocks); the last value is cached until the next applied
-        message, so repeated status calls on an idle replica are free.
+        O(indexes · holders · tiers): each index keeps its digest incrementally (`PrefixIndex.digest`). The
+        first call computes them once (O(total blocks), about 0.35 s per million blocks) and turns tracking
+        on for every index, including those created later; the value is cached until the next applied
+        message.
         """
         key = (self.applied_seq, self.counters.messages, self.reset_epoch)
         if self._digest is not None and self._digest[0] == key:
             return self._digest[1]
-        total = 0
-        for model, by_size in sorted(self._indexes.items()):
-            for bs, index in sorted(by_size.items()):
-                total ^= xxhash.xxh3_64_intdigest(f"{model}\x00{bs}\x00{index.digest()}".encode(), seed=SEED)
+        self._track_digest = True
+        total = _combine(
+            (m, bs, ix.digest()) for m, by_size in self._indexes.items() for bs, ix in by_size.items()
+        )
         self._digest = (key, total)
         return total
+
+    def track_digest(self) -> None:
+        """Keep every index's digest up to date from now on (O(total blocks) once), so that even the first
+        `digest` call is cheap."""
+        self._track_digest = True
+        for by_size in self._indexes.values():
+            for index in by_size.values():
+                index.track_digest()
+
+    def digest_from_scratch(self) -> int:
+        """Return `digest`'s value computed from the block maps alone (`PrefixIndex.digest_from_scratch`),
+        O(total blocks); caches nothing."""
+        return _combine(
+            (m, bs, ix.digest_from_scratch())
+            for m, by_size in self._indexes.items()
+            for bs, ix in by_size.items()
+        )
 
     def workers(self) -> dict[str, dict[str, object]]:
         """Return per-worker bookkeeping: model, block size, epochs, last engine seq and timestamp."""
@@ -774,9 +796,12 @@ class IndexState:
         )
 
     @classmethod
-    def from_export(cls, export: StateExport) -> IndexState:
-        """Rebuild a state from `export()` (taking ownership of its dicts); O(total blocks)."""
+    def from_export(cls, export: StateExport, *, track_digest: bool = False) -> IndexState:
+        """Rebuild a state from `export()` (taking ownership of its dicts); O(total blocks). With
+        ``track_digest`` the digests are computed during the rebuild (`track_digest`), else by the first
+        `digest` call."""
         state = cls()
+        state._track_digest = track_digest
         state.applied_seq = export.applied_seq
         state.reset_epoch = export.reset_epoch
         state.counters = _Counters(**export.counters)
@@ -799,7 +824,7 @@ class IndexState:
                 if hs.held:
                     heapq.heappush(state._holds, (since, w.worker_id, r))
         for model, bs, ix in export.indexes:
-            state._indexes.setdefault(model, {})[bs] = PrefixIndex.from_export(ix)
+            state._indexes.setdefault(model, {})[bs] = PrefixIndex.from_export(ix, track_digest=track_digest)
         state.gap_seq = export.gap_seq
         state._healed = {Holder(w, r) for w, r in export.healed}
         return state
@@ -809,6 +834,14 @@ HOLD_MAX_MESSAGES: Final[int] = 4096
 """Messages one holder may hold while waiting for an earlier one; past it the hold is given up."""
 HOLD_MAX_STREAM_SEQS: Final[int] = 100_000
 """Stream messages a hold may wait for the missing ones; past it the hold is given up."""
+
+
+def _combine(digests: Iterable[tuple[str, int, int]]) -> int:
+    """`IndexState.digest` from each index's (model, block size, digest); order-independent (XOR)."""
+    total = 0
+    for model, bs, digest in digests:
+        total ^= xxhash.xxh3_64_intdigest(f"{model}\x00{bs}\x00{digest}".encode(), seed=SEED)
+    return total
 
 
 def _first(msg: EventsMessage) -> int:

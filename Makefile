@@ -33,7 +33,7 @@ cluster: install
 	$(VENV)/bin/kvmesh cluster $(ARGS)
 
 # Fresh NKey users, certificates and nats-server authorization in deploy/nats/secrets/ (git-ignored).
-# To rotate: make creds ARGS=--force, then restart (or reload) the NATS nodes and the services.
+# To rotate: make creds ARGS=--force, then restart the NATS nodes and the services (a reload is not enough).
 creds: install
 	$(VENV)/bin/kvmesh gen-creds $(ARGS)
 

@@ -13,6 +13,7 @@ import asyncio
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats.errors
 import pytest
 
 from kvmesh.bench.fleet import wait_for
@@ -132,10 +132,12 @@ def test_kvmesh_cluster_once_prints_urls_route_answer_and_status(tmp_path: Path)
     route = json.loads(head.partition("route (exit 0):\n")[2])
     assert route["worker_id"] in ("sim-0", "sim-1")
     command_line, _, status_text = rest.partition("\n")
-    assert command_line.strip().endswith(" kvmesh status")
+    kvmesh = shutil.which("kvmesh") or str(Path(sys.executable).with_name("kvmesh"))
+    assert command_line.strip().endswith(f" {kvmesh} status")  # pastes into a shell without the venv
     assert "KVMESH_NATS_NKEY_SEED_FILE=" in command_line and "operator.nk" in command_line
     status = json.loads(status_text)
     assert sorted(r["replica"] for r in status["replicas"]) == ["indexer-0", "indexer-1"]
+    assert status["convergence"]["converged"] is True
     for seed in (tmp_path / "secrets").glob("*.nk"):
         assert seed.read_text().strip() not in done.stdout + done.stderr
     assert {p.name for p in (tmp_path / "root" / "logs").glob("*.log")} >= {
@@ -176,7 +178,7 @@ async def test_nats_node_killed_mid_traffic_loses_nothing(stack: LocalStack) -> 
     previous: list[int] = [-1]
 
     async def settled() -> dict[str, Any]:
-        status = await asyncio.to_thread(_operator, stack, "status", "--wait-s", "1.0")
+        status = await asyncio.to_thread(_operator, stack, "status", "--json", "--wait-s", "1.0")
         last = status["stream"]["last_seq"]
         status["_stable"] = last == previous[0]
         previous[0] = last
@@ -233,18 +235,11 @@ async def test_a_prompt_sent_to_sim_0_routes_back_to_it_exactly(stack: LocalStac
     tokens = [100_000 + k for k in range(5 * BS + 7)]  # 5 full blocks and a partial one
     nc = await _connect(stack.env("sim-0"), "compose-test-sim")
     try:
-        try:
-            msg = await nc.request(
-                subjects.sim_subject("sim-0"),
-                msgspec.msgpack.encode({"token_ids": tokens, "output_length": 0}),
-                timeout=10,
-            )
-        except nats.errors.TimeoutError:
-            assert stack.nodes is not None
-            refused = [v for v in stack.nodes.violations() if subjects.sim_subject("sim-0") in v]
-            if refused:
-                pytest.xfail(f"the sim role may not request the generate endpoint: {refused[0][-160:]}")
-            raise
+        msg = await nc.request(
+            subjects.sim_subject("sim-0"),
+            msgspec.msgpack.encode({"token_ids": tokens, "output_length": 0}),
+            timeout=10,
+        )
         served = msgspec.msgpack.decode(msg.data)
         assert (served["worker_id"], served["cached_tokens"], served["prompt_tokens"]) == (
             "sim-0",

@@ -411,6 +411,19 @@ def test_gen_creds_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
     assert _gen(out, "--workers", "w", "--force").returncode == 0
     assert (out / "client.nk").read_text() != before
     assert stat.S_IMODE((out / "client.nk").stat().st_mode) == 0o600
+    other = _gen(out, "--workers", "v", "--force")
+    assert other.returncode == 0
+    assert "  removed ingest-w.nk (its worker is not in --workers)\n" in other.stdout
+    assert sorted(p.name for p in out.glob("ingest-*.nk")) == ["ingest-v.nk"]
+
+
+def test_auth_conf_denies_everything_a_role_is_given_nothing_of() -> None:
+    """nats-server reads an empty allow list as no restriction: an empty permission is written as deny all."""
+    conf = creds.auth_conf({"client": "UCLIENT"})
+    assert 'publish: { allow: ["kvmesh.route", ' in conf
+    perms = creds.Permissions(publish=(), subscribe=("x",))
+    assert creds._allow(perms.publish) == '{ deny: [">"] }'
+    assert creds._allow(perms.subscribe) == '{ allow: ["x"] }'
 
 
 @pytest.mark.nats

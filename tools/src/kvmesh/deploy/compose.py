@@ -614,7 +614,7 @@ class LocalStack:
         """
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")} | self.operator_env()
         done = subprocess.run(
-            [sys.executable, "-m", "kvmesh.cli", "status", "--wait-s", "1.0"],
+            [sys.executable, "-m", "kvmesh.cli", "status", "--json", "--wait-s", "1.0"],
             env=env,
             capture_output=True,
             text=True,
@@ -660,7 +660,32 @@ class LocalStack:
     def status_hint(self) -> str:
         """How to run ``kvmesh status`` against this cluster from a shell."""
         env = self.operator_env()
-        return " ".join(f"{k}={v}" for k, v in sorted(env.items())) + " kvmesh status"
+        kvmesh = shutil.which("kvmesh") or str(Path(sys.executable).with_name("kvmesh"))
+        return " ".join(f"{k}={v}" for k, v in sorted(env.items())) + f" {kvmesh} status"
+
+    def until_converged(self, timeout_s: float) -> dict[str, Any]:
+        """``kvmesh status`` (`status`), repeated about every second until it says every replica converged
+        or ``timeout_s`` passed; the last one."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            doc = self.status()
+            if (doc.get("convergence") or {}).get("converged") or time.monotonic() >= deadline:
+                return doc
+            time.sleep(1.0)
+
+
+HELP = """\
+Run docker-compose.yml's services as local processes, without Docker: the NATS nodes from the same
+deploy/nats/cluster.conf (TLS, one NKey user per role) on free loopback ports, then every other service's
+command with its environment, in depends_on order, each waiting until its dependencies are healthy (their
+own health checks) or, for one-shot services, exited 0. <service>:<port> and /run/secrets/<name> are remapped
+(each service sees only its own secrets); a child that exits is reported with its log tail and restarted.
+
+It makes the credentials when the secrets directory has none, prints the node URLs, every service, the route
+example's answer and the kvmesh status command (operator credentials), then runs until Ctrl-C or SIGTERM.
+--once (or --duration S) waits until every replica converged, prints the status and stops: exit 0 when they
+converged, 1 when not.
+"""
 
 
 def _parse_env(items: Sequence[str]) -> dict[str, str]:
@@ -674,10 +699,10 @@ def _parse_env(items: Sequence[str]) -> dict[str, str]:
 
 
 def command(argv: Sequence[str] | None = None, prog: str = "kvmesh cluster") -> int:
-    """``kvmesh cluster``: 0 after a clean stop (or --once/--duration), 1 when the stack did not come up,
-    130 on Ctrl-C (after stopping everything)."""
+    """``kvmesh cluster``: 0 after --once/--duration with every replica converged, 1 when the stack did not
+    come up or did not converge, 130 on Ctrl-C and 143 on SIGTERM (after stopping everything)."""
     parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--compose", default="docker-compose.yml", help="compose file (default %(default)s)")
     parser.add_argument(
@@ -686,7 +711,10 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh cluster") -> 
         help="the credentials (kvmesh gen-creds; made when missing) (default %(default)s)",
     )
     parser.add_argument(
-        "--root", default="", help="directory for logs and NATS data (default: a new temporary one)"
+        "--root",
+        default="",
+        help="directory kept for the logs (<root>/logs/<service>.log) and the NATS data, which a later run "
+        "with the same --root reuses (default: a temporary one, removed after a clean stop)",
     )
     parser.add_argument(
         "--env",
@@ -696,7 +724,10 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh cluster") -> 
         help="set a variable for every kvmesh service after the file's own (repeatable)",
     )
     parser.add_argument(
-        "--timeout-s", type=float, default=UP_TIMEOUT_S, help="bound on each wait while coming up"
+        "--timeout-s",
+        type=float,
+        default=UP_TIMEOUT_S,
+        help="bound on each wait while coming up, and on the wait for convergence (default %(default)s)",
     )
     stop_at = parser.add_mutually_exclusive_group()
     stop_at.add_argument("--once", action="store_true", help="bring up, route, print the status, stop")
@@ -716,14 +747,17 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh cluster") -> 
     except ComposeError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
-    interrupted = False
+    interrupted: list[int] = []
 
-    def on_term(_signum: int, _frame: Any) -> None:
+    def on_term(signum: int, _frame: Any) -> None:
+        interrupted.append(signum)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term)
     print(f"{prog}: {stack.compose.name} as local processes; logs in {stack.logs}", flush=True)
     try:
+        if stack.ensure_secrets():
+            print(f"{prog}: made new credentials in {stack.secrets_dir} (kvmesh gen-creds)", flush=True)
         stack.up()
         print(f"{prog}: up\n{stack.describe()}", flush=True)
         for name, result in stack.results.items():
@@ -731,22 +765,31 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh cluster") -> 
                 print(f"{name} (exit {result.returncode}):\n{result.output.rstrip()}", flush=True)
         print(f"kvmesh status against it (operator credentials):\n  {stack.status_hint()}", flush=True)
         end = None if args.duration is None and not args.once else time.monotonic() + (args.duration or 0.0)
+        if end is None:
+            print(f"{prog}: running; Ctrl-C (or SIGTERM) stops everything", flush=True)
         while end is None or time.monotonic() < end:
             for report in stack.supervise():
                 print(f"{prog}: {report}", file=sys.stderr, flush=True)
             time.sleep(1.0 if end is None else max(0.0, min(1.0, end - time.monotonic())))
-        print(json.dumps(stack.status(), indent=2), flush=True)
-        code = 0 if all(r.returncode == 0 for r in stack.results.values()) else 1
+        status = stack.until_converged(args.timeout_s)
+        print(json.dumps(status, indent=2), flush=True)
+        converged = bool((status.get("convergence") or {}).get("converged"))
+        if not converged:
+            print(f"{prog}: the replicas did not converge within {args.timeout_s:g} s", file=sys.stderr)
+        code = 0 if converged and all(r.returncode == 0 for r in stack.results.values()) else 1
     except (ComposeError, ServerError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        interrupted = True
-        code = 130
+        code = 128 + (interrupted[0] if interrupted else signal.SIGINT)
     finally:
         with contextlib.suppress(KeyboardInterrupt):
             stack.stop()
         signal.signal(signal.SIGTERM, previous)
-    if interrupted:
+    if code >= 128:
         print(f"{prog}: stopped", file=sys.stderr)
+    if not args.root and code in (0, 130, 143):
+        shutil.rmtree(root, ignore_errors=True)  # a temporary root goes with a clean stop
+    elif not args.root:
+        print(f"{prog}: logs kept in {stack.logs}", file=sys.stderr)
     return code

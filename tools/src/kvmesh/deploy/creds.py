@@ -14,7 +14,7 @@ Writes into ``--out`` (default ``deploy/nats/secrets``, git-ignored):
   ``sim.nk`` and ``ingest-<worker>.nk`` for each worker of ``--workers``.
 
 Existing files are never overwritten without ``--force`` (exit 1 naming them). Rotation is re-running with
-``--force`` and restarting (or reloading) the nodes and the services: every key, seed and certificate is
+``--force`` and restarting the nodes and the services (a reload is not enough): every key, seed and certificate is
 new, so the old ones stop working at once. Only public keys and file names are printed, never a seed.
 """
 
@@ -67,10 +67,12 @@ class Permissions:
 
 @dataclass(slots=True)
 class Generated:
-    """What `generate` wrote: file name → mode, and role → NKey public key (``U…``)."""
+    """What `generate` wrote: file name → mode, role → NKey public key (``U…``), and the stale seeds removed."""
 
     files: dict[str, int] = field(default_factory=dict)
     public_keys: dict[str, str] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
+    """Seed files of workers no longer in ``--workers`` (deleted by a ``--force`` run)."""
 
 
 def _js(verb: str, target: str) -> str:
@@ -183,11 +185,11 @@ def role_permissions(
             subscribe=(inbox,),
         )
     if role == "sim":
+        # Development only: the simulated engines, and whatever drives them (a test or a load generator
+        # standing in for the engines' HTTP clients), request and answer on the simulator's subjects.
         return Permissions(
-            # It publishes nothing but replies; an empty allow list would be no restriction at all, so it
-            # holds the role's own inbox prefix, which only its own processes read.
-            publish=(inbox,),
-            subscribe=(f"{subjects.SIM_PREFIX}.>",),  # generate and reset requests of its workers
+            publish=(f"{subjects.SIM_PREFIX}.>",),  # generate and reset requests to a simulated engine
+            subscribe=(inbox, f"{subjects.SIM_PREFIX}.>"),  # their answers; the workers' own endpoints
             allow_responses=True,  # answers to generate and reset
         )
     if role.startswith("ingest-") and len(role) > len("ingest-"):
@@ -220,6 +222,12 @@ def _quote(subject: str) -> str:
     return '"' + subject.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _allow(subjects_: Sequence[str]) -> str:
+    if not subjects_:
+        return '{ deny: [">"] }'
+    return "{ allow: [" + ", ".join(_quote(s) for s in subjects_) + "] }"
+
+
 def auth_conf(users: dict[str, str], *, stream: str = subjects.STREAM) -> str:
     """The nats-server ``authorization`` block for ``users`` (role → NKey public key), as text."""
     lines = [
@@ -234,8 +242,9 @@ def auth_conf(users: dict[str, str], *, stream: str = subjects.STREAM) -> str:
             "    {",
             f"      nkey: {_quote(public)}",
             "      permissions: {",
-            "        publish: { allow: [" + ", ".join(_quote(s) for s in p.publish) + "] }",
-            "        subscribe: { allow: [" + ", ".join(_quote(s) for s in p.subscribe) + "] }",
+            # nats-server reads an empty allow list as no restriction at all: nothing allowed is deny all.
+            "        publish: " + _allow(p.publish),
+            "        subscribe: " + _allow(p.subscribe),
         ]
         if p.allow_responses:
             lines.append("        allow_responses: true")
@@ -386,6 +395,11 @@ def generate(
         )
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     done = Generated()
+    # A rotation for another worker list revokes the workers left out: their seeds would no longer log in.
+    for stale in sorted(out.glob("ingest-*.nk")) if force else []:
+        if stale.name not in names:
+            stale.unlink()
+            done.removed.append(stale.name)
     for name, data in certificates(hosts).items():
         mode = SECRET_MODE if name.endswith("-key.pem") else 0o644
         _write(out / name, data, mode)
@@ -400,6 +414,24 @@ def generate(
     return done
 
 
+HELP = """\
+Generate fresh credentials for a secured kvmesh NATS cluster (deploy/nats, docker-compose.yml):
+
+  ca.pem, ca-key.pem          a new certificate authority (the key 0600)
+  server.pem, server-key.pem  one certificate for every node: the --hosts names, localhost and 127.0.0.1,
+                              for client connections and both ends of the cluster routes (the key 0600)
+  auth.conf                   the nodes' users: one NKey user per role with its permissions
+  <role>.nk                   one NKey seed per role (0600): operator, indexer, router, client, sim, and
+                              ingest-<worker> for each worker of --workers
+
+A process of a role connects with KVMESH_NATS_NKEY_SEED_FILE=<out>/<role>.nk,
+KVMESH_NATS_TLS_CA_FILE=<out>/ca.pem and KVMESH_NATS_INBOX_PREFIX=_INBOX_<role> (its own reply subjects).
+Existing files are kept unless --force. Rotation: run again with --force (same --workers and --hosts), then
+restart the nodes and every service: the old seeds and CA stop working; a reload is not enough. With --force,
+the seeds of workers no longer listed are removed. Only file names and public keys are printed.
+"""
+
+
 def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
@@ -407,7 +439,7 @@ def _split(value: str) -> list[str]:
 def command(argv: Sequence[str] | None = None, prog: str = "kvmesh gen-creds") -> int:
     """``kvmesh gen-creds``: 0 written, 1 refused (files exist, bad names), 2 usage."""
     parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     parser.add_argument(
@@ -434,9 +466,11 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh gen-creds") -
     except OSError as exc:
         print(f"{prog}: cannot write {exc.filename or out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    print(f"wrote {len(done.files)} files to {out}:")
+    print(f"wrote {len(done.files)} files to {out.resolve()}:")
     for name, mode in done.files.items():
         print(f"  {name} ({mode:04o})")
+    for name in done.removed:
+        print(f"  removed {name} (its worker is not in --workers)")
     print("NKey users (public keys):")
     for role, public in done.public_keys.items():
         print(f"  {role}: {public}")

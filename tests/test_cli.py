@@ -43,8 +43,8 @@ def test_route_without_router_answers_unavailable(nats_url: str, uid: str) -> No
 
 @pytest.mark.nats
 def test_status_reports_the_stream(nats_url: str, uid: str) -> None:
-    """`kvmesh status` prints JSON naming the stream, with an error entry (and exit 1) when it does not exist."""
-    proc = kvmesh("status", "--nats-url", nats_url, "--stream", f"NOPE_{uid}", "--wait-s", "0.2")
+    """`kvmesh status --json` prints JSON naming the stream, with an error entry (and exit 1) when it does not exist."""
+    proc = kvmesh("status", "--json", "--nats-url", nats_url, "--stream", f"NOPE_{uid}", "--wait-s", "0.2")
     assert proc.returncode == 1, proc.stderr
     out = json.loads(proc.stdout)
     assert out["stream"]["name"] == f"NOPE_{uid}"

@@ -157,8 +157,8 @@ def test_status_accepts_a_server_list(nats_url: str, uid: str) -> None:
 
 @pytest.mark.nats
 def test_status_of_a_missing_stream_exits_1(nats_url: str, uid: str) -> None:
-    """`kvmesh status` for a stream that does not exist prints its JSON but exits 1 with one line saying so."""
-    proc = kvmesh("status", "--nats-url", nats_url, "--stream", f"NOPE_{uid}", "--wait-s", "0.2")
+    """`kvmesh status --json` for a stream that does not exist prints its JSON but exits 1 with one line saying so."""
+    proc = kvmesh("status", "--json", "--nats-url", nats_url, "--stream", f"NOPE_{uid}", "--wait-s", "0.2")
     assert proc.returncode == 1, proc.stderr
     assert json.loads(proc.stdout)["stream"] == {"name": f"NOPE_{uid}", "error": "stream not found"}
     assert proc.stderr.strip() == f"kvmesh status: stream NOPE_{uid} does not exist on {nats_url}"

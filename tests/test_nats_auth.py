@@ -218,7 +218,7 @@ async def test_router_connect_with_the_right_settings_and_status_sees_the_stream
     finally:
         await router.aclose()
     r = await asyncio.to_thread(
-        _kvmesh, ["status", "--nats-url", case.url, "--stream", stream], _env(case.good)
+        _kvmesh, ["status", "--json", "--nats-url", case.url, "--stream", stream], _env(case.good)
     )
     assert (r.returncode, r.stderr) == (0, "")
     assert json.loads(r.stdout)["stream"]["name"] == stream

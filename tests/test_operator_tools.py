@@ -214,7 +214,7 @@ async def test_status_shows_snapshots_and_workers_with_last_event_and_incarnatio
         await wait_for(lambda: _seqs(a), lambda s: s == (8,))
         written = await a.snapshot()
 
-        code, out = await _run(status_command, g, capsys)
+        code, out = await _run(status_command, g, capsys, "--json")
         assert code == 0
         assert {k: out["stream"][k] for k in ("messages", "first_seq", "last_seq")} == {
             "messages": 8,

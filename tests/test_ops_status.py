@@ -282,6 +282,7 @@ def test_a_status_report_prints_only_what_was_read() -> None:
         convergence=convergence([], [], 0),
     )
     assert msgspec.to_builtins(report) == {
+        "schema": 1,
         "stream": {"name": "S", "error": "stream not found"},
         "replicas": [],
         "snapshots": {"error": "timeout"},

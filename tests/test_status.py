@@ -86,7 +86,7 @@ async def test_status_shows_exact_ingest_cursors_and_counters(
 
             capsys.readouterr()
             code = await asyncio.to_thread(
-                status_command, ["--nats-url", server.url, "--stream", p.stream, "--wait-s", "0.5"]
+                status_command, ["--json", "--nats-url", server.url, "--stream", p.stream, "--wait-s", "0.5"]
             )
             assert code == 0
             out = json.loads(capsys.readouterr().out)

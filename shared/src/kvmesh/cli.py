@@ -28,6 +28,7 @@ from nats.aio.client import Client
 from kvmesh import ops
 from kvmesh.core.errors import KvmeshError, RouteError
 from kvmesh.core.protocol import RouteRequest, SnapshotResult, encode
+from kvmesh.ops.view import render_status, route_rates
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth, add_fields, load
 from kvmesh.runtime.health import DEFAULT_MAX_AGE_S, check_health
@@ -354,26 +355,69 @@ def finish_command(argv: Sequence[str]) -> int:
 
 
 def status_command(argv: Sequence[str]) -> int:
-    """``kvmesh status``: the stream, every indexer replica and every ingest, as JSON."""
+    """``kvmesh status``: the stream, every indexer replica, snapshot, worker, ingest and router, as tables
+    (``--json``: the `StatusReport` JSON; ``--watch``: redrawn every second with route rates)."""
     parser = _parser(
         "status",
         "Show the events stream (messages, bytes, sequences), every indexer replica (applied "
         "sequence, lag, blocks, digest), the stored snapshots (sequence, size, age), the workers (model, dp "
         "ranks, block size, incarnation, last heartbeat and event), every ingest (per-rank cursors, gaps, "
         "replays, resyncs, rejected and dropped events) and every router (index mode, applied sequence and "
-        "lag of a local index, routed requests, errors) as JSON.",
+        "lag of a local index, routed requests, errors) as tables. --json prints the same data as JSON (a "
+        "versioned schema: its `schema` field); --watch redraws the tables every --interval-s with each "
+        "router's routes per second. Exit status 1 when the stream does not exist (--watch: keeps going).",
     )
     parser.add_argument("--wait-s", type=float, default=0.5, help="seconds to collect replies")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON (for scripts)")
+    parser.add_argument(
+        "--watch", action="store_true", help="redraw every --interval-s until Ctrl-C, with route rates"
+    )
+    parser.add_argument("--interval-s", type=float, default=1.0, help="seconds between --watch refreshes")
+    parser.add_argument(
+        "--count", type=int, default=0, help="with --watch: stop after this many refreshes (0: never)"
+    )
     a = parser.parse_args(argv)
+    if a.json and a.watch:
+        parser.error("--json and --watch exclude each other")
+    if a.interval_s <= 0:
+        parser.error("--interval-s must be positive")
 
     def show(report: ops.StatusReport) -> int:
-        _print_json(report)
+        if a.json:
+            _print_json(report)
+        else:
+            print(render_status(report), end="")
         error = report.stream.error
         if error == ops.STREAM_NOT_FOUND:
             return _error(a, f"stream {a.stream} does not exist on {redact_url(a.nats_url)}")
         return _error(a, f"cannot read stream {a.stream}: {error}") if error else 0
 
-    return _run(a, lambda nc: ops.status(nc, stream=a.stream, wait_s=a.wait_s), show)
+    if not a.watch:
+        return _run(a, lambda nc: ops.status(nc, stream=a.stream, wait_s=a.wait_s), show)
+
+    async def watch(nc: Client) -> None:
+        clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+        previous: tuple[ops.StatusReport, float] | None = None
+        shown = 0
+        while not a.count or shown < a.count:
+            started = time.monotonic()
+            report = await ops.status(nc, stream=a.stream, wait_s=min(a.wait_s, a.interval_s))
+            now = time.monotonic()
+            rates = route_rates(previous[0], report, now - previous[1]) if previous else {}
+            previous = (report, now)
+            frame = render_status(report, rates=rates)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            print(f"{clear}kvmesh status --watch, every {a.interval_s:g} s, {stamp}\n\n{frame}", flush=True)
+            if not clear:
+                print(flush=True)  # frames apart when stdout is not a terminal
+            shown += 1
+            if not a.count or shown < a.count:
+                await asyncio.sleep(max(0.0, a.interval_s - (time.monotonic() - started)))
+
+    try:
+        return _run(a, watch, lambda _: 0)
+    except KeyboardInterrupt:
+        return 0
 
 
 def snapshot_command(argv: Sequence[str]) -> int:

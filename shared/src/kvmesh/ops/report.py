@@ -31,6 +31,7 @@ from kvmesh.runtime.registry import list_workers
 from kvmesh.runtime.snapshots import SnapshotEntry, SnapshotStore
 
 __all__ = [
+    "STATUS_SCHEMA",
     "STREAM_NOT_FOUND",
     "STREAM_RECREATED",
     "ReplicaStatus",
@@ -50,6 +51,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+STATUS_SCHEMA: Final[int] = 1
+"""Version of `StatusReport`'s JSON (``kvmesh status --json``, its ``schema`` field): raised when a field is
+removed, renamed or changes meaning; new fields may appear within a version."""
 
 STREAM_NOT_FOUND: Final[str] = "stream not found"
 """`StreamState.error` when the server has no stream of that name."""
@@ -157,13 +162,16 @@ class Convergence(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StatusReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Everything ``kvmesh status`` shows, for one stream.
+    """Everything ``kvmesh status`` shows, for one stream; ``kvmesh status --json`` prints it as
+    ``msgspec.to_builtins(report)``, the schema scripts read: ``schema`` is its version (`STATUS_SCHEMA`).
 
     Replicas are sorted by replica id, ingests by worker id, routers by id; only replicas of the stream and
     routers whose local index follows it (or that ask the indexers) are listed. ``undecodable`` lists the
     replies that did not decode (absent when none).
     """
 
+    schema: int = msgspec.field(default_factory=lambda: STATUS_SCHEMA)
+    """`STATUS_SCHEMA` (always encoded: a factory default is not omitted)."""
     stream: StreamState
     replicas: list[ReplicaStatus]
     snapshots: list[SnapshotView] | Unreadable

@@ -22,6 +22,7 @@ from kvmesh.core.protocol import (
     IngestRankStatus,
     IngestStatus,
     LedgerStats,
+    RouteReceipts,
     RouterIndexStats,
     RouterStats,
 )
@@ -92,6 +93,18 @@ def _router(routed: int) -> RouterService:
         modes={},
         candidates_cut={},
         index=index,
+        receipts={
+            "w1/0": RouteReceipts(
+                requests=40,
+                available_tokens=12_800,
+                captured_tokens=12_288,
+                regret_tokens=512,
+                delivered_requests=38,
+                delivered_tokens=11_520,
+                misprediction_tokens=256,
+                unpredicted_tokens=0,
+            )
+        },
     )
     return RouterService(id="r1", version="0.1.0", stats=stats)
 
@@ -170,6 +183,10 @@ ingests
 routers
   router  index  route mode      applied  lag   blocks  routed{rate}  in flight  errors           warning
   r1      local  degraded (lag)    1,230    4  123,000   5,000{rval}          3  unknown_model 2
+
+route receipts (tokens)
+  router  worker/rank  requests  available  captured  regret  reported  delivered  mispredicted
+  r1      w1/0               40     12,800    12,288     512        38     11,520           256
 """
 
 
@@ -204,7 +221,7 @@ def test_unreadable_parts_render_as_their_error() -> None:
         "stream S: stream not found\n"
         "convergence: not converged at sequence 0 (0 indexers, 0 local-index routers; digests -)\n"
         "\nreplicas: none\n\nsnapshots: unreadable (timeout)\n\nworkers: unreadable (no responders)\n"
-        "\ningests: none\n\nrouters: none\n"
+        "\ningests: none\n\nrouters: none\n\nroute receipts (tokens): none\n"
         "\nundecodable replies\n  kvmesh.index.status: bad IndexerStatus\n"
     )
 

@@ -20,6 +20,7 @@ from kvmesh.core.protocol import (
     IndexerStatus,
     IngestStatus,
     MicroServiceStats,
+    RouteReceipts,
     RouterIndexStats,
     RouterStats,
     WorkerRecord,
@@ -131,7 +132,7 @@ class RouterService(msgspec.Struct, frozen=True, kw_only=True):
 
 class RouterSummary(RouterIndexStats, frozen=True, kw_only=True, omit_defaults=True):
     """One router in ``kvmesh status``: its `RouterIndexStats` fields, its id and version, the requests it
-    routed, its error replies per code and its in-flight requests; a local index also its ``lag`` behind the
+    routed, its error replies per code, its in-flight requests and its route receipts; a local index also its ``lag`` behind the
     stream (messages) and, when past the stream's end, `STREAM_RECREATED` as ``warning``."""
 
     id: str
@@ -141,6 +142,8 @@ class RouterSummary(RouterIndexStats, frozen=True, kw_only=True, omit_defaults=T
     routed: int
     errors: dict[str, int]
     in_flight: int
+    receipts: dict[str, RouteReceipts] = msgspec.field(default_factory=dict)
+    """``"worker/rank"`` → the route receipts of the requests this router answered (absent when none)."""
 
 
 class Convergence(msgspec.Struct, frozen=True, kw_only=True):
@@ -244,6 +247,7 @@ def router_status(service: RouterService, stream_last_seq: int) -> RouterSummary
         routed=service.stats.routed,
         errors=service.stats.errors,
         in_flight=service.stats.in_flight,
+        receipts=service.stats.receipts,
     )
 
 

@@ -52,6 +52,7 @@ def render_status(report: StatusReport, *, rates: Mapping[str, float] | None = N
     out += _section("workers", _workers(report.workers))
     out += _section("ingests", _ingests(report.ingests))
     out += _section("routers", _routers(report.routers, rates))
+    out += _section("route receipts (tokens)", _receipts(report.routers))
     if report.undecodable:
         out += ["", "undecodable replies"]
         out += [f"  {line}" for line in report.undecodable]
@@ -217,6 +218,39 @@ def _routers(routers: Sequence[RouterSummary], rates: Mapping[str, float] | None
         headers.append("rate/s")
     headers += ["in flight", "errors", "warning"]
     return _table(headers, rows, right=set(range(3, len(headers) - 2)))
+
+
+def _receipts(routers: Sequence[RouterSummary]) -> list[str]:
+    """Per router and (worker, rank): the reuse available, captured by the choice and delivered by the engine
+    (token counters), with the regret and the misprediction."""
+    rows: list[list[str]] = []
+    for r in routers:
+        for holder, t in sorted(r.receipts.items()):
+            rows.append(
+                [
+                    r.id,
+                    holder,
+                    _num(t.requests),
+                    _num(t.available_tokens),
+                    _num(t.captured_tokens),
+                    _num(t.regret_tokens),
+                    _num(t.delivered_requests),
+                    _num(t.delivered_tokens),
+                    _num(t.misprediction_tokens),
+                ]
+            )
+    headers = [
+        "router",
+        "worker/rank",
+        "requests",
+        "available",
+        "captured",
+        "regret",
+        "reported",
+        "delivered",
+    ]
+    headers.append("mispredicted")
+    return _table(headers, rows, right=set(range(2, len(headers))))
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: set[int]) -> list[str]:

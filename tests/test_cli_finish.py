@@ -42,6 +42,33 @@ async def test_finish_ends_a_routed_request(nats_url: str, uid: str) -> None:
         assert r0.ledger.stats().active == 1
 
 
+async def test_finish_with_cached_tokens_is_delivered_at_the_router_that_answered(
+    nats_url: str, uid: str
+) -> None:
+    """`kvmesh finish --cached-tokens N` reports the engine's count: the answering router's receipts count N
+    delivered tokens for the chosen worker."""
+    async with fleet(nats_url, uid) as f:
+        r0 = await f.start_router()
+        reply = await f.client(0).route("m", HOT, request_id="cli-3")
+        code, out, err = await run_kvmesh(
+            "finish", "--request-id", "cli-3", "--cached-tokens", "48", "--nats-url", nats_url,
+            "--requests-prefix", f"t{uid}.requests",
+        )  # fmt: skip
+        assert (code, err, out.strip()) == (0, "", "finished cli-3")
+        key = f"{reply.worker_id}/{reply.dp_rank}"
+        await until(lambda: r0.ledger.stats().active == 0)
+        receipts = r0.stats_message().receipts[key]
+        assert (receipts.delivered_requests, receipts.delivered_tokens) == (1, 48)
+
+
+async def test_finish_cached_tokens_needs_one_finished_request() -> None:
+    code, _, err = await run_kvmesh(
+        "finish", "--request-id", "a", "--request-id", "b", "--cached-tokens", "3"
+    )
+    assert code == 2
+    assert "--cached-tokens goes with one --request-id, without --prefill-done, and is >= 0" in err
+
+
 async def test_the_router_announces_the_package_version(nats_url: str, uid: str) -> None:
     """A running router's $SRV.INFO names the one package version, as `kvmesh --version` does."""
     async with fleet(nats_url, uid) as f:

@@ -335,9 +335,18 @@ def finish_command(argv: Sequence[str]) -> int:
         "--prefill-done", action="store_true", help="mark the prefill done instead of finishing the request"
     )
     parser.add_argument(
+        "--cached-tokens",
+        type=int,
+        default=None,
+        help="the engine's count of cached prompt tokens (vLLM: usage.prompt_tokens_details.cached_tokens) "
+        "of the one finished request: the router that answered it counts them as delivered",
+    )
+    parser.add_argument(
         "--requests-prefix", default=subjects.REQUESTS_PREFIX, help="the routers' request lifecycle prefix"
     )
     a = parser.parse_args(argv)
+    if a.cached_tokens is not None and (len(a.request_id) != 1 or a.prefill_done or a.cached_tokens < 0):
+        parser.error("--cached-tokens goes with one --request-id, without --prefill-done, and is >= 0")
 
     def show(_: None) -> int:
         done = "prefill done" if a.prefill_done else "finished"
@@ -348,7 +357,11 @@ def finish_command(argv: Sequence[str]) -> int:
     return _run(
         a,
         lambda nc: ops.finish(
-            nc, a.request_id, prefill_done=a.prefill_done, requests_prefix=a.requests_prefix
+            nc,
+            a.request_id,
+            prefill_done=a.prefill_done,
+            cached_tokens=a.cached_tokens,
+            requests_prefix=a.requests_prefix,
         ),
         show,
     )

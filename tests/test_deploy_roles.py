@@ -436,3 +436,60 @@ def test_gen_creds_refuses_bad_worker_names(tmp_path: Path) -> None:
         " letter or digit)\n",
     )
     assert not (tmp_path / "s").exists()
+
+
+def test_gen_creds_never_writes_through_a_symbolic_link(tmp_path: Path) -> None:
+    """A seed's name taken by a link (dangling or not) is refused before anything is written: a secret never
+    lands where the link points."""
+    out, elsewhere = tmp_path / "s", tmp_path / "elsewhere.nk"
+    out.mkdir()
+    (out / "client.nk").symlink_to(elsewhere)
+    done = _gen(out, "--workers", "w")
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"kvmesh gen-creds: {out}: client.nk is a symbolic link: refusing to write a secret through it\n"
+    )
+    assert not elsewhere.exists()
+    assert sorted(p.name for p in out.iterdir()) == ["client.nk"]
+
+
+def test_a_failed_rotation_changes_nothing(tmp_path: Path) -> None:
+    """A --force run that cannot finish (a seed's name taken by a directory) leaves every earlier file as it
+    was, auth.conf and the seeds still matching."""
+    out = tmp_path / "s"
+    assert _gen(out, "--workers", "w").returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (out / "sim.nk").unlink()
+    (out / "sim.nk").mkdir()
+    done = _gen(out, "--workers", "w", "--force")
+    assert done.returncode == 1
+    assert done.stderr == f"kvmesh gen-creds: {out}: sim.nk is a directory: nothing was changed\n"
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert after == {k: v for k, v in before.items() if k != "sim.nk"}
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--workers", "a.b,a_b"], "--workers: ingest-a.b and ingest-a_b would share one reply inbox prefix"),
+        (["--stream", ">"], "--stream '>': a stream name is letters, digits, '_' and '-' (up to 100)"),
+        (["--stream", "bad stream"], "--stream 'bad stream': a stream name is letters, digits"),
+    ],
+)
+def test_gen_creds_refuses_names_that_would_weaken_or_break_the_permissions(
+    tmp_path: Path, args: list[str], why: str
+) -> None:
+    done = _gen(tmp_path / "s", *args)
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"kvmesh gen-creds: {why}"), done.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_host_given_as_an_address_is_an_ip_name_of_the_certificate(tmp_path: Path) -> None:
+    out = tmp_path / "s"
+    assert _gen(out, "--workers", "w", "--hosts", "nats-1,10.0.0.5").returncode == 0
+    cert = x509.load_pem_x509_certificate((out / "server.pem").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["nats-1", "localhost"]
+    assert san.get_values_for_type(x509.IPAddress) == [ip_address("10.0.0.5"), ip_address("127.0.0.1")]

@@ -25,7 +25,9 @@ import datetime
 import ipaddress
 import os
 import re
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +50,7 @@ CA_DAYS: Final[int] = 3650
 SERVER_DAYS: Final[int] = 825
 SECRET_MODE: Final[int] = 0o600
 
+_STREAM = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
@@ -254,8 +257,9 @@ def auth_conf(users: dict[str, str], *, stream: str = subjects.STREAM) -> str:
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` with ``mode`` (set before any byte is written, and again on overwrite)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    """Create ``path`` (it must not exist; a symbolic link is never followed) with ``mode`` set before any
+    byte is written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         os.fchmod(fd, mode)
         os.write(fd, data)
@@ -310,8 +314,12 @@ def certificates(hosts: Sequence[str], *, now: datetime.datetime | None = None) 
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
-    names: list[x509.GeneralName] = [x509.DNSName(h) for h in dict.fromkeys([*hosts, "localhost"])]
-    names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    names: list[x509.GeneralName] = []
+    for h in dict.fromkeys([*hosts, "localhost", "127.0.0.1"]):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))  # a client connecting by address checks it
+        except ValueError:
+            names.append(x509.DNSName(h))
     server = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvmesh NATS server")]))
@@ -384,33 +392,61 @@ def generate(
         _check_name("host", h)
     if len(set(workers)) != len(workers):
         raise CredsError("--workers: a worker id is given twice")
+    if not _STREAM.match(stream):
+        raise CredsError(f"--stream {stream!r}: a stream name is letters, digits, '_' and '-' (up to 100)")
     roles = [*ROLES, *(f"ingest-{w}" for w in workers)]
+    inboxes: dict[str, list[str]] = {}
+    for role in roles:
+        inboxes.setdefault(inbox_prefix(role), []).append(role)
+    shared = [group for group in inboxes.values() if len(group) > 1]
+    if shared:
+        raise CredsError(
+            "--workers: "
+            + "; ".join(" and ".join(g) for g in shared)
+            + " would share one reply inbox prefix (names differing only in '.' and '_'): rename one"
+        )
     names = ["ca.pem", "ca-key.pem", "server.pem", "server-key.pem", "auth.conf", *(f"{r}.nk" for r in roles)]
-    if out.exists() and not out.is_dir():
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise CredsError(f"{out} exists and is not a directory")
-    existing = [n for n in names if (out / n).exists()]
+    links = [n for n in names if (out / n).is_symlink()]
+    if links:
+        raise CredsError(
+            f"{out}: {', '.join(links)} is a symbolic link: refusing to write a secret through it"
+        )
+    existing = [n for n in names if os.path.lexists(out / n)]
     if existing and not force:
         raise CredsError(
             f"{out} already holds {', '.join(existing)}: pass --force to replace them (rotation)"
         )
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     done = Generated()
+    # Everything is written into a fresh directory beside the files first, and moved into place only when
+    # all of it is there: a failed run (a full disk, a name taken by a directory) changes nothing.
+    staging = Path(tempfile.mkdtemp(prefix=".gen-creds-", dir=out))
+    try:
+        for name, data in certificates(hosts).items():
+            mode = SECRET_MODE if name.endswith("-key.pem") else 0o644
+            _write(staging / name, data, mode)
+            done.files[name] = mode
+        for role in roles:
+            seed, public = _new_user()
+            _write(staging / f"{role}.nk", seed + b"\n", SECRET_MODE)
+            done.files[f"{role}.nk"] = SECRET_MODE
+            done.public_keys[role] = public
+        _write(staging / "auth.conf", auth_conf(done.public_keys, stream=stream).encode(), 0o644)
+        done.files["auth.conf"] = 0o644
+        blocked = [n for n in names if (out / n).is_dir()]
+        if blocked:
+            raise CredsError(f"{out}: {', '.join(blocked)} is a directory: nothing was changed")
+        for name in names:
+            os.replace(staging / name, out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     # A rotation for another worker list revokes the workers left out: their seeds would no longer log in.
     for stale in sorted(out.glob("ingest-*.nk")) if force else []:
         if stale.name not in names:
             stale.unlink()
             done.removed.append(stale.name)
-    for name, data in certificates(hosts).items():
-        mode = SECRET_MODE if name.endswith("-key.pem") else 0o644
-        _write(out / name, data, mode)
-        done.files[name] = mode
-    for role in roles:
-        seed, public = _new_user()
-        _write(out / f"{role}.nk", seed + b"\n", SECRET_MODE)
-        done.files[f"{role}.nk"] = SECRET_MODE
-        done.public_keys[role] = public
-    _write(out / "auth.conf", auth_conf(done.public_keys, stream=stream).encode(), 0o644)
-    done.files["auth.conf"] = 0o644
     return done
 
 

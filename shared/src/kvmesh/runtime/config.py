@@ -64,7 +64,16 @@ AUTH_FIELDS = frozenset(f.name for f in dataclasses.fields(NatsAuth))
 
 SHARED_FIELDS = (
     frozenset(
-        {"nats_url", "log_level", "route_subject", "match_subject", "stream", "health_file", "metrics_port"}
+        {
+            "nats_url",
+            "log_level",
+            "log_format",
+            "route_subject",
+            "match_subject",
+            "stream",
+            "health_file",
+            "metrics_port",
+        }
     )
     | AUTH_FIELDS
 )

@@ -1,4 +1,5 @@
-"""The one lifecycle of every service: parse, load settings, configure logging, run until signalled.
+"""The one lifecycle of every service: parse, load settings, configure logging (`kvmesh.runtime.logs`), run until
+signalled.
 
 `run_service` parses a service's settings and calls `run_async`, which runs the service on a fresh event loop:
 SIGINT/SIGTERM ask it to stop (a grace period, then cancellation; a second signal cancels at once), and a
@@ -16,7 +17,6 @@ import contextlib
 import json
 import logging
 import signal
-import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Protocol, TypeVar
@@ -24,6 +24,7 @@ from typing import Any, Final, Protocol, TypeVar
 from nats.aio.client import Client
 
 from kvmesh.core.errors import ConfigError, ConnectionClosedForGood, KvmeshError
+from kvmesh.runtime import logs
 from kvmesh.runtime.config import add_arguments, load, to_dict
 from kvmesh.runtime.health import write_health
 from kvmesh.runtime.nats import NATS_ERRORS, transport_error, wait_closed
@@ -51,14 +52,14 @@ class Service(Protocol):
     def stop(self) -> None: ...
 
 
-def setup_logging(level: str, service: str) -> None:
-    """Log one line per record to stderr: time, level, service, logger, message."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
+def setup_logging(level: str, service: str, fmt: str = "auto") -> None:
+    """Log every record at ``level`` or above to stderr as ``fmt`` says (`kvmesh.runtime.logs.setup_logging`:
+    JSON lines when stderr is not a terminal, one readable line when it is).
+
+    Raises:
+        ValueError: ``fmt`` is not ``"auto"``, ``"json"`` or ``"text"``.
+    """
+    logs.setup_logging(level, service, fmt)
 
 
 def run_service(
@@ -87,7 +88,9 @@ def run_service(
     if args._print_config:
         print(json.dumps(to_dict(settings), indent=2, default=str))
         return 0
-    setup_logging(str(getattr(settings, "log_level", "INFO")), service)
+    setup_logging(
+        str(getattr(settings, "log_level", "INFO")), service, str(getattr(settings, "log_format", "auto"))
+    )
     return run_async(build(settings))
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth, setting
+from kvmesh.runtime.logs import LOG_FORMATS
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
 from kvmesh.runtime.snapshots import DEFAULT_SNAPSHOT_EVERY_S, DEFAULT_SNAPSHOT_KEEP
 
@@ -46,6 +47,9 @@ class IndexerSettings(NatsAuth):
     )
     buckets_max_bytes: int = setting(-1, "size bound of the snapshot bucket in bytes (-1: none)")
     log_level: str = setting("INFO", "log level")
+    log_format: str = setting(
+        "auto", "log lines: json, text, or auto (JSON when stderr is not a terminal, else text)"
+    )
     health_file: str = setting(
         "", "file rewritten every 5 s while running and connected, for `kvmesh health --file` (none: off)"
     )
@@ -64,6 +68,8 @@ class IndexerSettings(NatsAuth):
             problems.append("--lease-ttl-s and --worker-ttl-s must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            problems.append(f"--log-format must be auto, json or text, got {self.log_format!r}")
         return problems
 
     def snapshot_bucket_name(self) -> str:

@@ -15,6 +15,7 @@ from kvmesh.core.liveness import (
 )
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth, setting
+from kvmesh.runtime.logs import LOG_FORMATS
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
 from kvmesh.runtime.registry import MAX_DP_RANKS
 from kvmesh.runtime.snapshots import DEFAULT_STREAM_MAX_AGE_S, DEFAULT_STREAM_MAX_BYTES
@@ -100,6 +101,9 @@ class IngestSettings(NatsAuth):
         "engine HTTP URL probed for liveness when there is no replay socket (vLLM's /health; none: not probed)",
     )
     log_level: str = setting("INFO", "log level")
+    log_format: str = setting(
+        "auto", "log lines: json, text, or auto (JSON when stderr is not a terminal, else text)"
+    )
     health_file: str = setting(
         "", "file rewritten every 5 s while running and connected, for `kvmesh health --file` (none: off)"
     )
@@ -154,4 +158,6 @@ class IngestSettings(NatsAuth):
                 problems.append("--engine-probe-timeout-s must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            problems.append(f"--log-format must be auto, json or text, got {self.log_format!r}")
         return problems

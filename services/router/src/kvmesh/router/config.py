@@ -9,6 +9,7 @@ from kvmesh.core.load import DEFAULT_LOAD_TTL_S, DEFAULT_REQUEST_TTL_S
 from kvmesh.core.route import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_TOKENS, IDLE_CANDIDATES, Policy
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth, setting
+from kvmesh.runtime.logs import LOG_FORMATS
 from kvmesh.runtime.nats import DEFAULT_NATS_URL
 
 _DEFAULT = Policy()
@@ -97,6 +98,9 @@ class RouterSettings(NatsAuth):
         "heartbeat intervals, 2/3 of the registry bucket's TTL; < 0: off)",
     )
     log_level: str = setting("INFO", "log level")
+    log_format: str = setting(
+        "auto", "log lines: json, text, or auto (JSON when stderr is not a terminal, else text)"
+    )
     health_file: str = setting(
         "", "file rewritten every 5 s while running and connected, for `kvmesh health --file` (none: off)"
     )
@@ -151,4 +155,6 @@ class RouterSettings(NatsAuth):
             problems.append(f"--{flag}: {p}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            problems.append(f"--log-format must be auto, json or text, got {self.log_format!r}")
         return problems

@@ -354,7 +354,7 @@ def test_an_inbox_prefix_that_is_not_literal_subject_tokens_is_refused(prefix: s
         load(NatsAuth, service="nats", environ={"KVMESH_NATS_INBOX_PREFIX": prefix})
     assert info.value.problems == [
         f"--nats-inbox-prefix {prefix!r} is not a subject prefix "
-        "(tokens of letters, digits, _ and - separated by dots; no wildcards)"
+        "(tokens of letters, digits, _ and - separated by dots; no wildcards; at most 200 characters)"
     ]
 
 

@@ -83,6 +83,43 @@ async def test_provision_creates_the_stream_and_buckets_once_and_reports_them(
         await nc.close()
 
 
+def test_provision_on_a_server_without_jetstream_says_so_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server without JetStream has no responders for the JetStream API: provision says so within a
+    second instead of waiting out its timeout."""
+    import socket
+
+    from kvmesh.harness.server import server_binary
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with (tmp_path / "ns.log").open("w") as out:
+        server = subprocess.Popen(
+            [server_binary(), "-a", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        code = provision_command(["--nats-url", f"nats://127.0.0.1:{port}", "--timeout-s", "30"])
+        took = time.monotonic() - t0
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert code == 1
+    assert capsys.readouterr().err == (
+        "kvmesh provision: JetStream is not enabled on the NATS server (start it with -js, or jetstream {} in "
+        "its configuration)\n"
+    )
+    assert took < 10
+
+
 def test_provision_refuses_a_replica_count_below_one(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         provision_command(["--replicas", "0"])
@@ -118,6 +155,25 @@ def test_check_health_names_why_a_service_is_not_healthy(tmp_path: Path) -> None
         check_health(f, now=100.0)
         == f"{f} is not a kvmesh health file: Object missing required field `service`"
     )
+
+
+def test_check_health_refuses_what_is_not_a_fresh_health_file(tmp_path: Path) -> None:
+    """A file written far in the future, a timestamp that is not a number, a FIFO (which would block) and
+    an oversized file are each unhealthy with the reason."""
+    f = tmp_path / "h.json"
+    _health_file(f, written_at=1e9)
+    assert (
+        check_health(f, now=1e9 - 1e6)
+        == f"{f} was written 1000000 s in the future (a clock set back, or not a health file)"
+    )
+    f.write_bytes(b'{"service": "r", "pid": 1, "written_at": NaN, "connected": true}')
+    assert check_health(f, now=100.0) is not None
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert check_health(fifo, now=100.0) == f"{fifo} is not a regular file"
+    big = tmp_path / "big"
+    big.write_bytes(b" " * 5000)
+    assert check_health(big, now=100.0) == f"{big} is not a kvmesh health file: larger than 4096 bytes"
 
 
 def test_health_command_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,7 +23,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 
-from kvmesh.core.errors import TransportError
+from kvmesh.core.errors import StreamUnavailableError, TransportError
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import StreamSettings, ensure_stream, transport_error
 from kvmesh.runtime.registry import RegistrySettings, open_registry
@@ -84,6 +84,15 @@ async def _until_jetstream(nc: Client, timeout_s: float) -> None:
             await nc.jetstream().account_info()
             return
         except (nats.errors.Error, TimeoutError) as exc:
+            # No responders (nats-py reports them as a 503 without a code): no server runs JetStream, and
+            # waiting will not change that; a cluster electing its meta leader answers with a coded 503.
+            if isinstance(exc, nats.errors.NoRespondersError) or (
+                isinstance(exc, nats.js.errors.ServiceUnavailableError) and exc.code is None
+            ):
+                raise StreamUnavailableError(
+                    "JetStream is not enabled on the NATS server (start it with -js, or jetstream {} in its "
+                    "configuration)"
+                ) from exc
             if loop.time() >= deadline:
                 raise transport_error(exc, f"JetStream did not answer within {timeout_s:g} s") from exc
             await asyncio.sleep(0.5)

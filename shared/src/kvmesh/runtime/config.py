@@ -115,10 +115,12 @@ def auth_problems(auth: NatsAuth) -> list[str]:
         problems.append(f"give one way of authenticating to NATS, not {' and '.join(given)}")
     if auth.nats_password and not auth.nats_user:
         problems.append("--nats-password needs --nats-user")
-    if auth.nats_inbox_prefix and not _INBOX_PREFIX.fullmatch(auth.nats_inbox_prefix):
+    if auth.nats_inbox_prefix and (
+        len(auth.nats_inbox_prefix) > 200 or not _INBOX_PREFIX.fullmatch(auth.nats_inbox_prefix)
+    ):
         problems.append(
             f"--nats-inbox-prefix {auth.nats_inbox_prefix!r} is not a subject prefix "
-            "(tokens of letters, digits, _ and - separated by dots; no wildcards)"
+            "(tokens of letters, digits, _ and - separated by dots; no wildcards; at most 200 characters)"
         )
     if auth.nats_tls_key_file and not auth.nats_tls_cert_file:
         problems.append("--nats-tls-key-file needs --nats-tls-cert-file")

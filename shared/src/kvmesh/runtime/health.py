@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from pathlib import Path
@@ -19,10 +20,14 @@ from pathlib import Path
 import msgspec
 from nats.aio.client import Client
 
+log = logging.getLogger(__name__)
+
 __all__ = ["DEFAULT_MAX_AGE_S", "HEALTH_INTERVAL_S", "Health", "check_health", "write_health"]
 
 HEALTH_INTERVAL_S = 5.0
 """Seconds between two writes of the health file."""
+_MAX_BYTES = 4096
+"""A health file is one small JSON object."""
 DEFAULT_MAX_AGE_S = 20.0
 """Age in seconds past which `check_health` calls a health file stale (four missed writes)."""
 
@@ -59,15 +64,23 @@ async def write_health(
     A write that fails (a full or read-only disk) is retried at the next interval; the service goes on.
     """
     target = Path(path)
+    failing = False
     try:
         while True:
-            with contextlib.suppress(OSError):
+            try:
                 _write(
                     target,
                     Health(
                         service=service, pid=os.getpid(), written_at=time.time(), connected=nc.is_connected
                     ),
                 )
+                failing = False
+            except OSError as exc:
+                if not failing:  # once per run of failures: the check will say the file is missing or old
+                    log.warning(
+                        "%s: cannot write the health file %s: %s", service, target, exc.strerror or exc
+                    )
+                failing = True
             await asyncio.sleep(interval_s)
     finally:
         _remove(target)
@@ -83,18 +96,26 @@ def check_health(
         max_age_s: the oldest write that still counts, in seconds.
         now: the current wall-clock time (seconds since the epoch).
     """
+    target = Path(path)
     try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        return f"{path} does not exist (the service has not started, or has stopped)"
+        if not target.is_file():  # a FIFO or a device would block or never end
+            if not target.exists():
+                return f"{path} does not exist (the service has not started, or has stopped)"
+            return f"{path} is not a regular file"
+        with target.open("rb") as f:
+            raw = f.read(_MAX_BYTES + 1)
     except OSError as exc:
         return f"cannot read {path}: {exc.strerror or exc}"
+    if len(raw) > _MAX_BYTES:
+        return f"{path} is not a kvmesh health file: larger than {_MAX_BYTES} bytes"
     try:
         health = msgspec.json.decode(raw, type=Health)
     except msgspec.DecodeError as exc:
         return f"{path} is not a kvmesh health file: {exc}"
     age = now - health.written_at
-    if age > max_age_s:
+    if age < -max_age_s:
+        return f"{path} was written {-age:.0f} s in the future (a clock set back, or not a health file)"
+    if not age <= max_age_s:  # NaN too
         return (
             f"{health.service} (pid {health.pid}) last wrote {path} {age:.0f} s ago (bound {max_age_s:g} s)"
         )

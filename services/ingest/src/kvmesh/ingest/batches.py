@@ -100,7 +100,12 @@ class Batches:
         except WireError as exc:
             self.counters.decode_errors += 1
             log.warning(
-                "worker %s rank %d seq %d: undecodable batch dropped: %s", s.worker_id, rank.rank, seq, exc
+                "worker %s rank %d seq %d: undecodable batch dropped: %s",
+                s.worker_id,
+                rank.rank,
+                seq,
+                exc,
+                extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "seq": seq},
             )
             self.enqueue_clear(rank, "malformed")
             return
@@ -119,6 +124,13 @@ class Batches:
                 dp_rank,
                 s.data_parallel_size,
                 len(batch.events),
+                extra={
+                    "worker_id": s.worker_id,
+                    "dp_rank": rank.rank,
+                    "seq": seq,
+                    "batch_dp_rank": dp_rank,
+                    "events": len(batch.events),
+                },
             )
             # The seq is still this endpoint's: cover it with no events, so its holder's engine sequence
             # in the stream has no gap (the index would flag one).
@@ -128,7 +140,12 @@ class Batches:
         for err in batch.errors:
             self.counters.decode_errors += 1
             log.warning(
-                "worker %s rank %d seq %d: malformed event dropped: %s", s.worker_id, rank.rank, seq, err
+                "worker %s rank %d seq %d: malformed event dropped: %s",
+                s.worker_id,
+                rank.rank,
+                seq,
+                err,
+                extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "seq": seq},
             )
         for rej in result.rejections:
             self.counters.rejected_events += 1
@@ -143,9 +160,24 @@ class Batches:
                         seq,
                         rej.got,
                         rej.expected,
+                        extra={
+                            "worker_id": s.worker_id,
+                            "dp_rank": rank.rank,
+                            "seq": seq,
+                            "reason": "block_size",
+                            "block_size": rej.got,
+                            "expected": rej.expected,
+                        },
                     )
             else:
-                log.warning("worker %s rank %d seq %d: event rejected: %s", s.worker_id, rank.rank, seq, rej)
+                log.warning(
+                    "worker %s rank %d seq %d: event rejected: %s",
+                    s.worker_id,
+                    rank.rank,
+                    seq,
+                    rej,
+                    extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "seq": seq},
+                )
         if batch.unknown_events:
             log.info(
                 "worker %s rank %d seq %d: %d unknown event(s) skipped",
@@ -153,6 +185,12 @@ class Batches:
                 rank.rank,
                 seq,
                 batch.unknown_events,
+                extra={
+                    "worker_id": s.worker_id,
+                    "dp_rank": rank.rank,
+                    "seq": seq,
+                    "events": batch.unknown_events,
+                },
             )
         if dp_rank != rank.holder_rank and rank.holder_rank >= 0:
             log.warning(
@@ -162,6 +200,13 @@ class Batches:
                 seq,
                 dp_rank,
                 rank.holder_rank,
+                extra={
+                    "worker_id": s.worker_id,
+                    "dp_rank": rank.rank,
+                    "seq": seq,
+                    "batch_dp_rank": dp_rank,
+                    "was": rank.holder_rank,
+                },
             )
         rank.holder_rank = dp_rank
         self._append(rank, dp_rank, seq, result.events, batch.ts)

@@ -82,14 +82,21 @@ class EngineWatch:
     def _report(self, rank: int, change: LivenessChange | None) -> None:
         if change is None:
             return
+        at = {"worker_id": self._worker_id, "dp_rank": rank, "state": change.state}
         if change.state == "live":
             log.warning(
-                "worker %s rank %d: engine answers again (was %s)", self._worker_id, rank, change.previous
+                "worker %s rank %d: engine answers again (was %s)",
+                self._worker_id,
+                rank,
+                change.previous,
+                extra=at | {"was": change.previous},
             )
         elif change.state == "stale":
-            log.error("worker %s rank %d: engine stale: %s", self._worker_id, rank, change.reason)
+            msg = "worker %s rank %d: engine stale: %s"
+            log.error(msg, self._worker_id, rank, change.reason, extra=at | {"reason": change.reason})
         else:
-            log.error("worker %s rank %d: engine gone: %s", self._worker_id, rank, change.reason)
+            msg = "worker %s rank %d: engine gone: %s"
+            log.error(msg, self._worker_id, rank, change.reason, extra=at | {"reason": change.reason})
         self._on_change(rank, change)
 
     async def _probe(self, rank: int) -> tuple[bool, str]:

@@ -95,6 +95,7 @@ class RankReader:
                 self.settings.worker_id,
                 rank.rank,
                 len(frames),
+                extra={"worker_id": self.settings.worker_id, "dp_rank": rank.rank},
             )
             return
         try:
@@ -102,7 +103,11 @@ class RankReader:
         except WireError as exc:
             self.counters.decode_errors += 1
             log.warning(
-                "worker %s rank %d: live message dropped: %s", self.settings.worker_id, rank.rank, exc
+                "worker %s rank %d: live message dropped: %s",
+                self.settings.worker_id,
+                rank.rank,
+                exc,
+                extra={"worker_id": self.settings.worker_id, "dp_rank": rank.rank},
             )
             return
         try:
@@ -111,7 +116,11 @@ class RankReader:
             # Never let one message stop the reader (the engine would go unread for good).
             self.counters.decode_errors += 1
             log.exception(
-                "worker %s rank %d seq %d: message failed; dropped", self.settings.worker_id, rank.rank, seq
+                "worker %s rank %d seq %d: message failed; dropped",
+                self.settings.worker_id,
+                rank.rank,
+                seq,
+                extra={"worker_id": self.settings.worker_id, "dp_rank": rank.rank, "seq": seq},
             )
 
     def act(self, rank: Rank, actions: list[Action], *, flush: bool = True) -> None:
@@ -128,6 +137,13 @@ class RankReader:
                     rank.tracker.gap_end,
                     rank.tracker.last_seq,
                     a.from_seq,
+                    extra={
+                        "worker_id": s.worker_id,
+                        "dp_rank": rank.rank,
+                        "seq": rank.tracker.gap_end,
+                        "last_seq": rank.tracker.last_seq,
+                        "from_seq": a.from_seq,
+                    },
                 )
                 if rank.replay_endpoint is not None:
                     # A replay the tracker abandoned (engine restart, overflow) may still be waiting on its
@@ -143,6 +159,12 @@ class RankReader:
                     rank.rank,
                     a.after_seq,
                     a.reason,
+                    extra={
+                        "worker_id": s.worker_id,
+                        "dp_rank": rank.rank,
+                        "seq": a.after_seq,
+                        "reason": a.reason,
+                    },
                 )
                 self.batches.enqueue_clear(rank, a.reason, seq=-1 if a.after_seq is None else a.after_seq)
             elif isinstance(a, NewEpoch):
@@ -152,10 +174,22 @@ class RankReader:
                     rank.rank,
                     a.first_seq,
                     a.epoch,
+                    extra={
+                        "worker_id": s.worker_id,
+                        "dp_rank": rank.rank,
+                        "seq": a.first_seq,
+                        "epoch": a.epoch,
+                    },
                 )
                 self.batches.enqueue_clear(rank, "restart", seq=a.first_seq - 1)
             elif isinstance(a, ReplayDone):
-                log.info("worker %s rank %d: replay done (healed=%s)", s.worker_id, rank.rank, a.healed)
+                log.info(
+                    "worker %s rank %d: replay done (healed=%s)",
+                    s.worker_id,
+                    rank.rank,
+                    a.healed,
+                    extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "healed": a.healed},
+                )
         if flush:
             self.batches.flush(rank)
 
@@ -189,7 +223,13 @@ class RankReader:
                 try:
                     reply = wire.decode_replay_reply(frames)
                 except WireError as exc:
-                    log.warning("worker %s rank %d: bad replay reply: %s", s.worker_id, rank.rank, exc)
+                    log.warning(
+                        "worker %s rank %d: bad replay reply: %s",
+                        s.worker_id,
+                        rank.rank,
+                        exc,
+                        extra={"worker_id": s.worker_id, "dp_rank": rank.rank},
+                    )
                     continue
                 if reply.is_end:
                     self.act(rank, rank.tracker.on_replay_end("replay_incomplete"))
@@ -205,6 +245,7 @@ class RankReader:
                         reply.seq,
                         reply.topic[:64],
                         topic,
+                        extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "seq": reply.seq},
                     )
                     continue
                 if verify is not None:
@@ -218,7 +259,12 @@ class RankReader:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("worker %s rank %d: replay failed", s.worker_id, rank.rank)
+            log.exception(
+                "worker %s rank %d: replay failed",
+                s.worker_id,
+                rank.rank,
+                extra={"worker_id": s.worker_id, "dp_rank": rank.rank},
+            )
             self.act(rank, rank.tracker.on_replay_end("replay_error"))
         finally:
             sock.close(linger=0)
@@ -236,5 +282,6 @@ class RankReader:
             check[0],
             ts,
             check[1],
+            extra={"worker_id": self.settings.worker_id, "dp_rank": rank.rank, "seq": check[0]},
         )
         return False

@@ -24,6 +24,7 @@ from kvmesh.core.errors import MessageDecodeError
 from kvmesh.core.events import EventsMessage, Message, decode_message
 from kvmesh.core.sequencing import SeqTracker
 from kvmesh.runtime.replica import retry_start
+from kvmesh.runtime.subjects import untoken
 
 log = logging.getLogger("kvmesh.ingest")
 
@@ -31,6 +32,13 @@ RESYNC_EPOCH = 1
 """Epoch of a rank whose subject holds messages but none that decodes (above the 0 of a first start)."""
 _FIRST_WINDOW = 64
 """Stream sequences the first walk-back window spans (each next window is 4× wider)."""
+
+
+def subject_fields(subject: str) -> dict[str, Any]:
+    """The log fields of a rank's events subject (``<prefix>.<model>.<worker>.<dp_rank>``): ``worker_id`` and
+    ``dp_rank``; empty when ``subject`` does not end in a worker token and a rank."""
+    *_, worker, rank = ["", "", *subject.split(".")]
+    return {"worker_id": untoken(worker), "dp_rank": int(rank)} if rank.isdigit() and worker else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +162,7 @@ async def recover_rank(
                 who,
                 subject,
                 RESYNC_EPOCH,
+                extra={**subject_fields(subject), "epoch": RESYNC_EPOCH},
             )
             return RankCursor(fresh_tracker(has_replay, RESYNC_EPOCH), False, resync=True)
         at, last = prev
@@ -166,5 +175,11 @@ async def recover_rank(
             cursor.tracker.epoch,
             cursor.tracker.last_seq,
             at,
+            extra={
+                **subject_fields(subject),
+                "epoch": cursor.tracker.epoch,
+                "seq": cursor.tracker.last_seq,
+                "stream_seq": at,
+            },
         )
     return cursor

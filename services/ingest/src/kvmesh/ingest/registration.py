@@ -95,6 +95,7 @@ class Registration:
                         log.error(
                             "worker %s: every engine rank is gone; leaving the registry until it answers",
                             s.worker_id,
+                            extra={"worker_id": s.worker_id},
                         )
                         await deregister(kv, s.worker_id)
                     await self._wait_beat()
@@ -103,7 +104,9 @@ class Registration:
                     self._rejoined_live = False  # the key is missing because we deleted it: put it again
                 elif registered and not await self._key_present_or_unknown(kv):
                     log.warning(
-                        "worker %s: registry entry expired; rejoining as a new incarnation", s.worker_id
+                        "worker %s: registry entry expired; rejoining as a new incarnation",
+                        s.worker_id,
+                        extra={"worker_id": s.worker_id},
                     )
                     self.rejoin("rejoin")
                 epochs = [r.tracker.epoch for r in self.ranks.values()]
@@ -125,7 +128,12 @@ class Registration:
             except Exception as exc:
                 # Open (re-creating if needed) the bucket again next time: it may have been deleted.
                 self._kv = None
-                log.warning("worker %s: heartbeat failed (%r); retrying", s.worker_id, exc)
+                log.warning(
+                    "worker %s: heartbeat failed (%r); retrying",
+                    s.worker_id,
+                    exc,
+                    extra={"worker_id": s.worker_id},
+                )
             await self._wait_beat()
 
     def on_engine_change(self, _rank: int, change: LivenessChange) -> None:
@@ -135,7 +143,9 @@ class Registration:
             self._left_for_dead = False
             self._rejoined_live = True
             log.warning(
-                "worker %s: engine answers again; rejoining as a new incarnation", self.settings.worker_id
+                "worker %s: engine answers again; rejoining as a new incarnation",
+                self.settings.worker_id,
+                extra={"worker_id": self.settings.worker_id},
             )
             self.rejoin("rejoin")
         self._beat_now.set()
@@ -162,7 +172,10 @@ class Registration:
             return await key_present(kv, self.settings.worker_id)
         except Exception as exc:
             log.info(
-                "worker %s: registry check gave no answer (%r); heartbeating on", self.settings.worker_id, exc
+                "worker %s: registry check gave no answer (%r); heartbeating on",
+                self.settings.worker_id,
+                exc,
+                extra={"worker_id": self.settings.worker_id},
             )
             return True
 
@@ -181,6 +194,7 @@ class Registration:
                 "worker %s: cannot read its registry key (%r); starting a new incarnation",
                 self.settings.worker_id,
                 exc,
+                extra={"worker_id": self.settings.worker_id},
             )
             return False
 
@@ -190,11 +204,12 @@ class Registration:
         try:
             kv = self._kv or await asyncio.wait_for(self._open(), STOP_S)
             await asyncio.wait_for(deregister(kv, s.worker_id), STOP_S)
-            log.info("worker %s: deregistered", s.worker_id)
+            log.info("worker %s: deregistered", s.worker_id, extra={"worker_id": s.worker_id})
         except Exception as exc:
             log.warning(
                 "worker %s: could not delete its registry key (%r); it expires after %.1f s",
                 s.worker_id,
                 exc,
                 s.worker_ttl_s,
+                extra={"worker_id": s.worker_id},
             )

@@ -24,7 +24,7 @@ from typing import Any, Final, Protocol, TypeVar
 from nats.aio.client import Client
 
 from kvmesh.core.errors import ConfigError, ConnectionClosedForGood, KvmeshError
-from kvmesh.runtime import logs
+from kvmesh.runtime import logs, tracing
 from kvmesh.runtime.config import add_arguments, load, to_dict
 from kvmesh.runtime.health import write_health
 from kvmesh.runtime.nats import NATS_ERRORS, transport_error, wait_closed
@@ -91,6 +91,10 @@ def run_service(
     setup_logging(
         str(getattr(settings, "log_level", "INFO")), service, str(getattr(settings, "log_format", "auto"))
     )
+    try:
+        tracing.configure(service, environ)  # OTEL_TRACES_EXPORTER: off unless it names an exporter
+    except ConfigError as exc:
+        parser.error(str(exc))
     return run_async(build(settings))
 
 

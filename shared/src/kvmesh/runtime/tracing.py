@@ -107,8 +107,9 @@ def configure(
         names = [n.strip().lower() for n in environ.get("OTEL_TRACES_EXPORTER", "none").split(",")]
         unknown = sorted({n for n in names if n} - EXPORTERS)
         if unknown:
+            choices = "none, console, otlp"
             raise ConfigError(
-                f"OTEL_TRACES_EXPORTER: unknown exporter {', '.join(unknown)} (choose from none, console, otlp)"
+                [f"OTEL_TRACES_EXPORTER: unknown exporter {', '.join(unknown)} (choose from {choices})"]
             )
         exporters = [e for e in (_exporter(n, environ) for n in dict.fromkeys(names)) if e is not None]
         if not exporters:

@@ -218,7 +218,7 @@ def start_publish(
         epoch: the engine epoch; seq: the (last) engine sequence of the message.
 
     Returns:
-        The span, to end with `end_publish` (None when tracing is off: ``headers`` are left alone).
+        The span, to end with `on_ack` or `fail_publish` (None when tracing is off: ``headers`` are left alone).
     """
     tracer = _tracer
     if tracer is None:
@@ -242,15 +242,19 @@ def start_publish(
     return span
 
 
-def end_publish(span: Span, error: BaseException | None = None) -> Callable[[Any], None] | None:
-    """End a publish span now with ``error`` (the publish call failed), or return the ack future's done
-    callback that ends it: the ack's stream sequence as ``kvmesh.stream_seq``, a failed or cancelled ack as an
-    error."""
-    if error is not None:
-        span.record_exception(error)
-        span.set_status(Status(StatusCode.ERROR, type(error).__name__))
-        span.end()
-        return None
+def fail_publish(span: Span | None, error: BaseException) -> None:
+    """End a publish span whose publish call raised ``error`` (nothing for None: tracing was off)."""
+    if span is None:
+        return
+    span.record_exception(error)
+    span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+    span.end()
+
+
+def on_ack(span: Span) -> Callable[[Any], None]:
+    """The done callback of a publish's ack future that ends its span: the ack's stream sequence as
+    ``kvmesh.stream_seq`` (``kvmesh.duplicate`` when the server dropped it by its ``Nats-Msg-Id``), a failed
+    or cancelled ack as an error."""
 
     def acked(fut: Any) -> None:
         if fut.cancelled():

@@ -20,6 +20,7 @@ from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.jetstream import delete_stored
 from kvmesh.ingest.outbox import AckOutcome, AckWindow, MessageIds, Outbox, Outgoing
 from kvmesh.ingest.status import IngestCounters
+from kvmesh.runtime import tracing
 from kvmesh.runtime.nats import withdraw_buffered_publishes
 
 if TYPE_CHECKING:
@@ -260,11 +261,12 @@ class Publisher:
                         done.set_result(out.stored_seq)
                         window.sent(out, done, loop.time())
                         continue
+                    headers = {"Nats-Msg-Id": out.msg_id}
+                    span = tracing.start_publish(headers, out.subject, out.holder, out.epoch, out.seq)
                     try:
-                        fut = await js.publish_async(
-                            out.subject, out.data, headers={"Nats-Msg-Id": out.msg_id}, wait_stall=5.0
-                        )
+                        fut = await js.publish_async(out.subject, out.data, headers=headers, wait_stall=5.0)
                     except nats.errors.MaxPayloadError as exc:
+                        tracing.fail_publish(span, exc)
                         # Permanent: retrying would block every later batch. Drop it and resynchronise.
                         outbox.drop_front()
                         self.counters.dropped_batches += 1
@@ -279,11 +281,14 @@ class Publisher:
                         )
                         continue
                     except (TimeoutError, nats.errors.Error, OSError) as exc:
+                        tracing.fail_publish(span, exc)
                         log.debug("publish of %s failed: %r", out.msg_id, exc)
                         failed = True
                         break
                     outbox.pop()
                     window.sent(out, fut, loop.time())
+                    if span is not None:
+                        fut.add_done_callback(tracing.on_ack(span))
                     if self.latency is not None:
                         fut.add_done_callback(self._timer(out.holder[1], loop.time()))
                 if failed:

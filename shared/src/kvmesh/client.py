@@ -75,6 +75,7 @@ from kvmesh.runtime.nats import (
     connect,
     connect_options,
 )
+from kvmesh.runtime.tracing import context_headers
 
 __all__ = [
     "AuthorizationError",
@@ -222,12 +223,17 @@ class Router:
     async def request_raw(self, body: bytes) -> bytes:
         """Send a raw route request body and return the raw reply body.
 
+        When a span is active in the caller's context (OpenTelemetry), its W3C trace context goes along in the
+        request's ``traceparent`` and ``tracestate`` headers, and the router's span of the route is its child.
+
         Raises:
             UnavailableError: no router answered within the timeout.
             BadRequestError: the request is larger than the NATS server's max payload (nothing was sent).
         """
         try:
-            msg = await self._nc.request(self._subject, body, timeout=self._timeout_s)
+            msg = await self._nc.request(
+                self._subject, body, timeout=self._timeout_s, headers=context_headers()
+            )
         except nats.errors.MaxPayloadError as exc:
             raise BadRequestError(
                 f"request of {len(body)} bytes exceeds the NATS server's max payload of "

@@ -32,7 +32,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 
 from kvmesh.core.apply import Skipped, StreamApplier
 from kvmesh.core.state import IndexState
-from kvmesh.runtime import subjects
+from kvmesh.runtime import subjects, tracing
 from kvmesh.runtime.snapshots import SnapshotStore, plan_recovery, stream_id
 
 log = logging.getLogger("kvmesh.replica")
@@ -341,7 +341,10 @@ class StreamReplica:
                 # Waiters wake only at our next await, after this message has been applied below. Nothing
                 # pending also counts: the start-up target may have been deleted from the stream.
                 self._caught_up.set()
+            span = tracing.start_apply(msg.headers, self._name, msg.subject, seq, msg.data)
             skipped = applier.apply(self.state, seq, msg.data)
+            if span is not None:
+                tracing.end_apply(span, None if skipped is None else skipped.kind)
             if skipped is not None:
                 log_skipped(self._name, skipped, msg.subject)
 

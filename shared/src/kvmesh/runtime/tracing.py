@@ -35,23 +35,19 @@ import contextlib
 import importlib
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanExporter,
-)
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvmesh.core.errors import ConfigError
 from kvmesh.core.protocol import RouteReply, RouteRequest
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger("kvmesh.tracing")
 
@@ -101,6 +97,11 @@ def configure(
     Raises:
         ConfigError: ``OTEL_TRACES_EXPORTER`` names an exporter other than ``none``, ``console``, ``otlp``.
     """
+    # The SDK only when tracing is on: importing it costs ~40 ms, which the client and the CLI need not pay.
+    from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
+    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor  # noqa: PLC0415
+
     global _tracer, _provider
     exporters: list[SpanExporter] = []
     if exporter is None:
@@ -133,6 +134,8 @@ def configure(
 def _exporter(name: str, environ: Mapping[str, str]) -> SpanExporter | None:
     """The exporter ``OTEL_TRACES_EXPORTER`` names (None for ``none``, or an OTLP exporter not installed)."""
     if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter  # noqa: PLC0415 - see configure
+
         return ConsoleSpanExporter()
     if name != "otlp":
         return None

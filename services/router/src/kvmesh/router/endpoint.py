@@ -33,14 +33,7 @@ from kvmesh.core.errors import (
 )
 from kvmesh.core.index import Holder
 from kvmesh.core.load import EngineLoads, LoadLedger
-from kvmesh.core.protocol import (
-    ERROR_STATUS,
-    HolderStatus,
-    RouteReply,
-    RouteRequest,
-    encode,
-    error_reply,
-)
+from kvmesh.core.protocol import ERROR_STATUS, HolderStatus, RouteReply, RouteRequest, encode, error_reply
 from kvmesh.core.route import Policy, RankSet, Selection, parse_route_request
 from kvmesh.router.answer import (
     MatchAnswer,
@@ -57,6 +50,7 @@ from kvmesh.router.health import RecordLike, heartbeat_late_after, holders_statu
 from kvmesh.router.local_index import LocalIndex
 from kvmesh.router.notes import LifecycleNotes
 from kvmesh.router.route_metrics import RouteMetrics
+from kvmesh.runtime import tracing
 from kvmesh.runtime.metrics import ServiceMetrics
 from kvmesh.runtime.nats import count_endpoint_error
 from kvmesh.runtime.registry import RegistryWatcher
@@ -193,6 +187,10 @@ class RouteEndpoint:
             log.error("route: reply failed: %r", task.exception())
 
     async def _serve_route(self, req: Request) -> None:
+        with tracing.server_span(tracing.ROUTE_SPAN, req.headers):  # the caller's span is its parent
+            await self._serve(req)
+
+    async def _serve(self, req: Request) -> None:
         request_id: str | None = None
         m, t0 = self.metrics, time.perf_counter()
         try:
@@ -206,6 +204,7 @@ class RouteEndpoint:
                 m.lap("decode", t0)
             request_id = parsed.request_id
             reply = await self._route(parsed, req.data)
+            tracing.note_route(parsed, reply)
         except RouteError as exc:
             await self._respond_error(req, exc.code, exc.message, request_id)
             return
@@ -244,6 +243,7 @@ class RouteEndpoint:
     async def _respond_error(self, req: Request, code: str, message: str, request_id: str | None) -> None:
         """Send an error reply; echoed request values are clipped so the reply always fits the max payload."""
         self.errors[code] = self.errors.get(code, 0) + 1
+        tracing.note_error(code, request_id)
         message = clip_echo(message)
         echo = request_id if request_id is not None and len(request_id) <= MAX_ECHO_CHARS else None
         body = encode(error_reply(code, message, request_id=echo))
@@ -333,11 +333,10 @@ class RouteEndpoint:
             return match_answer(result.index_seq, result.block_size, result.candidates)
         assert self._nc is not None
         query = encode(match_request(parsed, self._nc.max_payload), format="msgpack")
-        timeout = self.settings.match_timeout_s
+        timeout, headers = self.settings.match_timeout_s, tracing.context_headers()  # the route span's
+        request = self._nc.request(self.settings.match_subject, query, timeout=timeout, headers=headers)
         try:
-            msg = await asyncio.wait_for(
-                self._nc.request(self.settings.match_subject, query, timeout=timeout), timeout + 0.25
-            )
+            msg = await asyncio.wait_for(request, timeout + 0.25)
         except nats.errors.NoRespondersError as exc:
             raise UnavailableError("no indexer is ready to answer") from exc
         except (TimeoutError, nats.errors.TimeoutError) as exc:

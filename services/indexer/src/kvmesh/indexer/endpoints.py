@@ -26,6 +26,7 @@ from kvmesh.core.protocol import ERROR_STATUS, IndexerStatus, MatchRequest
 from kvmesh.core.state import IndexState
 from kvmesh.indexer import policy
 from kvmesh.indexer.metrics import INSTRUMENTS, MATCH_LATENCY, PREFIX, IndexerFigures, indexer_samples
+from kvmesh.runtime import tracing
 from kvmesh.runtime.metrics import (
     Samples,
     ServiceMetrics,
@@ -64,13 +65,19 @@ class MatchEndpoint:
         self._latency = latency
 
     async def handle(self, req: Request) -> None:
-        """Answer one match request (a bad one with ``bad_request``, an unserved model with ``unknown_model``)."""
-        if self._latency is None:
-            await self._handle(req)
-            return
-        t0 = time.perf_counter()
-        outcome = await self._handle(req)
-        self._latency.record(time.perf_counter() - t0, {"outcome": outcome})
+        """Answer one match request (a bad one with ``bad_request``, an unserved model with ``unknown_model``).
+
+        With tracing on it is a ``kvmesh.index.match`` server span, the child of the router's route span when
+        the request carries its context (`kvmesh.runtime.tracing`).
+        """
+        with tracing.server_span(tracing.MATCH_SPAN, req.headers, {"kvmesh.replica": self.replica}):
+            if self._latency is None:
+                tracing.annotate({"kvmesh.outcome": await self._handle(req)})
+                return
+            t0 = time.perf_counter()
+            outcome = await self._handle(req)
+            self._latency.record(time.perf_counter() - t0, {"outcome": outcome})
+            tracing.annotate({"kvmesh.outcome": outcome})
 
     async def _handle(self, req: Request) -> str:
         try:
@@ -92,6 +99,15 @@ class MatchEndpoint:
         except RequestError as exc:
             await self._error(req, "bad_request", str(exc))
             return "bad_request"
+        if tracing.enabled():
+            prompt = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
+            tracing.annotate(
+                {
+                    "kvmesh.model": query.model,
+                    "kvmesh.prompt_tokens": prompt,
+                    "kvmesh.candidates": len(result.candidates),
+                }
+            )
         await req.respond(protocol.encode(policy.match_reply(result, self.replica), format="msgpack"))
         return "ok"
 

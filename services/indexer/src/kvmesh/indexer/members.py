@@ -88,7 +88,12 @@ class RegistryWatch:
             except Exception as exc:
                 if self._stop.is_set():
                     return
-                log.warning("indexer %s: registry watch failed (%r); restarting", self.replica, exc)
+                log.warning(
+                    "indexer %s: registry watch failed (%r); restarting",
+                    self.replica,
+                    exc,
+                    extra={"replica": self.replica},
+                )
                 await asyncio.sleep(RETRY_S)
 
     async def _reconcile(self, registered: set[str]) -> None:
@@ -110,6 +115,12 @@ class RegistryWatch:
                     worker,
                     action.incarnation,
                     seq,
+                    extra={
+                        "replica": self.replica,
+                        "worker_id": worker,
+                        "epoch": action.incarnation,
+                        "stream_seq": seq,
+                    },
                 )
 
     async def _on_entry(self, entry: Any) -> None:
@@ -134,6 +145,13 @@ class RegistryWatch:
             removal.reason,
             removal.incarnation,
             seq,
+            extra={
+                "replica": self.replica,
+                "worker_id": worker,
+                "epoch": removal.incarnation,
+                "stream_seq": seq,
+                "reason": removal.reason,
+            },
         )
 
     async def _publish(self, removal: policy.Removal) -> int:

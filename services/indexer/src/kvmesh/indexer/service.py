@@ -232,6 +232,7 @@ class IndexerService:
             start_seq,
             info.state.messages,
             info.state.last_seq,
+            extra={"replica": self.replica, "stream_seq": start_seq},
         )
         consume = asyncio.create_task(replica.follow(start_seq))
         service = None
@@ -276,6 +277,7 @@ class IndexerService:
                 self.state.block_total(),
                 time.monotonic() - self._started,
                 self.read_messages,
+                extra={"replica": self.replica, "stream_seq": self.state.applied_seq},
             )
             await supervise(
                 nc,

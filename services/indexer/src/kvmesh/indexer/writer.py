@@ -56,6 +56,7 @@ def check_retention(settings: IndexerSettings, replica: str, max_age_s: float) -
             wanted,
             s.snapshot_every_s,
             s.snapshot_keep,
+            extra={"replica": replica},
         )
 
 
@@ -166,6 +167,7 @@ class SnapshotWriter:
                 stall_ms,
                 (t2 - t1) * 1e3,
                 (t3 - t2) * 1e3,
+                extra={"replica": self.replica, "snapshot": entry.name, "stream_seq": export.applied_seq},
             )
             return result
 
@@ -195,7 +197,13 @@ class SnapshotWriter:
         if cut is None:
             return None
         await self._js.purge_stream(s.stream, seq=cut)
-        log.info("indexer %s: purged stream %s before seq %d", self.replica, s.stream, cut)
+        log.info(
+            "indexer %s: purged stream %s before seq %d",
+            self.replica,
+            s.stream,
+            cut,
+            extra={"replica": self.replica, "stream_seq": cut},
+        )
         return cut
 
     async def run(self) -> None:
@@ -208,13 +216,20 @@ class SnapshotWriter:
             try:
                 await self.snapshot()
                 if failing:
-                    log.info("indexer %s: snapshots work again", self.replica)
+                    log.info(
+                        "indexer %s: snapshots work again", self.replica, extra={"replica": self.replica}
+                    )
                 failing = False
             except Exception as exc:
                 if self._stop.is_set():
                     return
                 if not failing:  # one warning per outage (a bucket without a leader fails every attempt)
-                    log.warning("indexer %s: snapshot failed (%r); retrying quietly", self.replica, exc)
+                    log.warning(
+                        "indexer %s: snapshot failed (%r); retrying quietly",
+                        self.replica,
+                        exc,
+                        extra={"replica": self.replica},
+                    )
                 failing = True
                 self._schedule.attempt_failed(time.monotonic())
 
@@ -244,7 +259,12 @@ class SnapshotWriter:
         try:
             result = await self.snapshot(force=True)
         except Exception as exc:
-            log.warning("indexer %s: requested snapshot failed: %r", self.replica, exc)
+            log.warning(
+                "indexer %s: requested snapshot failed: %r",
+                self.replica,
+                exc,
+                extra={"replica": self.replica},
+            )
             result = {
                 "written": False,
                 "reason": f"the snapshot could not be stored or the stream read ({type(exc).__name__}: "

@@ -98,6 +98,7 @@ class LocalIndex:
             replica.state.applied_seq,
             replica.state.block_total(),
             replica.read_messages,
+            extra={"replica": "router", "stream_seq": replica.state.applied_seq},
         )
         return follow
 

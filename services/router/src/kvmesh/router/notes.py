@@ -62,6 +62,8 @@ class LifecycleNotes:
         """In-flight requests restored from a peer's ledger at start-up."""
         self.undecodable = 0
         """Lifecycle notes (routed, prefill_done, finished) dropped because they did not decode."""
+        self._warned: set[str] = set()
+        """Kinds of note already warned about as undecodable (later ones of a kind log at DEBUG)."""
 
     def _subject(self, event: str) -> str:
         return subjects.requests_subject(self.settings.requests_prefix, event)
@@ -87,7 +89,9 @@ class LifecycleNotes:
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
             return
         except ProtocolError as exc:
-            log.warning("router: undecodable accounting snapshot from a peer: %s", exc)
+            log.warning(
+                "router: undecodable accounting snapshot from a peer: %s", exc, extra={"kind": "sync"}
+            )
             return
         self.synced_requests = self.ledger.restore(snap, self._clock())
 
@@ -128,7 +132,7 @@ class LifecycleNotes:
             event = decode(msg.data, Routed)
         except ProtocolError:
             self.undecodable += 1
-            log.warning("router: undecodable routed event on %s", msg.subject)
+            self._undecodable("routed", "router: undecodable routed event on %s", msg.subject)
             return
         self.ledger.routed(event, self._clock())
 
@@ -148,13 +152,20 @@ class LifecycleNotes:
             return decode(msg.data, RequestRef)
         except ProtocolError:
             self.undecodable += 1
-            log.warning("router: undecodable %s note on %s", event, msg.subject)
+            self._undecodable(event, "router: undecodable %s note on %s", event, msg.subject)
             return None
 
     async def _on_load(self, msg: Msg) -> None:
         try:
             report = decode(msg.data, WorkerLoad)
         except ProtocolError:
-            log.debug("router: undecodable load report on %s", msg.subject)
+            self._undecodable("load", "router: undecodable load report on %s", msg.subject)
             return
         self.engine_loads.update(report, self._clock())
+
+    def _undecodable(self, kind: str, msg: str, *args: object) -> None:
+        """Log a note that did not decode: the first of its kind as a WARNING, later ones at DEBUG (a peer
+        of another version would otherwise log one line per message)."""
+        level = logging.DEBUG if kind in self._warned else logging.WARNING
+        self._warned.add(kind)
+        log.log(level, msg, *args, extra={"kind": kind, "subject": args[-1]})

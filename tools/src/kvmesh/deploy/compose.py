@@ -15,10 +15,15 @@ What only a container network has is remapped in commands, environment and healt
 becomes ``127.0.0.1:<local port>`` (a NATS node's client, cluster and monitoring ports; a free block of
 ports per other service, so a simulated engine's events and replay ports keep their distance), as do
 ``localhost:<port>`` in a service's own health check and an environment variable ``…_PORT`` that holds one
-of the service's ports; ``0.0.0.0`` becomes ``127.0.0.1``; ``/run/secrets/<name>`` becomes a directory per
+of the service's ports; ``KVMESH_METRICS_PORT`` (the Prometheus endpoint, one port for every container)
+becomes a free loopback port of its own per service; ``0.0.0.0`` becomes ``127.0.0.1``; ``/run/secrets/<name>`` becomes a directory per
 service holding links to only the secrets the service lists (from ``--secrets``, by file name); ``/tmp/``
 becomes a directory per service. Each child logs to ``<root>/logs/<service>.log``; a child that exits is
 reported with the tail of its log and, as ``restart: unless-stopped`` says, started again.
+
+Only services of a ``nats`` or ``kvmesh`` image (``kvmesh:local``, ``kvmesh-sim:local``, or a ``build`` of
+this repository) run here; the others (Prometheus, Grafana) are skipped, with the services that depend on
+them (`LocalStack.skipped`).
 
 ``kvmesh cluster`` brings the stack up, prints the NATS URLs, every service, the route example's answer and
 how to run ``kvmesh status`` against the cluster (operator credentials), then runs until Ctrl-C;
@@ -70,6 +75,8 @@ UP_TIMEOUT_S: Final[float] = 120.0
 """Default bound on each wait of `LocalStack.up` (a health condition, a one-shot service)."""
 _NATS_PORTS: Final[dict[int, str]] = {4222: "ports", 6222: "cluster_ports", 8222: "http_ports"}
 _SECRETS: Final[str] = "/run/secrets/"
+METRICS_PORT_ENV: Final[str] = "KVMESH_METRICS_PORT"
+"""The variable of a service's Prometheus endpoint port, remapped to a free loopback port per service."""
 
 
 class ComposeError(KvmeshError):
@@ -95,6 +102,10 @@ class Service:
     restart: bool
     """Started again when it exits (``restart: always``, ``unless-stopped``, ``on-failure`` after a failure)."""
     volumes: tuple[str, ...] = ()
+    image: str = ""
+    """The image as written (``""``: none, only a ``build``)."""
+    local: bool = True
+    """Runnable here: a NATS node or a kvmesh service (image ``kvmesh…``, or built from this repository)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +150,15 @@ def _command(raw: Any, name: str) -> tuple[str, ...]:
     return tuple(str(a) for a in raw)
 
 
+def _runs_here(image: str, *, has_build: bool) -> bool:
+    """Whether `LocalStack` can run a service of ``image``: a NATS node, or a kvmesh image (its repository's
+    last path part ``kvmesh`` or ``kvmesh-…``), or no image but a ``build``."""
+    if not image:
+        return has_build
+    repository = image.split("@", 1)[0].rsplit("/", 1)[-1].split(":", 1)[0]
+    return repository in ("nats", "kvmesh") or repository.startswith("kvmesh-")
+
+
 def load_services(path: Path) -> dict[str, Service]:
     """Read the services of a compose file (YAML anchors and merge keys resolved).
 
@@ -173,6 +193,8 @@ def load_services(path: Path) -> dict[str, Service]:
             oneshot=restart == "no",
             restart=restart in ("always", "unless-stopped", "on-failure"),
             volumes=tuple(str(v) for v in svc.get("volumes") or [] if isinstance(v, str)),
+            image=image,
+            local=_runs_here(image, has_build="build" in svc),
         )
     for svc in out.values():
         for dep in svc.depends_on:
@@ -312,7 +334,10 @@ class LocalStack:
         timeout_s: float = UP_TIMEOUT_S,
     ) -> None:
         self.compose = compose.resolve()
-        self.services = load_services(self.compose)
+        every = load_services(self.compose)
+        self.skipped: dict[str, str] = _skipped(every)
+        """Services not run here → why (``image prom/prometheus:v3.5.0``, ``depends on grafana``), file order."""
+        self.services = {name: svc for name, svc in every.items() if name not in self.skipped}
         self.order = start_order(self.services)
         self.root = root.resolve()
         self.logs = self.root / "logs"
@@ -331,6 +356,9 @@ class LocalStack:
         self._nats_service = {s.name: s.environment.get("NATS_SERVER_NAME", s.name) for s in nats}
         self.nodes: LocalNodes | None = None
         self._ports: dict[str, dict[int, int]] = {}
+        self.metrics_ports: dict[str, int] = {}
+        """Service → the loopback port of its Prometheus endpoint (those that set ``KVMESH_METRICS_PORT``),
+        once `up` allocated them."""
         self._host_re = re.compile(
             r"\b("
             + "|".join(re.escape(n) for n in sorted(self.services, key=len, reverse=True))
@@ -394,7 +422,10 @@ class LocalStack:
                 for m in re.finditer(r"\b(?:localhost|127\.0\.0\.1):(\d+)\b", text):
                     wanted.setdefault(svc.name, set()).add(int(m.group(1)))
             for key, value in svc.environment.items():
-                if key.endswith("_PORT") and value.isdigit():
+                if key == METRICS_PORT_ENV:
+                    if value.isdigit() and int(value) > 0:
+                        self.metrics_ports[svc.name] = _free_block(1)
+                elif key.endswith("_PORT") and value.isdigit():
                     wanted.setdefault(svc.name, set()).add(int(value))
         for name, ports in wanted.items():
             if name in self._nats_service:
@@ -434,7 +465,9 @@ class LocalStack:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
         for key, value in svc.environment.items():
             local = self._rewrite(value, service)
-            if key.endswith("_PORT") and value.isdigit():
+            if key == METRICS_PORT_ENV:
+                local = str(self.metrics_ports.get(service, value))
+            elif key.endswith("_PORT") and value.isdigit():
                 local = str(self._ports.get(service, {}).get(int(value), value))
             env[key] = local
         env.update(self.extra_env)
@@ -650,12 +683,31 @@ class LocalStack:
             )
         for name, child in self.children.items():
             pid = child.popen.pid if child.popen is not None else None
-            lines.append(f"  {name:<11} pid {pid}  kvmesh {' '.join(self.services[name].command)}")
+            line = f"  {name:<11} pid {pid}  kvmesh {' '.join(self.services[name].command)}"
+            if name in self.metrics_ports:
+                line += f"  metrics {self.metrics_url(name)}"
+            lines.append(line)
         for name, result in self.results.items():
             lines.append(
                 f"  {name:<11} exited {result.returncode}  kvmesh {' '.join(self.services[name].command)}"
             )
         return "\n".join(lines)
+
+    def metrics_url(self, service: str) -> str:
+        """The URL of ``service``'s Prometheus endpoint here.
+
+        Raises:
+            KeyError: the service sets no ``KVMESH_METRICS_PORT`` (or `up` has not run).
+        """
+        return f"http://127.0.0.1:{self.metrics_ports[service]}/metrics"
+
+    def skipped_line(self) -> str | None:
+        """One line naming the services not run here and why (None: every service runs)."""
+        if not self.skipped:
+            return None
+        return "not run here (only nats and kvmesh images run as local processes): " + ", ".join(
+            f"{name} ({why})" for name, why in self.skipped.items()
+        )
 
     def status_hint(self) -> str:
         """How to run ``kvmesh status`` against this cluster from a shell."""
@@ -674,12 +726,31 @@ class LocalStack:
             time.sleep(1.0)
 
 
+def _skipped(services: Mapping[str, Service]) -> dict[str, str]:
+    """The services `LocalStack` does not run → why: their image is neither nats nor kvmesh, or they depend
+    (through any chain) on such a service; in file order."""
+    why = {name: f"image {svc.image}" for name, svc in services.items() if not svc.local}
+    changed = True
+    while changed:
+        changed = False
+        for name, svc in services.items():
+            if name in why:
+                continue
+            blocked = sorted(dep for dep in svc.depends_on if dep in why)
+            if blocked:
+                why[name] = "depends on " + ", ".join(blocked)
+                changed = True
+    return {name: why[name] for name in services if name in why}
+
+
 HELP = """\
 Run docker-compose.yml's services as local processes, without Docker: the NATS nodes from the same
 deploy/nats/cluster.conf (TLS, one NKey user per role) on free loopback ports, then every other service's
 command with its environment, in depends_on order, each waiting until its dependencies are healthy (their
 own health checks) or, for one-shot services, exited 0. <service>:<port> and /run/secrets/<name> are remapped
-(each service sees only its own secrets); a child that exits is reported with its log tail and restarted.
+(each service sees only its own secrets), KVMESH_METRICS_PORT to a free port per service (its /metrics URL
+is printed); a child that exits is reported with its log tail and restarted. Services of other images
+(Prometheus, Grafana) are skipped, with one line naming them.
 
 It makes the credentials when the secrets directory has none, prints the node URLs, every service, the route
 example's answer and the kvmesh status command (operator credentials), then runs until Ctrl-C or SIGTERM.
@@ -755,6 +826,9 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh cluster") -> 
 
     previous = signal.signal(signal.SIGTERM, on_term)
     print(f"{prog}: {stack.compose.name} as local processes; logs in {stack.logs}", flush=True)
+    skipped = stack.skipped_line()
+    if skipped:
+        print(f"{prog}: {skipped}", flush=True)
     try:
         if stack.ensure_secrets():
             print(f"{prog}: made new credentials in {stack.secrets_dir} (kvmesh gen-creds)", flush=True)

@@ -29,7 +29,11 @@ def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
     """Assert ``proc`` failed with a one-line message on stderr and no traceback; return the line."""
     assert proc.returncode != 0, proc
     assert "Traceback" not in proc.stderr, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and " INFO " not in ln]
+    lines = [
+        ln
+        for ln in proc.stderr.splitlines()
+        if ln.strip() and " INFO " not in ln and '"level": "INFO"' not in ln
+    ]
     assert len(lines) == 1, proc.stderr
     return lines[0]
 

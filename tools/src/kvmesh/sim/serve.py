@@ -79,6 +79,7 @@ class SimSettings(NatsAuth):
     record_dir: str = setting("", "append every published batch to a file per rank in this directory")
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server for the generate endpoints")
     log_level: str = setting("INFO", "log level")
+    log_format: str = setting("auto", "log lines: json, text, or auto (json unless stderr is a terminal)")
 
     def worker_name(self, i: int) -> str:
         """Return worker ``i``'s id: ``--worker-id`` for the one worker when given, else ``<prefix><i>``."""
@@ -104,6 +105,8 @@ class SimSettings(NatsAuth):
         problems = []
         if self.workers < 1:
             problems.append("--workers must be ≥ 1")
+        if self.log_format not in ("auto", "json", "text"):
+            problems.append(f"--log-format must be auto, json or text, got {self.log_format!r}")
         if self.worker_id and self.workers != 1:
             problems.append("--worker-id names one worker: it needs --workers 1")
         if not 1 <= self.data_parallel_size <= 10:
@@ -278,5 +281,5 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh sim") -> int:
     if args._print_config:
         print(json.dumps(to_dict(settings), indent=2, default=str))
         return 0
-    setup_logging(settings.log_level, "sim")
+    setup_logging(settings.log_level, "sim", settings.log_format)
     return run_async(SimFleet(settings))

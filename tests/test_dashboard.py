@@ -255,7 +255,10 @@ def test_grafana_provisions_the_compose_prometheus_and_the_mounted_dashboard() -
     assert grafana["depends_on"] == {"prometheus": {"condition": "service_healthy"}}
     assert grafana["ports"] == ["127.0.0.1:3000:3000"] and prometheus["ports"] == ["127.0.0.1:9090:9090"]
     env = grafana["environment"]
-    assert env["GF_SECURITY_ADMIN_PASSWORD"] == "${GRAFANA_ADMIN_PASSWORD:-}"
+    # Viewers only: no login form and no basic auth, so Grafana's default admin account cannot be used.
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
+    assert (env["GF_AUTH_DISABLE_LOGIN_FORM"], env["GF_AUTH_BASIC_ENABLED"]) == ("true", "false")
+    assert (env["GF_AUTH_ANONYMOUS_ENABLED"], env["GF_AUTH_ANONYMOUS_ORG_ROLE"]) == ("true", "Viewer")
     assert (env["GF_AUTH_ANONYMOUS_ENABLED"], env["GF_AUTH_ANONYMOUS_ORG_ROLE"]) == ("true", "Viewer")
     assert env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{provider['options']['path']}/kvmesh.json"
     assert {"prometheus-data", "grafana-data"} <= set(doc["volumes"])

@@ -204,7 +204,8 @@ def test_compose_prometheus_and_grafana() -> None:
         "GF_AUTH_ANONYMOUS_ENABLED": "true",
         "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer",
         "GF_USERS_ALLOW_SIGN_UP": "false",
-        "GF_SECURITY_ADMIN_PASSWORD": "${GRAFANA_ADMIN_PASSWORD:-}",
+        "GF_AUTH_DISABLE_LOGIN_FORM": "true",
+        "GF_AUTH_BASIC_ENABLED": "false",
         "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH": "/etc/grafana/dashboards/kvmesh/kvmesh.json",
     }
     for name, svc in services.items():

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ import pytest
 
 from kvmesh.bench.fleet import wait_for
 from kvmesh.client import Router
-from kvmesh.deploy.compose import LocalStack
+from kvmesh.deploy.compose import ComposeError, LocalStack, _lock_root
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth
 from kvmesh.runtime.nats import connect, connect_options
@@ -279,3 +281,65 @@ def test_each_service_gets_only_its_own_secrets_and_needs_no_more(stack: LocalSt
     assert stack.nodes is not None
     violations = [v for v in stack.nodes.violations() if "compose-test-" not in v]
     assert violations == [], "a service did something its role may not:\n" + "\n".join(violations)
+
+
+def test_a_root_is_held_by_one_kvmesh_cluster_at_a_time(tmp_path: Path) -> None:
+    """A second run on the same --root is refused naming the first's pid (their NATS stores would corrupt
+    each other); once the first lets go, the root is free again."""
+    first = _lock_root(tmp_path)
+    with pytest.raises(ComposeError) as info:
+        _lock_root(tmp_path)
+    assert str(info.value) == (
+        f"another kvmesh cluster (pid {os.getpid()}) uses {tmp_path}: give another --root, or stop that one"
+    )
+    first.close()
+    _lock_root(tmp_path).close()
+
+
+def test_container_tmp_paths_are_made_local_inside_arguments(stack: LocalStack) -> None:
+    """/tmp/ is the container's own wherever it stands: alone, after '=', in a shell command."""
+    tmp = stack.root / "run" / "router-0" / "tmp"
+    assert stack._rewrite("/tmp/kvmesh.health", "router-0") == f"{tmp}/kvmesh.health"
+    assert stack._rewrite("--health-file=/tmp/h", "router-0") == f"--health-file={tmp}/h"
+    assert stack._rewrite("kvmesh health --file /tmp/h", "router-0") == f"kvmesh health --file {tmp}/h"
+    assert stack._rewrite("/var/tmp/h", "router-0") == "/var/tmp/h"
+
+
+def test_a_child_started_by_kvmesh_cluster_dies_with_it(tmp_path: Path) -> None:
+    """A process started through die_with_parent gets SIGTERM when its parent is killed -9, so nothing
+    outlives a killed kvmesh cluster."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "from kvmesh.deploy.nodes import die_with_parent\n"
+            "p = subprocess.Popen(die_with_parent(['sleep', '60']))\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+            "time.sleep(60)\n",
+        ]
+    )
+    try:
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        time.sleep(0.3)  # the stub has exec'd sleep
+        assert Path(f"/proc/{child}/comm").read_text().strip() == "sleep"
+        parent.kill()
+        parent.wait(10)
+        for _ in range(100):
+            if (
+                not Path(f"/proc/{child}").exists()
+                or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+            ):
+                break
+            time.sleep(0.05)
+        gone = (
+            not Path(f"/proc/{child}").exists() or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+        )
+        assert gone
+    finally:
+        parent.kill()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -56,7 +57,7 @@ import yaml
 
 from kvmesh.core.errors import KvmeshError
 from kvmesh.deploy import creds
-from kvmesh.deploy.nodes import LocalNodes
+from kvmesh.deploy.nodes import LocalNodes, die_with_parent
 from kvmesh.harness.server import ServerError
 
 __all__ = [
@@ -228,6 +229,12 @@ def start_order(services: Mapping[str, Service]) -> list[str]:
     return order
 
 
+_CONTAINER_TMP = re.compile(r"(^|[\s=:'\"])/tmp/")
+QUICK_EXIT_S = 10.0
+"""A child that exits this soon after its start is crash-looping: its restarts back off."""
+MAX_BACKOFF_S = 30.0
+
+
 def _free_block(span: int) -> int:
     """A base port such that ``base .. base + span - 1`` are free on 127.0.0.1 now."""
     for _ in range(200):
@@ -259,6 +266,10 @@ class _Child:
         self.popen: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self.starts = 0
+        self.started_at = 0.0
+        self.quick_exits = 0
+        """Exits in a row within `QUICK_EXIT_S` of their start (a crash loop backs off)."""
+        self.restart_at = 0.0
 
     def start(self) -> None:
         self._close()
@@ -266,7 +277,7 @@ class _Child:
         self._log.write(f"----- kvmesh cluster: start {self.starts} at {time.time():.3f}\n".encode())
         self._log.flush()
         self.popen = subprocess.Popen(
-            self.argv,
+            die_with_parent(self.argv),
             env=self.env,
             cwd=self.cwd,
             stdin=subprocess.DEVNULL,
@@ -275,6 +286,7 @@ class _Child:
             start_new_session=True,
         )
         self.starts += 1
+        self.started_at = time.monotonic()
 
     @property
     def alive(self) -> bool:
@@ -347,6 +359,10 @@ class LocalStack:
         self.results: dict[str, OneShot] = {}
         self.children: dict[str, _Child] = {}
         self.notes: list[str] = []
+        self.exits: dict[str, int] = {}
+        """Long-running service → times it exited while supervised."""
+        self.last_health: dict[str, str] = {}
+        """Service → what its last failing health check printed."""
         """What happened while running: children that exited and were started again."""
         nats = [s for s in self.services.values() if s.nats]
         if not nats:
@@ -454,8 +470,9 @@ class LocalStack:
         if text == "0.0.0.0":
             text = "127.0.0.1"
         run = self.root / "run" / service
-        if text.startswith("/tmp/"):  # a path of the container's own /tmp (before anything below adds one)
-            return f"{run / 'tmp'}/{text.removeprefix('/tmp/')}"
+        # A path in the container's own /tmp, alone or inside an argument (--health-file=/tmp/x, a shell
+        # health check), before anything below puts a local path (itself perhaps under /tmp) in the text.
+        text = _CONTAINER_TMP.sub(lambda m: f"{m.group(1)}{run / 'tmp'}/", text)
         return text.replace(_SECRETS, f"{run / 'secrets'}/")
 
     def env(self, service: str) -> dict[str, str]:
@@ -472,6 +489,8 @@ class LocalStack:
             env[key] = local
         env.update(self.extra_env)
         env["PYTHONUNBUFFERED"] = "1"
+        # The image's `kvmesh` (and `python`) for a shell health check: this interpreter's.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         return env
 
     def argv(self, service: str) -> list[str]:
@@ -530,7 +549,10 @@ class LocalStack:
                 check=False,
             )
         except subprocess.TimeoutExpired:
+            self.last_health[service] = "the health check ran over 10 s"
             return False
+        said = (done.stdout + done.stderr).decode(errors="replace").strip()
+        self.last_health[service] = "\n".join(said.splitlines()[-5:]) or f"exit status {done.returncode}"
         return done.returncode == 0
 
     # ------------------------------------------------------------------ running
@@ -582,8 +604,11 @@ class LocalStack:
                 return
             if time.monotonic() > deadline:
                 where = _tail(child.log_path) if child is not None else ""
+                check = self.last_health.get(dep)
+                said = f"its health check said: {check}\n" if check else ""
                 raise ComposeError(
-                    f"{dep} was not healthy within {self.timeout_s:.0f} s ({service} waits for it):\n{where}"
+                    f"{dep} was not healthy within {self.timeout_s:.0f} s ({service} waits for it); "
+                    f"{said}last lines of its log:\n{where}"
                 )
             time.sleep(HEALTH_POLL_S)
 
@@ -620,16 +645,42 @@ class LocalStack:
     def supervise(self) -> list[str]:
         """Start again every child that exited and should restart; return a report of each (with its log tail)."""
         reports = []
+        now = time.monotonic()
+        if self.nodes is not None:
+            for i, node in enumerate(self.nodes.names):
+                if not self.nodes.alive(i):
+                    report = f"NATS node {node} is not running; last lines of its log:\n{_tail(self.nodes.log_path(i))}"
+                    try:
+                        self.nodes.start_node(i, timeout_s=self.timeout_s)
+                        report += f"\n{node} started again (restart: unless-stopped)"
+                    except ServerError as exc:
+                        report += f"\n{node} did not start again: {exc}"
+                    reports.append(report)
+                    self.notes.append(report)
         for name, child in self.children.items():
             if child.alive or child.popen is None:
                 continue
+            if child.restart_at:  # exited and waiting out its backoff
+                if now >= child.restart_at:
+                    child.restart_at = 0.0
+                    child.start()
+                continue
             code = child.popen.returncode
+            self.exits[name] = self.exits.get(name, 0) + 1
             report = (
                 f"{name} exited with status {code}; last lines of {child.log_path}:\n{_tail(child.log_path)}"
             )
             if self.services[name].restart:
-                child.start()
-                report += f"\n{name} started again (restart: unless-stopped)"
+                child.quick_exits = child.quick_exits + 1 if now - child.started_at < QUICK_EXIT_S else 0
+                delay = min(MAX_BACKOFF_S, 2.0 ** (child.quick_exits - 1)) if child.quick_exits else 0.0
+                if delay:
+                    child.restart_at = now + delay
+                    report += (
+                        f"\n{name} starts again in {delay:g} s (restart: unless-stopped; it keeps exiting)"
+                    )
+                else:
+                    child.start()
+                    report += f"\n{name} started again (restart: unless-stopped)"
             reports.append(report)
             self.notes.append(report)
         return reports
@@ -663,7 +714,18 @@ class LocalStack:
         return doc
 
     def stop(self, grace_s: float = 8.0) -> None:
-        """Stop every child (the last started first: SIGTERM, SIGKILL after ``grace_s``), then the nodes."""
+        """Stop every child (the last started first: SIGTERM, SIGKILL after ``grace_s``), then the nodes.
+        Interrupts (a second Ctrl-C, SIGTERM, SIGHUP) are held off until everything is stopped."""
+        held = {
+            sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        }
+        try:
+            self._stop(grace_s)
+        finally:
+            for sig, handler in held.items():
+                signal.signal(sig, handler)
+
+    def _stop(self, grace_s: float) -> None:
         children = list(self.children.values())
         for child in reversed(children):
             child.stop_signal()
@@ -759,6 +821,39 @@ converged, 1 when not.
 """
 
 
+def _why(exc: BaseException) -> str:
+    """One line for an error: an OS error names its file and reason, not a traceback."""
+    if isinstance(exc, OSError) and not isinstance(exc, KvmeshError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror or exc}"
+    return str(exc)
+
+
+def _lock_root(root: Path) -> IO[str]:
+    """Hold ``root`` for this run (an advisory lock on ``root/.lock``, released when the process ends).
+
+    Raises:
+        ComposeError: another ``kvmesh cluster`` holds it (its NATS stores would be shared and corrupted).
+        OSError: the root cannot be made or the lock file written.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root / ".lock", "a+")  # noqa: SIM115 (held for the run)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        pid = lock.read().strip() or "?"
+        lock.close()
+        raise ComposeError(
+            f"another kvmesh cluster (pid {pid}) uses {root}: give another --root, or stop that one"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 def _parse_env(items: Sequence[str]) -> dict[str, str]:
     out = {}
     for item in items:
@@ -808,6 +903,7 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh cluster") -> 
     args = parser.parse_args(argv)
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="kvmesh-cluster-"))
     try:
+        lock = _lock_root(root)
         stack = LocalStack(
             Path(args.compose),
             root,
@@ -815,8 +911,10 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh cluster") -> 
             extra_env=_parse_env(args.env),
             timeout_s=args.timeout_s,
         )
-    except ComposeError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+    except (ComposeError, OSError) as exc:
+        print(f"{prog}: {_why(exc)}", file=sys.stderr)
+        if not args.root:
+            shutil.rmtree(root, ignore_errors=True)
         return 1
     interrupted: list[int] = []
 
@@ -824,7 +922,7 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh cluster") -> 
         interrupted.append(signum)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    previous = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGHUP)}
     print(f"{prog}: {stack.compose.name} as local processes; logs in {stack.logs}", flush=True)
     skipped = stack.skipped_line()
     if skipped:
@@ -850,16 +948,22 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh cluster") -> 
         converged = bool((status.get("convergence") or {}).get("converged"))
         if not converged:
             print(f"{prog}: the replicas did not converge within {args.timeout_s:g} s", file=sys.stderr)
-        code = 0 if converged and all(r.returncode == 0 for r in stack.results.values()) else 1
-    except (ComposeError, ServerError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        if stack.exits:
+            exits = ", ".join(f"{name} {n}×" for name, n in sorted(stack.exits.items()))
+            print(f"{prog}: services exited during the run: {exits}", file=sys.stderr)
+        ok = converged and not stack.exits and all(r.returncode == 0 for r in stack.results.values())
+        code = 0 if ok else 1
+    except (ComposeError, ServerError, OSError) as exc:
+        print(f"{prog}: {_why(exc)}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
         code = 128 + (interrupted[0] if interrupted else signal.SIGINT)
     finally:
         with contextlib.suppress(KeyboardInterrupt):
             stack.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        lock.close()
     if code >= 128:
         print(f"{prog}: stopped", file=sys.stderr)
     if not args.root and code in (0, 130, 143):

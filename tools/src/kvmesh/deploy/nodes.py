@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -63,6 +64,25 @@ def node_names(config: Path) -> list[str]:
     if not names:
         raise ServerError(f"{config} names no nats-route://host:port route")
     return names
+
+
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, 15)\n"  # PR_SET_PDEATHSIG: SIGTERM
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])\n"
+)
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that Linux sends the process SIGTERM when its parent dies (even by SIGKILL): no node or
+    service outlives the command that started it. A small Python stub sets it and execs ``argv`` (the same
+    pid); on other systems ``argv`` unchanged."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-c", _DIE_WITH_PARENT, *argv]
 
 
 def _free_port() -> int:
@@ -190,7 +210,12 @@ class LocalNodes:
         env = dict(os.environ, NATS_SERVER_NAME=self.names[i])
         self._logs[i] = log
         self._procs[i] = subprocess.Popen(
-            self._argv(i), cwd=etc, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            die_with_parent(self._argv(i)),
+            cwd=etc,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -301,7 +326,23 @@ class LocalNodes:
             if routed and leader:
                 return leader
             time.sleep(0.2)
-        raise ServerError(f"no JetStream meta leader after {timeout_s:.0f} s; logs under {self.root}")
+        tls = sorted(
+            {
+                line.split("]", 2)[-1].strip()
+                for i in range(len(self))
+                for line in self._read_log(i).splitlines()
+                if "TLS route handshake error" in line or "bad certificate" in line
+            }
+        )[:3]
+        hint = (
+            "; the nodes refuse each other's certificates ("
+            + "; ".join(tls)
+            + "): are server.pem and ca.pem "
+            "from the same kvmesh gen-creds run?"
+            if tls
+            else ""
+        )
+        raise ServerError(f"no JetStream meta leader after {timeout_s:.0f} s{hint}; logs under {self.root}")
 
     def log(self, i: int) -> str:
         """Node ``i``'s whole log."""

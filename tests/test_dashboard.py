@@ -343,7 +343,7 @@ async def test_every_metric_the_dashboard_queries_is_exported(
             procs.spawn(
                 f"ingest-{w}", "-m", "kvmesh.ingest", *shared, *registry, "--worker-id", w, "--model", "m",
                 "--block-size", str(BS), "--zmq-endpoint", pub.endpoint, "--replay-endpoint",
-                str(pub.replay_endpoint), "--stream-memory", "--metrics-port", "0",
+                str(pub.replay_endpoint), "--stream-memory", "--stream-max-bytes", str(64 * 2**20), "--metrics-port", "0",
             )  # fmt: skip
         procs.spawn(
             "router", "-m", "kvmesh.router", *shared, *registry, *lifecycle, "--route-subject", route_subject,

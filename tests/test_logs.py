@@ -178,7 +178,15 @@ def _ingest(
         "--replay-endpoint",
         str(pub.replay_endpoint),
     ]
-    cmd += ["--stream-memory", "--max-coalesced-batches", "1", "--log-level", "DEBUG"]
+    cmd += [
+        "--stream-memory",
+        "--stream-max-bytes",
+        str(64 * 2**20),
+        "--max-coalesced-batches",
+        "1",
+        "--log-level",
+        "DEBUG",
+    ]
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     with log.open("wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=base | env, cwd=ROOT)

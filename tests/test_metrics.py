@@ -304,7 +304,7 @@ async def test_counters_move_by_exactly_what_the_run_caused(
         )  # fmt: skip
         procs.spawn(
             "ingest", "-m", "kvmesh.ingest", *shared, "--worker-id", W, "--model", MODEL, "--block-size", str(BS),
-            "--zmq-endpoint", pub.endpoint, "--replay-endpoint", str(pub.replay_endpoint), "--stream-memory",
+            "--zmq-endpoint", pub.endpoint, "--replay-endpoint", str(pub.replay_endpoint), "--stream-memory", "--stream-max-bytes", str(64 * 2**20),
             "--max-coalesced-batches", "1", "--registry-bucket", f"M_{uid}_W", "--metrics-port", "0",
         )  # fmt: skip
         ingest = _port_of(tmp_path / "ingest.log", procs)
@@ -393,7 +393,10 @@ async def test_metrics_off_opens_no_port(
     nc = await connect(nats_url, name="test-metrics-off")
     try:
         await ensure_stream(
-            nc.jetstream(), StreamSettings(name=f"KVMESH_M_{uid}", prefix=f"m{uid}.events", memory=True)
+            nc.jetstream(),
+            StreamSettings(
+                name=f"KVMESH_M_{uid}", prefix=f"m{uid}.events", memory=True, max_bytes=64 * 2**20
+            ),
         )
     finally:
         await nc.close()

@@ -420,7 +420,8 @@ def test_an_operator_command_reads_its_credentials_from_a_toml_file(case: Case, 
     conf = tmp_path / "kvmesh.toml"
     conf.write_text('[router]\nindex = "remote"\n\n[nats]\n' + "\n".join(lines) + "\n")
     r = _kvmesh(
-        ["status", "--nats-url", case.url, "--config", str(conf), "--stream", "NOSTREAM"], _env(NatsAuth())
+        ["status", "--json", "--nats-url", case.url, "--config", str(conf), "--stream", "NOSTREAM"],
+        _env(NatsAuth()),
     )
     assert r.returncode == 1
     assert json.loads(r.stdout)["stream"] == {"name": "NOSTREAM", "error": "stream not found"}

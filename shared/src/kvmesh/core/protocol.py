@@ -421,6 +421,15 @@ class LedgerStats(msgspec.Struct, kw_only=True, frozen=True):
     unknown: int
 
 
+class RouteLatency(msgspec.Struct, kw_only=True, frozen=True):
+    """Route latency in milliseconds, from a request's arrival to its reply, over the last ``routes`` answered
+    routes of one router replica (a window, not since start)."""
+
+    routes: int
+    p50_ms: float
+    p99_ms: float
+
+
 class RouteReceipts(msgspec.Struct, kw_only=True, frozen=True):
     """One (worker, dp rank)'s route receipts on the router replica that answered its requests: token counters
     since the replica started (sums, never ratios; a ratio of two counters is the caller's to take).
@@ -467,6 +476,8 @@ class RouterStats(Message, kw_only=True, frozen=True):
     receipts: dict[str, RouteReceipts] = msgspec.field(default_factory=dict)
     """``"worker/rank"`` → the route receipts of the requests this replica answered (empty from a router older
     than route receipts)."""
+    latency: RouteLatency | None = None
+    """Route latency over the last answered routes (None: none yet, or a router older than the field)."""
 
 
 class MicroEndpointStats(msgspec.Struct, frozen=True):

@@ -20,6 +20,7 @@ from kvmesh.core.protocol import (
     IndexerStatus,
     IngestStatus,
     MicroServiceStats,
+    RouteLatency,
     RouteReceipts,
     RouterIndexStats,
     RouterStats,
@@ -144,6 +145,8 @@ class RouterSummary(RouterIndexStats, frozen=True, kw_only=True, omit_defaults=T
     in_flight: int
     receipts: dict[str, RouteReceipts] = msgspec.field(default_factory=dict)
     """``"worker/rank"`` → the route receipts of the requests this router answered (absent when none)."""
+    latency: RouteLatency | None = None
+    """p50/p99 route latency over its last answered routes (absent when none)."""
 
 
 class Convergence(msgspec.Struct, frozen=True, kw_only=True):
@@ -248,6 +251,7 @@ def router_status(service: RouterService, stream_last_seq: int) -> RouterSummary
         errors=service.stats.errors,
         in_flight=service.stats.in_flight,
         receipts=service.stats.receipts,
+        latency=service.stats.latency,
     )
 
 

@@ -211,12 +211,13 @@ def _routers(routers: Sequence[RouterSummary], rates: Mapping[str, float] | None
         if rates is not None:
             rate = rates.get(r.id)
             row.append(_NONE if rate is None else f"{rate:,.1f}")
-        row += [_num(r.in_flight), errors, r.warning or ""]
+        p99 = _NONE if r.latency is None else f"{r.latency.p99_ms:,.2f}"
+        row += [p99, _num(r.in_flight), errors, r.warning or ""]
         rows.append(row)
     headers = ["router", "index", "route mode", "applied", "lag", "blocks", "routed"]
     if rates is not None:
         headers.append("rate/s")
-    headers += ["in flight", "errors", "warning"]
+    headers += ["p99 ms", "in flight", "errors", "warning"]
     return _table(headers, rows, right=set(range(3, len(headers) - 2)))
 
 

@@ -50,6 +50,7 @@ from kvmesh.router.health import RecordLike, heartbeat_late_after, holders_statu
 from kvmesh.router.local_index import LocalIndex
 from kvmesh.router.notes import LifecycleNotes
 from kvmesh.router.route_metrics import RouteMetrics
+from kvmesh.router.stats import LatencyWindow
 from kvmesh.runtime import tracing
 from kvmesh.runtime.metrics import ServiceMetrics
 from kvmesh.runtime.nats import count_endpoint_error
@@ -109,6 +110,7 @@ class RouteEndpoint:
         """Route replies per mode."""
         self.bounded: dict[str, int] = {}
         """Model → live candidates cut from its last route beyond ``--max-candidates`` (warned once each)."""
+        self.latency = LatencyWindow()
         self.metrics: RouteMetrics | None = None
         """Per-route latency, candidates and busy skips (`use_metrics`); None: nothing is timed."""
 
@@ -232,6 +234,7 @@ class RouteEndpoint:
             captured_tokens=reply.cached_tokens,
         )
         await req.respond(data)
+        self.latency.add(time.perf_counter() - t0)
         if m is not None:
             m.lap("total", t0)
 

@@ -277,6 +277,7 @@ class RouterService:
             modes=e.modes,
             candidates_cut=e.bounded,
             index=index,
+            latency=e.latency,
         )
 
     def _declare_metrics(self, metrics: ServiceMetrics) -> None:

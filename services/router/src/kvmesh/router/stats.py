@@ -2,13 +2,47 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.core import load
 from kvmesh.core.index import Holder
-from kvmesh.core.protocol import HolderStatus, LedgerStats, RouteReceipts, RouterIndexStats, RouterStats
+from kvmesh.core.protocol import (
+    HolderStatus,
+    LedgerStats,
+    RouteLatency,
+    RouteReceipts,
+    RouterIndexStats,
+    RouterStats,
+)
+
+
+@dataclass(slots=True)
+class LatencyWindow:
+    """The latencies of the last ``size`` answered routes (seconds); percentiles only when stats are asked."""
+
+    size: int = 1024
+    _seconds: deque[float] = field(default_factory=deque)
+
+    def add(self, seconds: float) -> None:
+        """Record one answered route."""
+        self._seconds.append(seconds)
+        if len(self._seconds) > self.size:
+            self._seconds.popleft()
+
+    def figures(self) -> RouteLatency | None:
+        """p50 and p99 in milliseconds (nearest rank, rounded to the microsecond) over the window; None when
+        empty."""
+        if not self._seconds:
+            return None
+        ordered = sorted(self._seconds)
+
+        def at(q: float) -> float:
+            return round(1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+        return RouteLatency(routes=len(ordered), p50_ms=at(0.5), p99_ms=at(0.99))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,10 +112,11 @@ def router_stats(
     modes: Mapping[str, int],
     candidates_cut: Mapping[str, int],
     index: RouterIndexStats,
+    latency: LatencyWindow | None = None,
 ) -> RouterStats:
     """Return the route endpoint's stats: replies, error replies per code, the shared ledger's counters and
     in-flight requests, engine reports held, replies per mode, candidates cut per model, ``index``, and the
-    route receipts of the routes this replica answered (`route_receipts`)."""
+    route receipts of the routes this replica answered (`route_receipts`) and the latency of the last ones."""
     return RouterStats(
         routed=routed,
         errors=dict(errors),
@@ -98,6 +133,7 @@ def router_stats(
         candidates_cut=dict(candidates_cut),
         index=index,
         receipts=route_receipts(ledger.receipts),
+        latency=None if latency is None else latency.figures(),
     )
 
 

@@ -42,8 +42,18 @@ async def subject_messages(js: Any, stream: str, subject: str) -> list[EventsMes
     sub = await js.pull_subscribe(subject, stream=stream, config=ConsumerConfig(ack_policy=AckPolicy.NONE))
     out: list[EventsMessage] = []
     try:
+        unavailable = 0
         while len(out) < total:
-            for raw in await sub.fetch(batch=min(500, total - len(out)), timeout=10):
+            try:
+                batch = await sub.fetch(batch=min(500, total - len(out)), timeout=10)
+            except nats.js.errors.ServiceUnavailableError:
+                # A consumer of an R3 stream whose leader was just killed answers 503 until it has a leader
+                # of its own again: the test's read, not the ingest, waits for it.
+                unavailable += 1
+                assert unavailable < 60, "the consumer had no leader for 30 s"
+                await asyncio.sleep(0.5)
+                continue
+            for raw in batch:
                 msg = decode_message(raw.data or b"")
                 assert isinstance(msg, EventsMessage)
                 out.append(msg)

@@ -47,6 +47,14 @@ __all__ = ["command"]
 ECHO_SUBJECT: Final[str] = "bench.route.echo"
 ECHO: Final[str] = "echo (NATS request-reply)"
 ROUTE: Final[str] = "kvmesh route"
+ROUTE_METRICS: Final[str] = "kvmesh route, metrics on"
+ROUTE_TRACING: Final[str] = "kvmesh route, tracing on"
+OBSERVED: Final[dict[str, tuple[str, tuple[str, ...], dict[str, str]]]] = {
+    # path → (route subject, router flags, router environment): the same router with one kind of
+    # observability on (--observability), measured against the plain one in the same run.
+    ROUTE_METRICS: ("bench.route.metrics", ("--metrics-port", "0"), {}),
+    ROUTE_TRACING: ("bench.route.tracing", (), {"OTEL_TRACES_EXPORTER": "console"}),
+}
 _BLOCK_SIZE: Final[int] = 16
 _PREFIXES: Final[int] = 32
 """Shared system prefixes of the ``--blocks`` fill."""
@@ -272,7 +280,30 @@ async def _run(a: argparse.Namespace) -> list[Phase]:
             nc = await connect(url, name="kvmesh-bench-route")
         pipe._spawn("echo", "kvmesh.bench.route", "echo", url)
         router = Router(nc, timeout_s=5.0)
+        observed: dict[str, Any] = {}
+        for name, (subject, flags, env) in (OBSERVED if a.observability else {}).items():
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # the child copies this process's environment when it starts
+            try:
+                pipe._spawn(
+                    "router-" + subject.rsplit(".", 1)[1],
+                    "kvmesh.router",
+                    "--nats-url",
+                    url,
+                    "--route-subject",
+                    subject,
+                    *flags,
+                )
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            observed[name] = Router(nc, subject=subject, timeout_s=5.0)
         await _wait_ready(pipe, router)
+        for other in observed.values():
+            await _wait_ready(pipe, other)
         if synthetic:
             ready_s = time.perf_counter() - t0
             # A local-index router can be ready before the indexer: measure only once both have caught up.
@@ -298,6 +329,7 @@ async def _run(a: argparse.Namespace) -> list[Phase]:
             return bytes((await nc.request(ECHO_SUBJECT, body, timeout=5)).data)
 
         sends: dict[str, Send] = {ROUTE: router.request_raw, ECHO: echo}
+        sends.update({name: r.request_raw for name, r in observed.items()})
         for body in bodies[:20]:  # warm-up
             for send in sends.values():
                 await send(body)
@@ -305,11 +337,11 @@ async def _run(a: argparse.Namespace) -> list[Phase]:
         if not a.rate and not a.concurrency:
             out += await _interleaved(sends, bodies, a.requests)
         for rate in a.rate:
-            for name in (ECHO, ROUTE):
+            for name in (ECHO, ROUTE, *observed):
                 out.append(await _open_loop(name, sends[name], bodies, rate, a.duration))
                 await asyncio.sleep(0.5)
         for conc in a.concurrency:
-            for name in (ECHO, ROUTE):
+            for name in (ECHO, ROUTE, *observed):
                 out.append(await _closed_loop(name, sends[name], bodies, conc, a.duration))
                 await asyncio.sleep(0.5)
         return out
@@ -325,6 +357,7 @@ def _table(phases: list[Phase]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     echo = {p.mode: p for p in phases if p.path == ECHO}
+    plain = {p.mode: p for p in phases if p.path == ROUTE}
     for p in phases:
         e = echo.get(p.mode)
         p50, p99 = percentile(p.latencies, 0.5), percentile(p.latencies, 0.99)
@@ -337,6 +370,14 @@ def _table(phases: list[Phase]) -> str:
             f"| {p.mode} | {p.path} | {len(p.latencies):,} | {p.rate:,.0f} | {1e3 * p50:.2f} | {1e3 * p99:.2f} "
             f"| {r50} | {r99} | {rr} | {p.errors} |"
         )
+    for p in phases:
+        base = plain.get(p.mode)
+        if p.path in OBSERVED and base is not None and base.latencies and p.latencies:
+            lines.append(
+                f"\n{p.path}, {p.mode}: p50 {percentile(p.latencies, 0.5) / percentile(base.latencies, 0.5):.2f}× "
+                f"and p99 {percentile(p.latencies, 0.99) / percentile(base.latencies, 0.99):.2f}× the plain router's "
+                f"(+{1e6 * (percentile(p.latencies, 0.5) - percentile(base.latencies, 0.5)):.0f} µs at p50)"
+            )
     lag = [p for p in phases if p.lag_s > 0.005]
     for p in lag:
         lines.append(f"\n{p.path}, {p.mode}: the load generator fell behind by up to {1e3 * p.lag_s:.1f} ms")
@@ -389,6 +430,12 @@ def command(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="the router's --index: remote (ask the indexer) or local (in-process replica); "
         "default: the router's own default",
+    )
+    p.add_argument(
+        "--observability",
+        action="store_true",
+        help="also route through a router with --metrics-port on and one with OTEL_TRACES_EXPORTER=console "
+        "(spans batched to its log), and report each against the plain router in the same run",
     )
     a = p.parse_args(argv)
     if a.index is not None:

@@ -329,6 +329,9 @@ async def test_counters_move_by_exactly_what_the_run_caused(
         pub.publish([stored([21], blk(U, 1), parent=20)])
         after_gap = await _until(ingest, key, got[key] + 2)
         assert (after_gap[gaps], after_gap[replays]) == (1.0, 1.0)
+        took = 'kvmesh_ingest_replay_duration_seconds_total{dp_rank="0",worker_id="w"}'
+        assert got[took] == 0.0
+        assert 0.0 < after_gap[took] < 10.0  # the one replay's time, within the replay timeout
         assert after_gap['kvmesh_ingest_resyncs_total{dp_rank="0",worker_id="w"}'] == 0.0
         rejected = 'kvmesh_ingest_rejected_events_total{dp_rank="0",reason="block_size",worker_id="w"}'
         assert after_gap[rejected] == 0.0

@@ -338,6 +338,8 @@ class IngestRankStatus(msgspec.Struct, kw_only=True, frozen=True):
     events: dict[str, int]
     """`kvmesh.core.normalize.NormalizeStats` fields."""
     engine: EngineStatus
+    replay_seconds: float = 0.0
+    """Seconds spent in replays since the ingest started (with ``sequence["replays"]``: their mean)."""
 
 
 class IngestStatus(Message, kw_only=True, frozen=True):

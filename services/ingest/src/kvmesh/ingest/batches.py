@@ -46,6 +46,8 @@ class Rank:
     """(engine seq, batch ts) of the last batch the stream holds from before this ingest started: the first
     replay asks for it too, and another ts there means the engine restarted while no ingest read it."""
     replay_task: asyncio.Task[None] | None = None
+    replay_seconds: float = 0.0
+    """Seconds spent in replays (each from its request to its end, healed or not)."""
 
     @property
     def holder(self) -> int:

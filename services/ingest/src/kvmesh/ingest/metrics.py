@@ -62,6 +62,12 @@ INSTRUMENTS: tuple[Row, ...] = (
     ("kvmesh_ingest_epoch", "gauge", "{epoch}", "the rank's engine incarnation"),
     ("kvmesh_ingest_engine_seq", "gauge", "{batch}", "last engine sequence delivered (absent before any)"),
     ("kvmesh_ingest_replaying", "gauge", "1", "1 while the rank replays a gap"),
+    (
+        "kvmesh_ingest_replay_duration_seconds",
+        "counter",
+        "s",
+        "seconds spent in replays (over kvmesh_ingest_replays_total: their mean duration)",
+    ),
     ("kvmesh_ingest_outbox_messages", "gauge", "{message}", "stream messages not yet acknowledged"),
 )
 """Every observed ingest metric."""
@@ -94,6 +100,7 @@ def ingest_samples(status: IngestStatus, *, reconnects: int) -> dict[str, list[S
         if r.last_seq is not None:
             out["kvmesh_ingest_engine_seq"].append((labels, float(r.last_seq)))
         out["kvmesh_ingest_replaying"].append((labels, 1.0 if r.replaying else 0.0))
+        out["kvmesh_ingest_replay_duration_seconds"].append((labels, r.replay_seconds))
     dropped = (
         ("outbox", c.get("dropped_batches", 0)),
         ("bad_dp_rank", c.get("bad_dp_rank_batches", 0)),

@@ -205,7 +205,8 @@ class RankReader:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(rank.replay_endpoint)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + s.replay_timeout_s
+        started = loop.time()
+        deadline = started + s.replay_timeout_s
         topic = s.topic.encode()
         verify, rank.verify = rank.verify, None
         if verify is not None and verify[0] != from_seq - 1:
@@ -268,6 +269,7 @@ class RankReader:
             self.act(rank, rank.tracker.on_replay_end("replay_error"))
         finally:
             sock.close(linger=0)
+            rank.replay_seconds += loop.time() - started
 
     def _same_engine(self, rank: Rank, check: tuple[int, float], payload: bytes) -> bool:
         """Whether the engine's batch at the cursor carries the stream's ts (else it restarted; logged)."""

@@ -67,6 +67,7 @@ def ingest_status(
                 sequence=asdict(r.tracker.stats),
                 events=asdict(r.normalizer.stats),
                 engine=engine_status(engines.get(r.rank)),
+                replay_seconds=round(r.replay_seconds, 6),
             )
             for r in ranks.values()
         },

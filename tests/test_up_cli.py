@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -79,6 +80,17 @@ async def test_up_on_a_shared_server_ignores_another_router_and_cleans_up(nats_u
         assert proc.returncode == 0, text + err.decode()
         assert "replayed 6 requests" in text and "(0 failed)" in text
         assert decoy_hits == 0
+        receipts = [ln for ln in text.splitlines() if ln.startswith("route receipts, ")]
+        assert [ln.split(":")[0] for ln in receipts] == [
+            "route receipts, kvmesh",
+            "route receipts, round-robin",
+        ]
+        for ln in receipts:  # token counts, each figure of the line read back
+            assert re.fullmatch(
+                r"route receipts, [a-z-]+: available [\d,]+ tokens, captured [\d,]+ \([\d.]+ % of available; "
+                r"regret -?[\d,]+\), delivered [\d,]+ \([\d.]+ % of [\d,]+ prompt tokens\)",
+                ln,
+            ), ln
         run_stream = next(w for w in text.split() if w.startswith("KVMESH_UP_"))
         assert f"removed this run's stream {run_stream}" in text
         names = [str(info.config.name) for info in await nc.jetstream().streams_info()]

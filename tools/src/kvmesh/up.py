@@ -502,6 +502,8 @@ def round_robin(trace: Sequence[TraceRequest], args: argparse.Namespace) -> Tall
         w = i % args.workers
         pool = pools[w]
         tokens = expand_tokens(req)
+        available = max(p.match_prefix(tokens) for p in pools)  # the fleet's best, as a router would see it
+        captured = pool.match_prefix(tokens)
         try:
             adm = pool.start(f"r{i}", tokens)
         except PoolExhaustedError:
@@ -510,16 +512,16 @@ def round_robin(trace: Sequence[TraceRequest], args: argparse.Namespace) -> Tall
             pool.append(f"r{i}", (tok,))
         pool.finish(f"r{i}")
         pool.take_events()
-        tally.add(f"sim-{w}", adm.prompt_tokens, adm.cached_tokens)
+        tally.add(f"sim-{w}", adm.prompt_tokens, adm.cached_tokens, available=available, captured=captured)
     return tally
 
 
-def print_receipts(out: TextIO, tally: Tally) -> None:
-    """Print the route receipts of the kvmesh run: reuse available in the fleet, captured by the router's
-    choices and delivered by the engines, in prompt tokens (the same counters the router exports)."""
+def print_receipts(out: TextIO, tally: Tally, policy: str = "kvmesh") -> None:
+    """Print one policy's route receipts: reuse available in the fleet, captured by the choices and
+    delivered by the engines, in prompt tokens (the same counters the router exports)."""
     t = tally.totals()
     print(
-        f"route receipts: available {t.available_tokens:,} tokens, captured {t.captured_tokens:,} "
+        f"route receipts, {policy}: available {t.available_tokens:,} tokens, captured {t.captured_tokens:,} "
         f"({100 * _ratio(t.captured_tokens, t.available_tokens):.1f} % of available; regret "
         f"{t.available_tokens - t.captured_tokens:,}), delivered {t.cached_tokens:,} "
         f"({100 * _ratio(t.cached_tokens, t.prompt_tokens):.1f} % of {t.prompt_tokens:,} prompt tokens)",
@@ -710,4 +712,5 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh up") -> int:
     rr = round_robin(trace[:served] if served < len(trace) else trace, args)
     print_table(sys.stdout, tally, rr, args.workers)
     print_receipts(sys.stdout, tally)
+    print_receipts(sys.stdout, rr, "round-robin")
     return 0 if failures == 0 else 1

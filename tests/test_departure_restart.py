@@ -120,3 +120,39 @@ async def test_match_on_deeply_nested_msgpack_answers_bad_request(nats_url: str,
         await g.publish(2, workers=1)
         answer = await wait_for(lambda: g.match(f"r{uid}.match", list(range(8))), lambda a: a is not None)
         assert [c.worker_id for c in answer.candidates] == ["w0"]  # still serving
+
+
+async def test_restarted_indexer_keeps_a_live_member_its_watch_did_not_list(
+    nats_url: str, uid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registry watch's end of initial values can arrive before a key it should list (seen in the fault
+    suite on an R3 bucket): a restarted indexer then reads the member's key itself and, finding it present,
+    publishes no removal; the live worker keeps its blocks."""
+    from kvmesh.indexer import policy
+
+    class EarlyEnd(policy.RegistrySync):
+        """A watch whose initial values end before any key arrives."""
+
+        def end_of_initial(self) -> bool:
+            self.registered.clear()
+            return super().end_of_initial()
+
+    async with group(nats_url, uid) as g:
+        bucket = subjects.registry_bucket(g.stream)
+        kv = await open_registry(g.js, RegistrySettings(bucket=bucket, ttl_s=TTL_S, memory=True))
+        beating = asyncio.create_task(_beat(kv, ["w0"]))
+        try:
+            a = await g.start(f"{uid}-a", worker_ttl_s=TTL_S)
+            await g.publish(10, workers=1)
+            store = await SnapshotStore.open(g.js, subjects.snapshot_bucket(g.stream))
+            await wait_for(store.members, lambda m: m == {"w0": MODEL})
+            await g.stop_replica(a)
+            monkeypatch.setattr(policy, "RegistrySync", EarlyEnd)
+            b = await g.start(f"{uid}-b", worker_ttl_s=TTL_S)
+            await wait_for(lambda: asyncio.sleep(0, b.state.applied_seq), lambda s: s == 10)
+            await asyncio.sleep(1.0)  # the watch's initial values ended and were reconciled
+            assert b.removals_published == 0
+            assert b.state.workers()["w0"]["removed"] is False
+            assert [c.worker_id for c in b.state.match(MODEL, list(range(8))).candidates] == ["w0"]
+        finally:
+            beating.cancel()

@@ -145,6 +145,8 @@ def role_permissions(
                 _js("STREAM.PURGE", stream),  # after a snapshot: what no kept snapshot needs
                 _js("STREAM.INFO", kv_lease),  # KV bind of the snapshot-writer lease
                 _js("STREAM.MSG.GET", kv_lease),  # KV get of the lease (the key is in the body)
+                # KV get of a member's own key before its removal (the watch's listing can be early)
+                _js("STREAM.MSG.GET", kv_workers),
                 f"$KV.{lease_kv}.>",  # KV create/update of the lease
                 f"$O.{snaps}.>",  # Object Store put of a snapshot: its chunks and metadata
                 _js("STREAM.PURGE", obj_snaps),  # Object Store put/delete drops a replaced or deleted object

@@ -20,7 +20,7 @@ from kvmesh.core.protocol import WorkerRecord
 from kvmesh.indexer import policy
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.runtime import subjects
-from kvmesh.runtime.registry import WATCH_INACTIVE_S, publish_removal
+from kvmesh.runtime.registry import WATCH_INACTIVE_S, key_present, publish_removal
 from kvmesh.runtime.replica import StreamReplica
 from kvmesh.runtime.snapshots import SnapshotStore
 
@@ -107,6 +107,29 @@ class RegistryWatch:
                 await self._store.delete_member(worker)
                 self._members.pop(worker, None)
             elif action is not None:
+                # The watch's end of initial values can come before a key it should have listed (a clustered
+                # bucket's consumer not yet caught up): read the key itself before removing a live worker.
+                # Without a definite "gone" the worker stays: routes take candidates from the registry anyway,
+                # and a wrong removal would drop a live worker's whole cache from the index.
+                try:
+                    present = await key_present(self._kv, worker)
+                except Exception as exc:
+                    log.warning(
+                        "indexer %s: worker %s: cannot read its registry key (%r): not removed now",
+                        self.replica,
+                        worker,
+                        exc,
+                        extra={"replica": self.replica, "worker_id": worker},
+                    )
+                    continue
+                if present:
+                    log.info(
+                        "indexer %s: worker %s's key is present though the registry watch did not list it: kept",
+                        self.replica,
+                        worker,
+                        extra={"replica": self.replica, "worker_id": worker},
+                    )
+                    continue
                 seq = await self._publish(action)
                 log.warning(
                     "indexer %s: worker %s (a registry member) has no registry key: published its removal "

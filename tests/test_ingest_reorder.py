@@ -11,8 +11,10 @@ import asyncio
 import contextlib
 import threading
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
+import nats.errors
 import nats.js.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -30,16 +32,33 @@ from kvmesh.sim.publisher import EventPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
+T = TypeVar("T")
+
 ANY = "tcp://127.0.0.1:*"
 W = "w"
 TOKENS = list(range(1000, 1000 + 4 * 64))
 
 
+async def _settled(call: Callable[[], Awaitable[T]], timeout_s: float = 30.0) -> T:
+    """``call()``, again while a cluster that just lost its stream leader answers JetStream requests with
+    timeouts or 503s (the test's own reads, not the ingest, wait out the election)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await call()
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
 async def subject_messages(js: Any, stream: str, subject: str) -> list[EventsMessage]:
     """Every events message of ``subject``, in stream order (an ephemeral pull consumer, deleted after)."""
-    info = await js.stream_info(stream, subjects_filter=subject)
+    info = await _settled(lambda: js.stream_info(stream, subjects_filter=subject))
     total = int((info.state.subjects or {}).get(subject, 0))
-    sub = await js.pull_subscribe(subject, stream=stream, config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+    sub = await _settled(
+        lambda: js.pull_subscribe(subject, stream=stream, config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+    )
     out: list[EventsMessage] = []
     try:
         unavailable = 0
@@ -264,7 +283,8 @@ async def test_r3_leader_killed_under_traffic_keeps_every_rank_in_engine_order(
             timeout_s=60,
         )
         bucket = f"KV_{subjects.registry_bucket(p.stream)}"
-        assert (await js.stream_info(bucket)).config.num_replicas == 3  # the stream's replica count
+        info = await _settled(lambda: js.stream_info(bucket))
+        assert info.config.num_replicas == 3  # the stream's replica count
         for i, ing in enumerate(ingests):
             msgs = await subject_messages(
                 js, p.stream, subjects.events_subject(p.prefix, p.model, f"w{i}", 0)

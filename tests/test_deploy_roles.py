@@ -31,6 +31,7 @@ from nats.aio.msg import Msg
 from kvmesh.client import AuthorizationError, NatsAuth, Router, TLSError
 from kvmesh.deploy import creds
 from kvmesh.deploy.nodes import LocalNodes
+from kvmesh.harness.ports import free_block
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect, connect_options
 
@@ -39,16 +40,6 @@ MODEL = "roles-model"
 WORKERS = ["sim-0", "sim-1"]
 STREAM = subjects.STREAM
 SNAPS = subjects.snapshot_bucket(STREAM)
-
-
-def _free_block(span: int) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + span < 65535:
-            return base
-    raise RuntimeError("no free ports")
 
 
 @dataclass
@@ -88,7 +79,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             [*KVMESH, "provision", "--replicas", "3"], env=env, check=False, capture_output=True, timeout=60
         )
         assert done.returncode == 0, done.stderr.decode()
-        base = _free_block(12)
+        base = free_block(12)
         d.run(
             "sim", "sim", "--worker-id=sim-0", f"--base-port={base}", "--block-size=16", log=root / "sim.log"
         )

@@ -35,7 +35,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -53,6 +52,7 @@ from kvmesh.core.index import Holder
 from kvmesh.core.normalize import Normalizer
 from kvmesh.core.state import IndexState
 from kvmesh.core.wire import decode_batch
+from kvmesh.harness.ports import free_block, free_port
 from kvmesh.harness.server import NatsServer
 from kvmesh.ops import gather_status
 from kvmesh.runtime import subjects
@@ -75,34 +75,6 @@ KINDS = ("ingest", "indexer", "router", "engine", "nats", "stream_leader")
 """What `Fleet.kill_and_restart` can kill: a process kind, a random NATS node, or the events stream's leader."""
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    """Return a loopback TCP port that is free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _free_block(span: int) -> int:
-    """Return a base port such that ``base .. base + span - 1`` are all free now."""
-    for _ in range(200):
-        base = free_port()
-        if base + span >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + span):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {span} consecutive free ports")
 
 
 async def wait_for(
@@ -303,7 +275,7 @@ class Fleet:
         self.rps = rps
         self.num_blocks = num_blocks
         self.py = sys.executable
-        self.engine_ports = [_free_block(12) for _ in range(ENGINES)]
+        self.engine_ports = [free_block(12) for _ in range(ENGINES)]
         self.traffic_end = 0.0
         self.engines: list[Proc] = []
         self.ingests: list[Proc] = []

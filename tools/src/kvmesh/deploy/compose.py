@@ -41,7 +41,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ import yaml
 from kvmesh.core.errors import KvmeshError
 from kvmesh.deploy import creds
 from kvmesh.deploy.nodes import LocalNodes, die_with_parent
+from kvmesh.harness.ports import free_block
 from kvmesh.harness.server import ServerError
 
 __all__ = [
@@ -233,29 +233,6 @@ _CONTAINER_TMP = re.compile(r"(^|[\s=:'\"])/tmp/")
 QUICK_EXIT_S = 10.0
 """A child that exits this soon after its start is crash-looping: its restarts back off."""
 MAX_BACKOFF_S = 30.0
-
-
-def _free_block(span: int) -> int:
-    """A base port such that ``base .. base + span - 1`` are free on 127.0.0.1 now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + span >= 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + span):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise ComposeError(f"no {span} consecutive free ports on 127.0.0.1")
 
 
 class _Child:
@@ -440,7 +417,7 @@ class LocalStack:
             for key, value in svc.environment.items():
                 if key == METRICS_PORT_ENV:
                     if value.isdigit() and int(value) > 0:
-                        self.metrics_ports[svc.name] = _free_block(1)
+                        self.metrics_ports[svc.name] = free_block(1)
                 elif key.endswith("_PORT") and value.isdigit():
                     wanted.setdefault(svc.name, set()).add(int(value))
         for name, ports in wanted.items():
@@ -451,7 +428,7 @@ class LocalStack:
                 }
                 continue
             lo, hi = min(ports), max(ports)
-            base = _free_block(hi - lo + 1)
+            base = free_block(hi - lo + 1)
             self._ports[name] = {p: base + p - lo for p in range(lo, hi + 1)}
 
     def _rewrite(self, text: str, service: str) -> str:

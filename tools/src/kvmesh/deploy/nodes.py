@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from types import TracebackType
 from typing import IO, Any, Final
 
 from kvmesh.deploy.creds import inbox_prefix
+from kvmesh.harness.ports import free_port
 from kvmesh.harness.server import ServerError, server_binary
 
 CONFIG: Final[str] = "cluster.conf"
@@ -85,12 +85,6 @@ def die_with_parent(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", _DIE_WITH_PARENT, *argv]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LocalNodes:
     """The cluster of ``config_dir/cluster.conf`` on loopback (see the module docstring).
 
@@ -110,9 +104,9 @@ class LocalNodes:
         self.root = root
         self.names = node_names(self.config_dir / CONFIG)
         n = len(self.names)
-        self.ports = [_free_port() for _ in range(n)]
-        self.cluster_ports = [_free_port() for _ in range(n)]
-        self.http_ports = [_free_port() for _ in range(n)]
+        self.ports = [free_port() for _ in range(n)]
+        self.cluster_ports = [free_port() for _ in range(n)]
+        self.http_ports = [free_port() for _ in range(n)]
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self._logs: list[IO[bytes] | None] = [None] * n
 

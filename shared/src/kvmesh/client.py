@@ -33,6 +33,15 @@ Load accounting: a route with a ``request_id`` counts on the chosen worker in ev
 prefill tokens until `Router.mark_prefill_done`, active blocks until `Router.finish`, or until the routers'
 request TTL, 300 s by default). Call both (or at least ``finish``) for every routed request.
 
+Request forms: `Router.route` sends the token ids packed as little-endian uint32 (``Kvmesh-Body:
+tokens-u32le``, the other fields in the ``Kvmesh-Route`` header; `kvmesh.core.protocol`), which spares the
+router the JSON token list; `Router.route_by_hash` sends Dynamo-compatible local block hashes
+(``hashes-u64le``), which spares it the hashing too. Prompts shorter than `BINARY_MIN_BYTES` packed go as
+JSON (as cheap to parse as the headers; no headers at all outside a trace). A router older than these forms refuses a binary body
+as "not valid JSON": the client then resends that request as JSON and keeps to JSON for `JSON_RETRY_S`
+seconds before trying the binary form again (so a fleet of mixed versions is served, and an upgraded one
+gets the fast form back). ``form="json"`` keeps to JSON always.
+
 Route receipts: each reply carries ``cached_tokens`` (what the router's choice *captured*) and
 ``available_tokens`` (the most any live candidate had cached); passing the engine's own count of cached
 prompt tokens to `Router.finish` lets the router that answered count what was *delivered*, per worker, in
@@ -42,9 +51,11 @@ its stats (``kvmesh status``) and metrics.
 from __future__ import annotations
 
 import ssl
+import time
+from array import array
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Final, Literal
 
 import msgspec
 import nats.errors
@@ -55,11 +66,25 @@ from kvmesh.core.errors import (
     InternalError,
     NoWorkersError,
     ProtocolError,
+    RequestError,
     RouteError,
     UnavailableError,
     UnknownModelError,
 )
-from kvmesh.core.protocol import PolicyOverride, RequestRef, RouteReply, RouteRequest, decode_answer, encode
+from kvmesh.core.hashing import pack_tokens
+from kvmesh.core.protocol import (
+    BODY_HASHES_U64LE,
+    BODY_HEADER,
+    BODY_TOKENS_U32LE,
+    FIELDS_HEADER,
+    MAX_BLOCK_HASH,
+    PolicyOverride,
+    RequestRef,
+    RouteReply,
+    RouteRequest,
+    decode_answer,
+    encode,
+)
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import (
     AuthorizationError,
@@ -99,6 +124,41 @@ __all__ = [
 ]
 
 
+BINARY_MIN_BYTES: Final[int] = 512
+"""Smallest packed body (128 tokens, 64 hashes) sent in a binary form: below it the JSON body costs the
+router no more to parse than the two headers of a binary one (a few µs each way, measured)."""
+
+JSON_RETRY_S: Final[float] = 60.0
+"""Seconds a `Router` keeps to JSON after a router refused a binary body (one older than the forms)."""
+
+_OLD_ROUTER_REFUSALS: Final[tuple[str, ...]] = (
+    "request body is not valid JSON",
+    "invalid request: Expected `object`",
+)
+"""How a router that reads only JSON answers a binary body (a packed body that happens to be a JSON
+scalar: the second)."""
+
+
+def _pack_hashes(block_hashes: Sequence[int]) -> bytes:
+    """Pack local block hashes as little-endian uint64.
+
+    Raises:
+        BadRequestError: a hash is not an int in ``[0, 2**64)`` (``field="block_hashes"``).
+    """
+    try:
+        packed = array("Q", block_hashes)
+    except (OverflowError, TypeError) as exc:
+        raise BadRequestError(f"block hashes must be integers in [0, 2^64): {exc}") from exc
+    if packed.itemsize != 8:  # pragma: no cover - no supported platform has another width
+        raise RuntimeError("array('Q') is not 64-bit here")
+    if not _LITTLE_ENDIAN:  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
+
+
+_LITTLE_ENDIAN: Final[bool] = array("H", [1]).tobytes() == b"\x01\x00"
+
+
 def reply_from_json(data: bytes) -> RouteReply:
     """Turn a route reply body into a `RouteReply`, or raise the `RouteError` it carries.
 
@@ -119,6 +179,9 @@ class Router:
         nc: a connected nats-py client.
         subject: the route subject.
         timeout_s: seconds to wait for a reply before raising `UnavailableError`.
+        form: ``"auto"`` (default): binary bodies from `BINARY_MIN_BYTES`, JSON for `JSON_RETRY_S` after a
+            router refused one;
+            ``"json"``: JSON bodies only (a fleet known to be older than the binary forms).
     """
 
     def __init__(
@@ -128,12 +191,20 @@ class Router:
         subject: str = subjects.ROUTE_SUBJECT,
         timeout_s: float = 2.0,
         requests_prefix: str = subjects.REQUESTS_PREFIX,
+        form: Literal["auto", "json"] = "auto",
     ) -> None:
+        if form not in ("auto", "json"):
+            raise ValueError(f"form must be 'auto' or 'json', got {form!r}")
         self._nc = nc
         self._subject = subject
         self._timeout_s = timeout_s
         self._requests_prefix = requests_prefix
         self._owns = False
+        self._form = form
+        self._json_until = 0.0
+        """Monotonic time until which requests go as JSON (a router refused a binary body)."""
+        self.fallbacks = 0
+        """Binary requests a router refused and that were resent as JSON."""
 
     @classmethod
     async def connect(
@@ -189,9 +260,13 @@ class Router:
     ) -> RouteReply:
         """Ask which worker should serve a prompt.
 
+        The ids go packed (``tokens-u32le``) from 128 tokens on, unless the router reads only JSON (see the
+        module docstring).
+
         Args:
             model: the model name as the workers registered it.
-            token_ids: the prompt's token ids.
+            token_ids: the prompt's token ids, each in ``[0, 2**32)`` (a list, or an ``array('I')``: packed
+                without a per-token pass).
             lora_name: the LoRA adapter, or None for the base model.
             cache_salt: the tenant salt as the engine receives it.
             candidates: restrict the choice to these worker ids.
@@ -201,27 +276,147 @@ class Router:
                 ``temperature``, ``tier_weights``, ``busy_kv_usage``, ``busy_waiting``).
 
         Raises:
+            BadRequestError: also before sending, for a token id outside ``[0, 2**32)`` or an invalid
+                ``policy``.
             RouteError: the subclass for the reply's error code; `UnavailableError` also when no router
                 answered within the timeout.
         """
+        fields = self._fields(
+            model,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            candidates=candidates,
+            request_id=request_id,
+            explain=explain,
+            policy=policy,
+        )
+        if 4 * len(token_ids) >= BINARY_MIN_BYTES and self._binary():
+            try:
+                packed = pack_tokens(token_ids)
+            except RequestError as exc:
+                raise BadRequestError(str(exc)) from exc
+            data = await self._binary_request(packed, BODY_TOKENS_U32LE, fields)
+            if data is not None:
+                return reply_from_json(data)
+        body = msgspec.structs.replace(fields, token_ids=list(token_ids))
+        return reply_from_json(await self.request_raw(encode(body)))
+
+    async def route_by_hash(
+        self,
+        model: str,
+        block_hashes: Sequence[int],
+        *,
+        block_size: int | None = None,
+        prompt_tokens: int | None = None,
+        candidates: Sequence[str] | None = None,
+        request_id: str | None = None,
+        explain: bool = False,
+        policy: Mapping[str, Any] | None = None,
+    ) -> RouteReply:
+        """Ask which worker should serve a prompt given as its local block hashes (a gateway that hashes).
+
+        The reply is the one `route` gives for the tokens the hashes came from. The hashes go packed
+        (``hashes-u64le``) unless the router reads only JSON; the router needs a local index
+        (``--index local``, the default).
+
+        Args:
+            model: the model name as the workers registered it.
+            block_hashes: the local hash of every full block of the prompt, block 0 first: Dynamo's
+                ``LocalBlockHash`` (`kvmesh.core.hashing.local_block_hashes`: XXH3-64, seed 1337, of each
+                block's token ids as little-endian uint32), each in ``[0, 2**64)``. A LoRA adapter or a
+                cache salt is already mixed in by the caller (`kvmesh.core.hashing.local_block_hashes`'s
+                ``lora_name`` and ``cache_salt``), so neither is passed here.
+            block_size: tokens per block of the hashes (None: the model's block size in the index).
+            prompt_tokens: the prompt's length in tokens, a trailing partial block included (load
+                accounting; None: ``len(block_hashes) × block_size``).
+            candidates, request_id, explain, policy: as for `route`.
+
+        Raises:
+            BadRequestError: a hash outside ``[0, 2**64)`` (before sending), the router refused the request,
+                or the router is older than pre-hashed requests.
+            RouteError: the subclass for the reply's error code; `UnavailableError` also when no router
+                answered within the timeout.
+        """
+        fields = self._fields(
+            model,
+            candidates=candidates,
+            request_id=request_id,
+            explain=explain,
+            policy=policy,
+            block_size=block_size,
+            prompt_tokens=prompt_tokens,
+        )
+        if 8 * len(block_hashes) >= BINARY_MIN_BYTES and self._binary():
+            data = await self._binary_request(_pack_hashes(block_hashes), BODY_HASHES_U64LE, fields)
+            if data is not None:
+                return reply_from_json(data)
+        hashes = list(block_hashes)
+        if any(not isinstance(h, int) or not 0 <= h <= MAX_BLOCK_HASH for h in hashes):
+            _pack_hashes(hashes)  # raises the error naming the hash
+        body = msgspec.structs.replace(fields, block_hashes=hashes)
+        try:
+            return reply_from_json(await self.request_raw(encode(body)))
+        except BadRequestError as exc:
+            if "missing required field `token_ids`" in exc.message:
+                raise BadRequestError(
+                    "the router does not read pre-hashed requests (block_hashes): it is older than kvmesh's "
+                    "route request forms; route with token ids"
+                ) from exc
+            raise
+
+    def _fields(
+        self,
+        model: str,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        candidates: Sequence[str] | None,
+        request_id: str | None,
+        explain: bool,
+        policy: Mapping[str, Any] | None,
+        block_size: int | None = None,
+        prompt_tokens: int | None = None,
+    ) -> RouteRequest:
+        """The request without its ids (the ``Kvmesh-Route`` header of a binary request)."""
         try:
             overrides = None if policy is None else msgspec.convert(dict(policy), PolicyOverride)
         except msgspec.ValidationError as exc:
             raise BadRequestError(f"invalid policy: {exc}") from exc
-        body = RouteRequest(
+        return RouteRequest(
             model=model,
-            token_ids=list(token_ids),
             lora_name=lora_name,
             cache_salt=cache_salt,
             candidates=list(candidates) if candidates is not None else None,
             request_id=request_id,
             explain=explain,
             policy=overrides,
+            block_size=block_size,
+            prompt_tokens=prompt_tokens,
         )
-        return reply_from_json(await self.request_raw(encode(body)))
 
-    async def request_raw(self, body: bytes) -> bytes:
-        """Send a raw route request body and return the raw reply body.
+    def _binary(self) -> bool:
+        """Whether this request goes in a binary form."""
+        return self._form == "auto" and time.monotonic() >= self._json_until
+
+    async def _binary_request(self, packed: bytes, form: str, fields: RouteRequest) -> bytes | None:
+        """Send a binary route request; return the reply body, or None when the router reads only JSON
+        (then JSON is used for `JSON_RETRY_S`)."""
+        headers = {BODY_HEADER: form, FIELDS_HEADER: encode(fields).decode()}
+        data = await self.request_raw(packed, headers=headers)
+        if data.startswith(b'{"error"') and data.find(b'"bad_request"', 0, 64) >= 0:
+            try:
+                reply_from_json(data)
+            except BadRequestError as exc:
+                if exc.message.startswith(_OLD_ROUTER_REFUSALS):
+                    self._json_until = time.monotonic() + JSON_RETRY_S
+                    self.fallbacks += 1
+                    return None
+            except RouteError:
+                pass
+        return data
+
+    async def request_raw(self, body: bytes, *, headers: Mapping[str, str] | None = None) -> bytes:
+        """Send a raw route request body (with ``headers``: e.g. a binary form's) and return the raw reply body.
 
         When a span is active in the caller's context (OpenTelemetry), its W3C trace context goes along in the
         request's ``traceparent`` and ``tracestate`` headers, and the router's span of the route is its child.
@@ -232,7 +427,10 @@ class Router:
         """
         try:
             msg = await self._nc.request(
-                self._subject, body, timeout=self._timeout_s, headers=context_headers()
+                self._subject,
+                body,
+                timeout=self._timeout_s,
+                headers=context_headers(dict(headers) if headers is not None else None),
             )
         except nats.errors.MaxPayloadError as exc:
             raise BadRequestError(

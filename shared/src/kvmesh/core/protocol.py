@@ -9,6 +9,10 @@ subject                            body                                      enc
 =================================  ========================================  ========  =====================
 ``kvmesh.route``                   `RouteRequest`                            JSON      `RouteReply` or
                                                                                        `ErrorReply`
+``kvmesh.route`` with header       token ids as packed LE uint32; the other  binary    the same
+``Kvmesh-Body: tokens-u32le``      `RouteRequest` fields in ``Kvmesh-Route``
+``kvmesh.route`` with header       local block hashes as packed LE uint64;   binary    the same
+``Kvmesh-Body: hashes-u64le``      the other fields in ``Kvmesh-Route``
 ``kvmesh.match`` (indexers)        `MatchRequest`                            msgpack   `MatchReply` or
                                                                                        `ErrorReply`
 ``kvmesh.status``                  (empty)                                   JSON      `IngestStatus`,
@@ -27,6 +31,24 @@ registry KV value                  `WorkerRecord`                            JSO
 snapshot objects                   `kvmesh.core.snapshot` (binary format)    binary    —
 =================================  ========================================  ========  =====================
 
+Route request forms (`ROUTE_FORMS`; a router lists those it reads in its ``$SRV.INFO`` metadata,
+``route_forms``). The JSON body stays the default; two more forms spare the router the JSON token list:
+
+* ``Kvmesh-Body: tokens-u32le`` (`BODY_TOKENS_U32LE`): the body is the prompt's token ids packed as
+  little-endian uint32 (4 bytes a token), and the ``Kvmesh-Route`` header (`FIELDS_HEADER`) holds the other
+  `RouteRequest` fields as one JSON object (``{"model":"m","request_id":"r-1"}``; no ``token_ids`` or
+  ``block_hashes`` in it).
+* pre-hashed requests: `RouteRequest.block_hashes` instead of ``token_ids`` (JSON), or ``Kvmesh-Body:
+  hashes-u64le`` (`BODY_HASHES_U64LE`) with the hashes packed as little-endian uint64 (8 bytes a block) and
+  the fields in ``Kvmesh-Route``. They are Dynamo's *local block hashes*
+  (`kvmesh.core.hashing.local_block_hashes`: XXH3-64, seed 1337, of each full block's tokens as LE uint32),
+  one per full block from the prompt's first; the caller has mixed any LoRA adapter and cache salt in
+  already, so a pre-hashed request carries neither ``lora_name`` nor ``cache_salt``.
+
+A request carries ``token_ids`` or ``block_hashes``, never both and never neither (`RequestError`). Without
+a ``request_id`` the tie-break seed is the body's bytes, so the same prompt in two forms may break a tie
+differently; with one, every form answers the same.
+
 The stream messages and snapshots keep their own modules (they have their own schema versions and hot
 decoders) and are re-exported here, so this module names every inter-process payload.
 
@@ -37,6 +59,7 @@ raises `ProtocolError`; both name the field at fault when msgspec says which.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Final, Literal, NoReturn, TypeVar
 
 import msgspec
@@ -51,9 +74,18 @@ from kvmesh.core.errors import (
 from kvmesh.core.events import EventsMessage, IndexReset, WorkerRemoved
 
 __all__ = [
+    "BODY_HASHES_U64LE",
+    "BODY_HEADER",
+    "BODY_JSON",
+    "BODY_TOKENS_U32LE",
     "ERROR_STATUS",
+    "FIELDS_HEADER",
+    "FORMS_METADATA_KEY",
+    "MAX_BLOCK_HASH",
     "MAX_TOKEN_ID",
     "PROTOCOL_VERSION",
+    "ROUTE_FORMS",
+    "BlockHash",
     "EngineStatus",
     "ErrorBody",
     "ErrorReply",
@@ -91,6 +123,7 @@ __all__ = [
     "WorkerLoad",
     "WorkerRecord",
     "WorkerRemoved",
+    "check_route_ids",
     "check_version",
     "decode",
     "encode",
@@ -103,6 +136,22 @@ PROTOCOL_VERSION: Final[int] = 1
 """The highest ``version`` of every message below that this build reads and writes."""
 
 MAX_TOKEN_ID: Final[int] = 2**32 - 1
+MAX_BLOCK_HASH: Final[int] = 2**64 - 1
+
+BODY_HEADER: Final[str] = "Kvmesh-Body"
+"""NATS header naming a route request's body form (absent: `BODY_JSON`)."""
+FIELDS_HEADER: Final[str] = "Kvmesh-Route"
+"""NATS header of a binary route request: its other `RouteRequest` fields as one JSON object."""
+BODY_JSON: Final[str] = "json"
+"""A `RouteRequest` as JSON (the default form)."""
+BODY_TOKENS_U32LE: Final[str] = "tokens-u32le"
+"""The body is the prompt's token ids packed as little-endian uint32."""
+BODY_HASHES_U64LE: Final[str] = "hashes-u64le"
+"""The body is the prompt's local block hashes packed as little-endian uint64."""
+ROUTE_FORMS: Final[tuple[str, ...]] = (BODY_JSON, BODY_TOKENS_U32LE, BODY_HASHES_U64LE)
+"""Every ``Kvmesh-Body`` value this build reads."""
+FORMS_METADATA_KEY: Final[str] = "route_forms"
+"""Key of a router's ``$SRV.INFO`` metadata listing the forms it reads, comma-separated."""
 
 ERROR_STATUS: Final[dict[str, int]] = {cls.code: cls.status for cls in ROUTE_ERRORS}
 """Error code → the numeric ``Nats-Service-Error-Code`` it is sent with (from `kvmesh.core.errors`'s classes:
@@ -125,6 +174,10 @@ class Message(msgspec.Struct, kw_only=True, frozen=True):
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 """A token id, checked while decoding (in C: a 4,096-token prompt costs no Python-level pass)."""
 
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]
+"""A local block hash: ≥ 0 checked while decoding, ≤ `MAX_BLOCK_HASH` by the route parser (msgspec bounds
+stop at int64)."""
+
 
 class PolicyOverride(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Per-request overrides of the router's `kvmesh.core.route.Policy` (the request's ``policy`` object);
@@ -144,8 +197,18 @@ class RouteRequest(Message, kw_only=True, frozen=True, omit_defaults=True):
     REQUEST: ClassVar[bool] = True
 
     model: str
-    token_ids: list[TokenId]
-    """The prompt's token ids, each in ``[0, 2**32)``."""
+    token_ids: Sequence[TokenId] = ()
+    """The prompt's token ids, each in ``[0, 2**32)`` (a list from JSON, an ``array('I')`` from a
+    ``tokens-u32le`` body); empty when the request carries ``block_hashes``."""
+    block_hashes: Sequence[BlockHash] | None = None
+    """Instead of ``token_ids``: the local block hash of every full block of the prompt, from the first
+    (`kvmesh.core.hashing.local_block_hashes`, each in ``[0, 2**64)``), LoRA and salt already mixed in."""
+    block_size: int | None = None
+    """With ``block_hashes``: the tokens per block they were computed with (None: the model's block size);
+    holders of another block size count no overlap."""
+    prompt_tokens: int | None = None
+    """With ``block_hashes``: the prompt's length in tokens, a trailing partial block included (load
+    accounting; None: the full blocks' tokens)."""
     lora_name: str | None = None
     cache_salt: str | None = None
     candidates: list[str] | None = None
@@ -706,7 +769,24 @@ def decode(data: bytes, kind: type[M], *, format: Literal["json", "msgpack"] = "
     except RecursionError as exc:  # msgspec gives up on input nested deeper than it can decode
         raise error(f"bad {kind.__name__}: nested too deeply to decode") from exc
     check_version(msg, error)
+    if isinstance(msg, RouteRequest):
+        check_route_ids(msg)
     return msg
+
+
+def check_route_ids(req: RouteRequest) -> None:
+    """Refuse a route request with neither ``token_ids`` nor ``block_hashes``, or with both.
+
+    Raises:
+        RequestError: naming ``token_ids`` (neither) or ``block_hashes`` (both).
+    """
+    if req.block_hashes is None:
+        if not req.token_ids:
+            raise RequestError("token_ids must not be empty (or send block_hashes)", field="token_ids")
+    elif req.token_ids:
+        raise RequestError(
+            "a route request carries token_ids or block_hashes, not both", field="block_hashes"
+        )
 
 
 def check_version(msg: msgspec.Struct, error: type[ProtocolError] = ProtocolError) -> None:

@@ -51,6 +51,8 @@ import bisect
 import math
 import random
 import re
+import sys
+from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
@@ -61,7 +63,21 @@ import xxhash
 from kvmesh.core.errors import RequestError
 from kvmesh.core.index import Holder
 from kvmesh.core.load import ZERO_LOAD, ActiveLoad
-from kvmesh.core.protocol import PolicyOverride, RouteRequest, WorkerLoad, check_version, error_field
+from kvmesh.core.protocol import (
+    BODY_HASHES_U64LE,
+    BODY_HEADER,
+    BODY_JSON,
+    BODY_TOKENS_U32LE,
+    FIELDS_HEADER,
+    MAX_BLOCK_HASH,
+    ROUTE_FORMS,
+    PolicyOverride,
+    RouteRequest,
+    WorkerLoad,
+    check_route_ids,
+    check_version,
+    error_field,
+)
 
 DEFAULT_MAX_TOKENS: Final[int] = 1_048_576
 GPU_TIER: Final[str] = "GPU"
@@ -116,53 +132,184 @@ class Policy:
 
 _decoder = msgspec.json.Decoder(RouteRequest)
 _TOKEN_RANGE = re.compile(r"Expected `int` (?:>=|<=) \d+ - at `\$\.token_ids\[(\d+)\]`")
+_HASH_RANGE = re.compile(r"Expected `int` >= 0 - at `\$\.block_hashes\[(\d+)\]`")
+_BIG_ENDIAN: Final[bool] = sys.byteorder == "big"
 
 
 def parse_route_request(
     body: bytes, *, max_tokens: int = DEFAULT_MAX_TOKENS, base_policy: Policy | None = None
 ) -> RouteRequest:
-    """Parse and check a route request body.
+    """Parse and check a JSON route request body.
 
     Args:
         body: the JSON request.
-        max_tokens: the longest prompt accepted, in tokens.
+        max_tokens: the longest prompt accepted, in tokens (a pre-hashed one: at most this many blocks).
         base_policy: the router's policy, to check the request's overrides against (default `Policy()`).
 
     Raises:
         RequestError: not JSON, not an object, a missing or mistyped field, an unknown ``policy`` key, an
             out-of-range policy value, an empty or too long ``token_ids`` (more than ``max_tokens``
-            tokens), a token id outside ``[0, 2**32)``, or a ``version`` later than
+            tokens), a token id outside ``[0, 2**32)``, both or neither of ``token_ids`` and
+            ``block_hashes``, a block hash outside ``[0, 2**64)``, or a ``version`` later than
             `kvmesh.core.protocol.PROTOCOL_VERSION`; ``field`` names the culprit when there is one
-            (``token_ids``, ``policy.temperature``, ``version``).
+            (``token_ids``, ``block_hashes``, ``policy.temperature``, ``version``).
     """
+    req = _decode_json(body, "request body")
+    check_route_request(req, max_tokens=max_tokens, base_policy=base_policy)
+    return req
+
+
+def parse_route_message(
+    body: bytes,
+    headers: Mapping[str, str] | None,
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    base_policy: Policy | None = None,
+) -> RouteRequest:
+    """Parse and check a route request in any of its forms (`kvmesh.core.protocol.ROUTE_FORMS`).
+
+    Args:
+        body: the message body: JSON, or packed ids as the ``Kvmesh-Body`` header says.
+        headers: the message's NATS headers (None: none): ``Kvmesh-Body`` (absent or ``json``: a JSON body;
+            ``tokens-u32le``: token ids as little-endian uint32; ``hashes-u64le``: local block hashes as
+            little-endian uint64) and, with a binary body, ``Kvmesh-Route``: the other fields as one JSON
+            object (``model`` required, no ``token_ids`` or ``block_hashes``).
+        max_tokens, base_policy: as for `parse_route_request`.
+
+    Returns:
+        the request; a binary body's ids as an ``array`` (``'I'`` tokens, ``'Q'`` hashes), not copied to a
+        list.
+
+    Raises:
+        RequestError: an unknown ``Kvmesh-Body`` (``field="Kvmesh-Body"``); a binary body without a
+            ``Kvmesh-Route`` header, or one that does not decode or carries ids itself
+            (``field="Kvmesh-Route"`` or the field at fault); a body whose length is not a whole number of
+            ids (``token_ids``/``block_hashes``); anything `parse_route_request` refuses.
+    """
+    form = headers.get(BODY_HEADER) if headers else None
+    if form is None or form == BODY_JSON:
+        return parse_route_request(body, max_tokens=max_tokens, base_policy=base_policy)
+    if form == BODY_TOKENS_U32LE:
+        ids, name, width = array("I"), "token_ids", 4
+    elif form == BODY_HASHES_U64LE:
+        ids, name, width = array("Q"), "block_hashes", 8
+    else:
+        raise RequestError(
+            f"unknown {BODY_HEADER} {form[:64]!r}: this router reads {', '.join(ROUTE_FORMS)}",
+            field=BODY_HEADER,
+        )
+    raw = headers.get(FIELDS_HEADER) if headers else None
+    if raw is None:
+        raise RequestError(
+            f"a {form} body needs the {FIELDS_HEADER} header (the request's other fields as a JSON object, "
+            'at least {"model": ...})',
+            field=FIELDS_HEADER,
+        )
+    fields = _decode_json(raw.encode(), f"{FIELDS_HEADER} header")
+    if fields.token_ids or fields.block_hashes is not None:
+        raise RequestError(
+            f"a {form} body carries the ids: the {FIELDS_HEADER} header must not carry token_ids or "
+            "block_hashes",
+            field=FIELDS_HEADER,
+        )
+    if len(body) % width:
+        raise RequestError(
+            f"a {form} body is a whole number of {width}-byte ids: got {len(body):,} bytes "
+            f"(truncated or not {form})",
+            field=name,
+        )
+    if ids.itemsize != width:  # pragma: no cover - no supported platform has other widths
+        raise RuntimeError(f"array({ids.typecode!r}) is not {8 * width}-bit here")
+    ids.frombytes(body)
+    if _BIG_ENDIAN:  # pragma: no cover
+        ids.byteswap()
+    if name == "token_ids":
+        req = msgspec.structs.replace(fields, token_ids=ids)
+    else:
+        req = msgspec.structs.replace(fields, block_hashes=ids)
+    check_route_request(req, max_tokens=max_tokens, base_policy=base_policy)
+    return req
+
+
+def _decode_json(body: bytes, what: str) -> RouteRequest:
     try:
-        req = _decoder.decode(body)
+        req: RouteRequest = _decoder.decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
         r = _TOKEN_RANGE.match(text)
         if r is not None:
             raise RequestError(f"token_ids[{r.group(1)}] is outside [0, 2^32)", field="token_ids") from exc
+        r = _HASH_RANGE.match(text)
+        if r is not None:
+            raise RequestError(
+                f"block_hashes[{r.group(1)}] is outside [0, 2^64)", field="block_hashes"
+            ) from exc
         raise RequestError(f"invalid request: {text}", field=error_field(text)) from exc
     except msgspec.DecodeError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+        raise RequestError(f"{what} is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # msgspec recurses into nested values of unknown fields
-        raise RequestError("request body is nested too deeply") from exc
+        raise RequestError(f"{what} is nested too deeply") from exc
+    return req
+
+
+def check_route_request(
+    req: RouteRequest, *, max_tokens: int = DEFAULT_MAX_TOKENS, base_policy: Policy | None = None
+) -> None:
+    """Check a decoded route request (every form): its version, model, ids and policy overrides.
+
+    Raises:
+        RequestError: as `parse_route_request` says.
+    """
     check_version(req, RequestError)
     if not req.model:
         raise RequestError("model must be a non-empty string", field="model")
-    if not req.token_ids:
-        raise RequestError("token_ids must not be empty", field="token_ids")
-    if len(req.token_ids) > max_tokens:
-        raise RequestError(
-            f"token_ids has {len(req.token_ids)} tokens, more than the limit of {max_tokens}",
-            field="token_ids",
-        )
+    check_route_ids(req)
+    hashes = req.block_hashes
+    if hashes is None:
+        if len(req.token_ids) > max_tokens:
+            raise RequestError(
+                f"token_ids has {len(req.token_ids)} tokens, more than the limit of {max_tokens}",
+                field="token_ids",
+            )
+        for name in ("block_size", "prompt_tokens"):
+            if getattr(req, name) is not None:
+                raise RequestError(f"{name} goes with block_hashes only", field=name)
+    else:
+        _check_hashed(req, hashes, max_tokens)
     if req.policy is not None:
         problems = apply_override(base_policy or Policy(), req.policy).problems()
         if problems:
             first = problems[0].split(" ", 1)[0]
             raise RequestError("policy." + "; policy.".join(problems), field=f"policy.{first}")
-    return req
+
+
+def _check_hashed(req: RouteRequest, hashes: Sequence[int], max_tokens: int) -> None:
+    if not hashes:
+        raise RequestError("block_hashes must not be empty", field="block_hashes")
+    if len(hashes) > max_tokens:
+        raise RequestError(
+            f"block_hashes has {len(hashes)} blocks, more than the limit of {max_tokens}",
+            field="block_hashes",
+        )
+    if max(hashes) > MAX_BLOCK_HASH:
+        i = next(i for i, h in enumerate(hashes) if h > MAX_BLOCK_HASH)
+        raise RequestError(f"block_hashes[{i}] is outside [0, 2^64)", field="block_hashes")
+    for name in ("lora_name", "cache_salt"):
+        if getattr(req, name) is not None:
+            raise RequestError(
+                f"{name} is mixed into block_hashes by the caller: a pre-hashed request does not carry it",
+                field=name,
+            )
+    if req.block_size is not None and req.block_size <= 0:
+        raise RequestError(f"block_size must be positive, got {req.block_size}", field="block_size")
+    if req.prompt_tokens is not None:
+        full = len(hashes) * (req.block_size or 1)
+        if req.prompt_tokens < full:
+            raise RequestError(
+                f"prompt_tokens ({req.prompt_tokens}) is less than the {len(hashes)} full blocks' "
+                + (f"{full} tokens" if req.block_size else "block count"),
+                field="prompt_tokens",
+            )
 
 
 def apply_override(base: Policy, override: PolicyOverride | None) -> Policy:

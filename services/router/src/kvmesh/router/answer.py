@@ -135,10 +135,20 @@ def match_request(parsed: RouteRequest, max_payload: int) -> MatchRequest:
     overhead = 128 + sum(4 * len(x) for x in strings)  # an upper bound on the rest of the request
     return MatchRequest(
         model=parsed.model,
-        token_ids=packed if len(packed) + overhead <= max_payload else parsed.token_ids,
+        token_ids=packed if len(packed) + overhead <= max_payload else list(parsed.token_ids),
         lora_name=parsed.lora_name,
         cache_salt=parsed.cache_salt,
     )
+
+
+def prompt_tokens_of(parsed: RouteRequest, block_size: int) -> int:
+    """Return the prompt's length in tokens: its token ids, or for a pre-hashed request its
+    ``prompt_tokens`` (default: ``len(block_hashes) × block_size``, the full blocks' tokens)."""
+    if parsed.block_hashes is None:
+        return len(parsed.token_ids)
+    if parsed.prompt_tokens is not None:
+        return parsed.prompt_tokens
+    return len(parsed.block_hashes) * (parsed.block_size or block_size)
 
 
 def serves_unindexed(exc: RouteError, ranks: RankSet | None) -> bool:
@@ -274,7 +284,7 @@ def route_answer(
         if e is not None:
             engine[holder] = e
     block_size = match.block_size
-    prompt_tokens = len(parsed.token_ids)
+    prompt_tokens = prompt_tokens_of(parsed, block_size)
     decision = decide(
         candidates,
         prompt_tokens=prompt_tokens,

@@ -72,7 +72,7 @@ from nats.micro import add_service
 from nats.micro.service import EndpointConfig, EndpointStats, ServiceConfig
 
 from kvmesh.core.load import EngineLoads, LoadLedger
-from kvmesh.core.protocol import RouterStats
+from kvmesh.core.protocol import FORMS_METADATA_KEY, ROUTE_FORMS, RouterStats
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.endpoint import MAX_IN_FLIGHT, RouteEndpoint, WorkerRegistry
 from kvmesh.router.local_index import LAG_CHECK_S, LocalIndex
@@ -208,6 +208,8 @@ class RouterService:
                 description="kvmesh KV-cache-aware router (affinity balanced against load)",
                 queue_group=subjects.ROUTER_QUEUE,
                 stats_handler=self._stats,
+                # The route request forms this router reads (clients fall back to JSON without them).
+                metadata={FORMS_METADATA_KEY: ",".join(ROUTE_FORMS)},
             ),
         )
         await service.add_endpoint(

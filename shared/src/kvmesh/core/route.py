@@ -4,7 +4,11 @@ Request (JSON, subject ``kvmesh.route``): ``model`` (str, required), ``token_ids
 0 ≤ id < 2³², required, non-empty, at most ``max_tokens``), ``lora_name``, ``cache_salt``, ``request_id``
 (str or null), ``candidates`` (array of worker ids or null), ``explain`` (bool), ``policy`` (object or null:
 per-request overrides of `Policy`, every key optional, unknown keys rejected). Unknown top-level fields are
-ignored; a known field of the wrong type is a `RequestError` naming it (``policy.temperature``).
+ignored; a known field of the wrong type is a `RequestError` naming it (``policy.temperature``). Instead of
+``token_ids`` a request may carry ``block_hashes`` (local block hashes, each 0 ≤ h < 2⁶⁴, at most
+``max_tokens``; optional ``block_size`` and ``prompt_tokens``; no ``lora_name`` or ``cache_salt``: the
+caller mixed them in), and both kinds of ids may come packed in a binary body (`parse_route_message`; the
+forms are `kvmesh.core.protocol`'s).
 
 Cost of a candidate (NVIDIA Dynamo's documented form; lowest wins)::
 

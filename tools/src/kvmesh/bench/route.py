@@ -19,8 +19,14 @@ Then it sends route requests of ``--tokens``-token prompts through `kvmesh.clien
 * ``--concurrency C``: closed loop, C requests in flight for ``--duration`` seconds; throughput in routes/s.
 
 ``--rate`` and ``--concurrency`` may be combined; each runs against the echo, then against kvmesh. The echo is
-a child process that answers the same JSON request bodies on another subject with a fixed reply: NATS
+a child process that answers the same request bodies on another subject with a fixed reply: NATS
 request-reply plus one Python process hop, without hashing, the router → indexer hop and the match.
+
+``--form`` (repeatable; default ``json``) picks the route request forms measured, each against the echo of
+its own bodies in the same run (`kvmesh.core.protocol`): ``json`` (the JSON `RouteRequest`), ``binary``
+(token ids packed as little-endian uint32, ``Kvmesh-Body: tokens-u32le``) and ``hashed`` (the prompt's
+local block hashes packed as little-endian uint64, ``Kvmesh-Body: hashes-u64le``, hashed before the run as
+a gateway that hashes would; pre-hashed requests need ``--index local``).
 """
 
 from __future__ import annotations
@@ -49,6 +55,12 @@ ECHO: Final[str] = "echo (NATS request-reply)"
 ROUTE: Final[str] = "kvmesh route"
 ROUTE_METRICS: Final[str] = "kvmesh route, metrics on"
 ROUTE_TRACING: Final[str] = "kvmesh route, tracing on"
+FORMS: Final[dict[str, str]] = {
+    "json": "JSON",
+    "binary": "tokens-u32le",
+    "hashed": "pre-hashed, hashes-u64le",
+}
+"""``--form`` → how the table names it."""
 OBSERVED: Final[dict[str, tuple[str, tuple[str, ...], dict[str, str]]]] = {
     # path → (route subject, router flags, router environment): the same router with one kind of
     # observability on (--observability), measured against the plain one in the same run.
@@ -62,7 +74,9 @@ _PREFIX_BLOCKS: Final[int] = 32
 _PREFIXES_PER_WORKER: Final[int] = 8
 _EVENTS_PER_MESSAGE: Final[int] = 16
 
-Send = Callable[[bytes], Awaitable[bytes]]
+Payload = tuple[bytes, dict[str, str] | None]
+"""A request's body and NATS headers (None: none)."""
+Send = Callable[[Payload], Awaitable[bytes]]
 
 
 @dataclass
@@ -76,6 +90,8 @@ class Phase:
     errors: int
     lag_s: float = 0.0
     """Open loop: the largest delay between a request's scheduled and actual send time."""
+    form: str = "json"
+    """The request form of the bodies sent (a key of `FORMS`)."""
 
     @property
     def rate(self) -> float:
@@ -177,31 +193,45 @@ async def _fill_engines(pipe: _Pipeline, router: Any, a: argparse.Namespace) -> 
     return [(p * (a.tokens // len(p) + 1))[: a.tokens] for p in prompts]
 
 
-async def _interleaved(sends: dict[str, Send], bodies: list[bytes], n: int) -> list[Phase]:
+@dataclass(frozen=True)
+class Path:
+    """One measured path: its name, the form of its bodies, and how a request is sent."""
+
+    name: str
+    form: str
+    send: Send
+
+
+def _path_name(base: str, form: str) -> str:
+    return base if form == "json" else f"{base}, {FORMS[form]}"
+
+
+async def _interleaved(paths: list[Path], payloads: dict[str, list[Payload]], n: int) -> list[Phase]:
     """Concurrency 1, the paths alternating request by request."""
-    out = {name: Phase(name, "concurrency 1", [], 0.0, 0) for name in sends}
+    out = [Phase(path.name, "concurrency 1", [], 0.0, 0, form=path.form) for path in paths]
     perf = time.perf_counter
     for i in range(n):
-        body = bodies[i % len(bodies)]
-        for name, send in sends.items():
+        for path, phase in zip(paths, out, strict=True):
+            bodies = payloads[path.form]
             t0 = perf()
-            reply = await send(body)
+            reply = await path.send(bodies[i % len(bodies)])
             dt = perf() - t0
-            out[name].latencies.append(dt)
-            out[name].elapsed_s += dt
-            out[name].errors += reply.startswith(b'{"error"')
-    return list(out.values())
+            phase.latencies.append(dt)
+            phase.elapsed_s += dt
+            phase.errors += reply.startswith(b'{"error"')
+    return out
 
 
-async def _open_loop(name: str, send: Send, bodies: list[bytes], rate: float, duration_s: float) -> Phase:
+async def _open_loop(path: Path, bodies: list[Payload], rate: float, duration_s: float) -> Phase:
     """Send at ``rate`` requests/s; each latency counts from the request's scheduled send time."""
     loop = asyncio.get_running_loop()
-    phase = Phase(name, f"open loop {rate:g}/s", [], 0.0, 0)
+    send = path.send
+    phase = Phase(path.name, f"open loop {rate:g}/s", [], 0.0, 0, form=path.form)
     n = max(1, int(rate * duration_s))
     start = loop.time() + 0.05
     pending: set[asyncio.Task[None]] = set()
 
-    async def one(body: bytes, at: float) -> None:
+    async def one(body: Payload, at: float) -> None:
         try:
             reply = await send(body)
         except Exception:
@@ -226,12 +256,11 @@ async def _open_loop(name: str, send: Send, bodies: list[bytes], rate: float, du
     return phase
 
 
-async def _closed_loop(
-    name: str, send: Send, bodies: list[bytes], concurrency: int, duration_s: float
-) -> Phase:
+async def _closed_loop(path: Path, bodies: list[Payload], concurrency: int, duration_s: float) -> Phase:
     """Keep ``concurrency`` requests in flight for ``duration_s`` seconds."""
     loop = asyncio.get_running_loop()
-    phase = Phase(name, f"concurrency {concurrency}", [], 0.0, 0)
+    send = path.send
+    phase = Phase(path.name, f"concurrency {concurrency}", [], 0.0, 0, form=path.form)
     start = loop.time()
     end = start + duration_s
     counter = iter(range(1 << 62))
@@ -320,29 +349,41 @@ async def _run(a: argparse.Namespace) -> list[Phase]:
             )
         else:
             queries = await _fill_engines(pipe, router, a)
-        bodies = [
-            protocol.encode(protocol.RouteRequest(model=MODEL, token_ids=q, request_id=f"q{i}"))
-            for i, q in enumerate(queries)
-        ]
+        payloads = {form: _payloads(form, queries) for form in {"json", *a.form}}
 
-        async def echo(body: bytes) -> bytes:
-            return bytes((await nc.request(ECHO_SUBJECT, body, timeout=5)).data)
+        async def echo(payload: Payload) -> bytes:
+            body, headers = payload
+            return bytes((await nc.request(ECHO_SUBJECT, body, timeout=5, headers=headers)).data)
 
-        sends: dict[str, Send] = {ROUTE: router.request_raw, ECHO: echo}
-        sends.update({name: r.request_raw for name, r in observed.items()})
-        for body in bodies[:20]:  # warm-up
-            for send in sends.values():
-                await send(body)
+        def sender(r: Router) -> Send:
+            async def send(payload: Payload) -> bytes:
+                return await r.request_raw(payload[0], headers=payload[1])
+
+            return send
+
+        groups: list[list[Path]] = []  # per form: its echo, then kvmesh
+        for form in a.form:
+            group = [
+                Path(_path_name(ECHO, form), form, echo),
+                Path(_path_name(ROUTE, form), form, sender(router)),
+            ]
+            if form == "json":
+                group += [Path(name, "json", sender(r)) for name, r in observed.items()]
+            groups.append(group)
+        paths = [path for group in groups for path in group]
+        for i in range(20):  # warm-up
+            for path in paths:
+                await path.send(payloads[path.form][i % len(queries)])
         out: list[Phase] = []
         if not a.rate and not a.concurrency:
-            out += await _interleaved(sends, bodies, a.requests)
+            out += await _interleaved(paths, payloads, a.requests)
         for rate in a.rate:
-            for name in (ECHO, ROUTE, *observed):
-                out.append(await _open_loop(name, sends[name], bodies, rate, a.duration))
+            for path in paths:
+                out.append(await _open_loop(path, payloads[path.form], rate, a.duration))
                 await asyncio.sleep(0.5)
         for conc in a.concurrency:
-            for name in (ECHO, ROUTE, *observed):
-                out.append(await _closed_loop(name, sends[name], bodies, conc, a.duration))
+            for path in paths:
+                out.append(await _closed_loop(path, payloads[path.form], conc, a.duration))
                 await asyncio.sleep(0.5)
         return out
     finally:
@@ -351,15 +392,38 @@ async def _run(a: argparse.Namespace) -> list[Phase]:
         pipe.stop()
 
 
+def _payloads(form: str, queries: Sequence[Sequence[int]]) -> list[Payload]:
+    """The route request of every query in ``form`` (a key of `FORMS`), each with its ``request_id``."""
+    from kvmesh.core import protocol  # noqa: PLC0415
+    from kvmesh.core.hashing import local_block_hashes, pack_tokens  # noqa: PLC0415
+
+    out: list[Payload] = []
+    for i, q in enumerate(queries):
+        if form == "json":
+            req = protocol.RouteRequest(model=MODEL, token_ids=list(q), request_id=f"q{i}")
+            out.append((protocol.encode(req), None))
+            continue
+        fields = protocol.encode(protocol.RouteRequest(model=MODEL, request_id=f"q{i}")).decode()
+        if form == "binary":
+            body, kind = pack_tokens(q), protocol.BODY_TOKENS_U32LE
+        else:
+            packed = array("Q", local_block_hashes(q, _BLOCK_SIZE))
+            if sys.byteorder == "big":  # pragma: no cover
+                packed.byteswap()
+            body, kind = packed.tobytes(), protocol.BODY_HASHES_U64LE
+        out.append((body, {protocol.BODY_HEADER: kind, protocol.FIELDS_HEADER: fields}))
+    return out
+
+
 def _table(phases: list[Phase]) -> str:
     lines = [
         "| mode | path | requests | routes/s | p50 (ms) | p99 (ms) | p50 vs echo | p99 vs echo | routes/s vs echo | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    echo = {p.mode: p for p in phases if p.path == ECHO}
+    echo = {(p.mode, p.form): p for p in phases if p.path.startswith(ECHO)}
     plain = {p.mode: p for p in phases if p.path == ROUTE}
     for p in phases:
-        e = echo.get(p.mode)
+        e = echo.get((p.mode, p.form))
         p50, p99 = percentile(p.latencies, 0.5), percentile(p.latencies, 0.99)
         r50 = r99 = rr = "–"
         if e is not None and e.latencies:
@@ -432,12 +496,21 @@ def command(argv: Sequence[str] | None = None) -> int:
         "default: the router's own default",
     )
     p.add_argument(
+        "--form",
+        choices=tuple(FORMS),
+        action="append",
+        default=[],
+        help="route request form to measure, each against the echo of its own bodies (repeatable; default "
+        "json): json, binary (tokens-u32le), hashed (local block hashes, hashes-u64le)",
+    )
+    p.add_argument(
         "--observability",
         action="store_true",
         help="also route through a router with --metrics-port on and one with OTEL_TRACES_EXPORTER=console "
         "(spans batched to its log), and report each against the plain router in the same run",
     )
     a = p.parse_args(argv)
+    a.form = list(dict.fromkeys(a.form or ["json"]))
     if a.index is not None:
         os.environ["KVMESH_ROUTER_INDEX"] = a.index  # the spawned router reads its settings from there
     phases = asyncio.run(_run(a))

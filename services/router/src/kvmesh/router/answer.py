@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvmesh.core.errors import InternalError, NoWorkersError, RouteError
+from kvmesh.core.errors import BadRequestError, InternalError, NoWorkersError, RouteError
 from kvmesh.core.hashing import pack_tokens
 from kvmesh.core.index import Holder
 from kvmesh.core.load import ActiveLoad, EngineLoads, LoadLedger
@@ -129,7 +129,16 @@ def parse_match_reply(data: bytes) -> MatchAnswer:
 def match_request(parsed: RouteRequest, max_payload: int) -> MatchRequest:
     """Return the match query for ``parsed`` (``--index remote``): its token ids packed as little-endian
     uint32, which spares both ends per-token work, or as a list of ints when the packed form would not fit
-    ``max_payload`` bytes (a msgpack list is smaller for ids below 128; the JSON request did fit)."""
+    ``max_payload`` bytes (a msgpack list is smaller for ids below 128; the JSON request did fit).
+
+    Raises:
+        BadRequestError: a pre-hashed request: the indexers' match API takes token ids.
+    """
+    if parsed.block_hashes is not None:
+        raise BadRequestError(
+            "pre-hashed requests (block_hashes) need a router with a local index (--index local): this one "
+            "asks the indexers, whose match API takes token ids"
+        )
     packed = pack_tokens(parsed.token_ids)  # the ids were checked by parse_route_request
     strings = (parsed.model, parsed.lora_name or "", parsed.cache_salt or "")
     overhead = 128 + sum(4 * len(x) for x in strings)  # an upper bound on the rest of the request

@@ -46,7 +46,7 @@ from kvmesh.router.answer import (
     serves_unindexed,
 )
 from kvmesh.router.config import RouterSettings
-from kvmesh.router.hashed_match import match_local_hashes
+from kvmesh.router.hashed_match import match_request_locally
 from kvmesh.router.health import RecordLike, heartbeat_late_after, holders_status, index_mode
 from kvmesh.router.local_index import LocalIndex
 from kvmesh.router.notes import LifecycleNotes
@@ -327,27 +327,12 @@ class RouteEndpoint:
         replica = self.local.replica if self.local is not None else None
         if replica is not None:
             try:
-                if parsed.block_hashes is not None:
-                    result = match_local_hashes(
-                        replica.state, parsed.model, parsed.block_hashes, block_size=parsed.block_size
-                    )
-                else:
-                    result = replica.state.match(
-                        parsed.model,
-                        parsed.token_ids,
-                        lora_name=parsed.lora_name,
-                        cache_salt=parsed.cache_salt,
-                    )
+                result = match_request_locally(replica.state, parsed)
             except UnknownModelError as exc:
                 raise UnknownModelError(f"no worker serves model {parsed.model!r}") from exc
             except RequestError as exc:
                 raise BadRequestError(str(exc)) from exc
             return match_answer(result.index_seq, result.block_size, result.candidates)
-        if parsed.block_hashes is not None:
-            raise BadRequestError(
-                "pre-hashed requests (block_hashes) need a router with a local index (--index local): this "
-                "one asks the indexers, whose match API takes token ids"
-            )
         assert self._nc is not None
         query = encode(match_request(parsed, self._nc.max_payload), format="msgpack")
         timeout, headers = self.settings.match_timeout_s, tracing.context_headers()  # the route span's

@@ -22,9 +22,10 @@ from typing import Final
 from kvmesh.core.errors import UnknownModelError
 from kvmesh.core.hashing import prefix_keys
 from kvmesh.core.index import Holder, PrefixIndex
+from kvmesh.core.protocol import RouteRequest
 from kvmesh.core.state import HolderMatch, IndexState, MatchResult
 
-__all__ = ["CHAIN_CHUNK", "iter_prefix_keys_of", "match_local_hashes"]
+__all__ = ["CHAIN_CHUNK", "iter_prefix_keys_of", "match_local_hashes", "match_request_locally"]
 
 CHAIN_CHUNK: Final[int] = 16
 """Local hashes chained into prefix keys per call of `kvmesh.core.hashing.prefix_keys`."""
@@ -112,4 +113,19 @@ def match_local_hashes(
         block_size=block_size,
         prompt_blocks=len(local_hashes),
         candidates=tuple(found[h] for h in sorted(found)),
+    )
+
+
+def match_request_locally(state: IndexState, parsed: RouteRequest) -> MatchResult:
+    """Match a route request against a local index: its local block hashes (`match_local_hashes`) or its
+    token ids (`IndexState.match`, which hashes them under the request's LoRA and salt).
+
+    Raises:
+        UnknownModelError: no worker of the model is known.
+        RequestError: a token id is out of range.
+    """
+    if parsed.block_hashes is not None:
+        return match_local_hashes(state, parsed.model, parsed.block_hashes, block_size=parsed.block_size)
+    return state.match(
+        parsed.model, parsed.token_ids, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt
     )

@@ -18,6 +18,8 @@ benchmarks:
             hand-written ZMQ → nats-py pipe
   route     route latency through NATS (concurrency 1) vs a bare NATS request-reply echo, same run
   recovery  1M-block index: snapshot write and apply-loop stall, restore to ready, replay rate through NATS
+  scale     8 → 1,024 workers sharing one hot prefix, 1M → 10M blocks: match and route p50/p99, memory per
+            block, snapshot size and restore time; JSON and line plots
   soak      the fleet on a local 3-node cluster for N minutes, a random component killed -9 every S seconds:
             memory, consumers and connections over time, and whether the index still equals the engines' truth
 """
@@ -29,6 +31,7 @@ _COMMANDS: dict[str, str] = {
     "route": "kvmesh.bench.route",
     "recovery": "kvmesh.bench.recovery",
     "soak": "kvmesh.bench.soak",
+    "scale": "kvmesh.bench.scale",
 }
 
 

@@ -335,12 +335,16 @@ async def _run(a: argparse.Namespace) -> list[Phase]:
             await _wait_ready(pipe, other)
         if synthetic:
             ready_s = time.perf_counter() - t0
-            # A local-index router can be ready before the indexer: measure only once both have caught up.
+            # A local-index router can be ready before the indexer, and an indexer is ready before it has
+            # applied the whole stream: measure only once it has (an indexer still applying a million blocks
+            # would take CPU from the measured processes).
+            last_seq = (await nc.jetstream().stream_info(subjects.STREAM)).state.last_seq
             status = []
-            for _ in range(120):
+            for _ in range(240):
                 status = (await gather(nc, subjects.STATUS_SUBJECT, protocol.IndexerStatus, 0.5)).replies
-                if status and all(s.ready for s in status):
+                if status and all(s.ready and s.applied_seq >= last_seq for s in status):
                     break
+                await asyncio.sleep(0.25)
             blocks = sum(s.blocks for s in status)
             print(
                 f"index filled: {blocks:,} blocks on {len(status[0].workers) if status else 0} workers "

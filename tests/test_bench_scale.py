@@ -51,6 +51,12 @@ def test_workload_shape() -> None:
         assert hot.parent is None and len(hot.engine_hashes) == 32
         assert conv.parent == hot.engine_hashes[-1] and len(conv.engine_hashes) == 218
     assert all(len(q) == 4096 for q in wl.queries)
+    # 8 workers × 100,000 blocks: 12,500 each, the hot prefix and 56 conversations (55 of 224 blocks, one of
+    # 148) in 4 messages of at most 16 events.
+    many = scale.make_workload(8, 100_000, queries=1)
+    assert (many.stored_blocks, len(many.conversations), len(many.messages)) == (100_000, 448, 32)
+    assert [n for w, _s, n in many.conversations if w == 0] == [224] * 55 + [148]
+    assert [len(m.events) for m in many.messages[:4]] == [16, 16, 16, 9]
     # 1,024 workers × 100,000 blocks: 97 blocks each, the hot prefix plus a 65-block conversation.
     big = scale.make_workload(1024, 100_000, queries=1)
     assert big.stored_blocks == 1024 * 97
@@ -105,11 +111,11 @@ def test_tiny_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert 0 < p["route_p50_ms"] <= p["route_p99_ms"]
         assert p["memory_bytes_per_block"] > 0
     [target] = doc["targets"]
-    assert target["target"] == "route p50 at 16 workers ≤ 2× at 8"
+    assert target["target"] == "route p50 at 16 workers ≤ 2× at 8 (2,000 blocks)"
     assert target["ratio"] == pytest.approx(points[1]["route_p50_ms"] / points[0]["route_p50_ms"])
     text = capsys.readouterr().out
     assert "| workers | blocks | match p50/p99 (µs) |" in text
-    assert "route p50 at 16 workers ≤ 2× at 8:" in text
+    assert "route p50 at 16 workers ≤ 2× at 8 (2,000 blocks):" in text
     png = out.with_suffix(".png")
     try:
         import matplotlib  # noqa: F401

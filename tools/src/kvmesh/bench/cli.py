@@ -20,6 +20,8 @@ benchmarks:
   recovery  1M-block index: snapshot write and apply-loop stall, restore to ready, replay rate through NATS
   scale     8 → 1,024 workers sharing one hot prefix, 1M → 10M blocks: match and route p50/p99, memory per
             block, snapshot size and restore time; JSON and line plots
+  dynamo    end to end vs Dynamo's standalone indexer (python -m dynamo.indexer) on the same vLLM ZMQ frames:
+            block operations/s until queryable, CPU s per million operations, RSS, query latency, exactness
   soak      the fleet on a local 3-node cluster for N minutes, a random component killed -9 every S seconds:
             memory, consumers and connections over time, and whether the index still equals the engines' truth
 """
@@ -32,6 +34,7 @@ _COMMANDS: dict[str, str] = {
     "recovery": "kvmesh.bench.recovery",
     "soak": "kvmesh.bench.soak",
     "scale": "kvmesh.bench.scale",
+    "dynamo": "kvmesh.bench.dynamo_e2e",
 }
 
 

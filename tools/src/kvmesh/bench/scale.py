@@ -135,7 +135,7 @@ def make_workload(workers: int, blocks: int, *, queries: int = 200, seed: int = 
         events: list[Any] = [Stored(hot_engine, None, list(hot_local))]
         stored = HOT_BLOCKS
         msg_seq = 0
-        while events:
+        while events or stored < per_worker:
             if stored < per_worker:
                 n = min(CONV_BLOCKS, per_worker - stored)
                 conv_seed = 2_000_000 + seed * 10_000_000 + len(wl.conversations)
@@ -412,7 +412,8 @@ def targets(points: Sequence[ScalePoint]) -> list[dict[str, Any]]:
         if len(row) >= 2 and row[0].route_p50_ms:
             ratio = (row[-1].route_p50_ms or 0.0) / row[0].route_p50_ms
             out.append({
-                "target": f"route p50 at {row[-1].workers} workers ≤ {ROUTE_TARGET_RATIO:g}× at {row[0].workers}",
+                "target": f"route p50 at {row[-1].workers} workers ≤ {ROUTE_TARGET_RATIO:g}× at {row[0].workers} "
+                f"({blocks:,} blocks)",
                 "blocks": blocks, "ratio": ratio, "met": ratio <= ROUTE_TARGET_RATIO,
             })  # fmt: skip
     for workers in sorted({p.workers for p in points}):
@@ -423,7 +424,7 @@ def targets(points: Sequence[ScalePoint]) -> list[dict[str, Any]]:
             ratio = (col[-1].memory_bytes_per_block or 0.0) / col[0].memory_bytes_per_block
             out.append({
                 "target": f"memory per block flat from {col[0].blocks:,} to {col[-1].blocks:,} blocks "
-                f"(≤ {MEMORY_FLAT_RATIO:.2f}×)",
+                f"(≤ {MEMORY_FLAT_RATIO:.2f}×, {workers} workers)",
                 "workers": workers, "ratio": ratio, "met": ratio <= MEMORY_FLAT_RATIO,
             })  # fmt: skip
     return out

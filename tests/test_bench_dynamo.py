@@ -1,0 +1,97 @@
+"""Tests of `kvmesh bench dynamo` (`kvmesh.bench.dynamo_e2e`): the frames and their truth, the kvmesh side
+through the real services, and the comparison with Dynamo's standalone indexer where it is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvmesh.bench import dynamo_e2e
+from kvmesh.bench.cli import command as bench_command
+from kvmesh.core.wire import decode_batch
+
+
+def test_frames_and_truth() -> None:
+    """10 trace requests on 2 pools of 1,024 blocks: the counts of every event and the engines' truth."""
+    fr = dynamo_e2e.make_frames(2, 10, num_blocks=1024, queries=5)
+    assert (fr.served, fr.stored_blocks, fr.removed_blocks, fr.block_ops) == (7, 2694, 833, 3527)
+    assert [len(f) for f in fr.frames] == [4, 3]
+    assert fr.probe_truth == [[656, 32], [32, 302]]
+    assert fr.truth[:5] == [[256, 32], [32, 143], [256, 32], [32, 143], [32, 32]]
+    assert [len(q) for q in fr.queries] == [4096, 2290, 4096, 2290, 4096]  # the first 4,096 tokens or fewer
+    # The frames are vLLM 0.33 batches whose events add up to the same block operations.
+    ops = 0
+    for frames in fr.frames:
+        for raw in frames:
+            batch = decode_batch(raw)
+            ops += sum(len(getattr(ev, "block_hashes", ())) for ev in batch.events)
+    assert ops == fr.block_ops
+
+
+def test_settle_rules() -> None:
+    """Queryable at the truth at once; without it, after answers stay unchanged (never while all zero)."""
+    s = dynamo_e2e._Settle([[3, 1]], [os.getpid()], settle_s=0.0, timeout_s=60.0)
+    assert not s.done([[0, 0]])
+    assert not s.done([[0, 0]])  # unchanged, but all zero
+    assert s.done([[3, 1]]) and s.settled
+    s = dynamo_e2e._Settle([[3, 1]], [os.getpid()], settle_s=0.0, timeout_s=60.0)
+    assert not s.done([[2, 1]])
+    assert s.done([[2, 1]]) and not s.settled
+    assert 0 < s.queryable_s < 60
+
+
+def _run(tmp_path: Path, *extra: str) -> dict[str, Any]:
+    out = tmp_path / "dyn"
+    argv = ["dynamo", "--workers", "4", "--requests", "40", "--num-blocks", "2048", "--queries", "20"]
+    assert (
+        bench_command([*argv, "--query-requests", "50", "--timeout-s", "60", "--out", str(out), *extra]) == 0
+    )
+    doc: dict[str, Any] = json.loads(out.with_suffix(".json").read_text())
+    return doc
+
+
+@pytest.mark.e2e
+def test_skip_message_without_dynamo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the bench extra the Dynamo side is skipped with the message; kvmesh still runs, exact."""
+    monkeypatch.setattr(dynamo_e2e, "dynamo_available", lambda: False)
+    doc = _run(tmp_path)
+    text = capsys.readouterr().out
+    assert dynamo_e2e.SKIP_MESSAGE in text
+    assert "targets (issue 14): not checked, Dynamo's side was skipped" in text
+    config = doc["config"]
+    assert (config["dynamo"], config["order"], config["block_ops"]) == (False, ["kvmesh"], 36250)
+    [run] = doc["runs"]
+    assert run["system"] == "kvmesh"
+    assert (run["settled"], run["off_pairs"], run["exact_pairs"]) == (True, 0, 80)
+    assert (run["query_requests"], run["query_errors"], run["processes"]) == (50, 0, 7)
+    assert run["block_ops"] == 36250 and run["ops_per_s"] > 0 and run["rss_bytes"] > 0
+    assert doc["targets"] == {}
+
+
+@pytest.mark.e2e
+def test_against_dynamo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With Dynamo's standalone indexer installed: both systems run on the same frames, kvmesh exact."""
+    if not dynamo_e2e.dynamo_available():
+        pytest.skip(dynamo_e2e.SKIP_MESSAGE)
+    doc = _run(tmp_path)
+    runs = doc["runs"]
+    assert [r["system"] for r in runs] == ["dynamo", "kvmesh"]
+    for r in runs:
+        assert r["block_ops"] == 36250
+        assert r["exact_pairs"] + r["off_pairs"] == 80
+        assert (r["query_requests"], r["query_errors"]) == (50, 0)
+        assert r["cpu_s"] > 0 and r["rss_bytes"] > 0
+    dyn, kv = runs
+    assert dyn["processes"] == 1
+    assert (kv["settled"], kv["off_pairs"]) == (True, 0)
+    targets = doc["targets"]
+    assert set(targets) == {"throughput_ratio", "throughput_met", "cpu_ratio", "cpu_met"}
+    assert targets["throughput_ratio"] == pytest.approx(kv["ops_per_s"] / dyn["ops_per_s"])
+    text = capsys.readouterr().out
+    assert "- throughput ≥ 0.6× Dynamo's:" in text and "- CPU per block operation ≤ 2× Dynamo's:" in text

@@ -111,8 +111,9 @@ def test_missing_middle_block_cuts_the_leading_run() -> None:
 
 
 def test_match_reads_keys_only_as_far_as_some_holder_matches() -> None:
-    """With lazy keys, the match stops pulling after the first block no holder has (the rest is never hashed),
-    and the superset fast path (every live holder holds the next block) gives the same overlaps."""
+    """With lazy keys, the match pulls them in chunks of 16, 32, 64, ... and stops after the chunk where the
+    leading run ends (the rest is never hashed); the superset fast path (every live holder holds the next
+    block) gives the same overlaps."""
     index = PrefixIndex()
     index.store(A0, E, None, LOCAL)
     index.store(B0, F[:3], None, LOCAL[:3])
@@ -124,13 +125,33 @@ def test_match_reads_keys_only_as_far_as_some_holder_matches() -> None:
             yield k
 
     assert index.match(lazy([*OTHER_SEQ, 7, 8])) == {A0: 2, B0: 2}
-    assert pulled == OTHER_SEQ[:3]  # blocks 0-1 held, block 2 held by nobody: stop
+    assert pulled == [*OTHER_SEQ, 7, 8]  # shorter than one chunk: all of it
     pulled.clear()
-    assert index.match(lazy([*SEQ, 7, 8])) == {A0: 4, B0: 3}
-    assert pulled == [*SEQ, 7]
+    assert index.match(lazy([*SEQ, *range(7, 107)])) == {A0: 4, B0: 3}
+    assert pulled == [*SEQ, *range(7, 7 + 16 - len(SEQ))]  # the run ends in the first chunk of 16
     pulled.clear()
     assert index.match(lazy(DIFF_SEQ)) == {}
-    assert pulled == DIFF_SEQ[:1]
+    assert pulled == DIFF_SEQ
+
+
+def test_match_follows_a_run_across_chunks() -> None:
+    """A holder whose chain spans several lookup chunks (16 + 32 + ...) matches its whole length, and the
+    keys are pulled only up to the end of the chunk where the run stops."""
+    index = PrefixIndex()
+    n = 40
+    engine = list(range(1000, 1000 + n))
+    local = list(range(5000, 5000 + n))
+    index.store(A0, engine, None, local)
+    keys = prefix_keys(local)
+    pulled: list[int] = []
+
+    def lazy(ks: list[int]) -> Iterator[int]:
+        for k in ks:
+            pulled.append(k)
+            yield k
+
+    assert index.match(lazy([*keys, *range(1, 200)])) == {A0: n}
+    assert len(pulled) == 16 + 32  # the run ends in the second chunk (keys 16 .. 47)
 
 
 # ---------------------------------------------------------------------------------------- parent resolution

@@ -40,8 +40,8 @@ Storage tiers (``medium`` of BlockStored / BlockRemoved, vLLM ≥ 0.10.2, SGLang
 Keys and memory
 ---------------
 
-Every int the index keeps is below ``2**60``, where a CPython int object takes 32 bytes instead of the 48
-that a 64-bit value takes:
+Every key the index keeps is below ``2**60`` (the key scheme of snapshot format 3, which this index reads and
+writes unchanged):
 
 * **prefix keys** are the 60-bit chain of `kvmesh.core.hashing.prefix_keys` (collision bound there: about
   ``n² / 2**61`` for *n* distinct prefixes, 4.3·10⁻⁷ at 1M, 4.3·10⁻⁵ at 10M); the matching side hashes
@@ -55,40 +55,42 @@ that a 64-bit value takes:
   copy of the first (that block's overlap answer off by one until it is removed). Two hashes collide only
   when they differ by a multiple of the prime, which no natural pattern does; keeping the low 60 bits, or
   xor-ing the top 4 bits down, would instead merge a tagged counter such as ``2**63 + i`` with the plain
-  ``i`` (a fixture of the ingest tests does exactly this). The modulo costs ~20 ns more per block operation
-  than a mask (about 4 % of the apply rate). `dump`, `export` and `holds` use the folded values.
+  ``i`` (a fixture of the ingest tests does exactly this). `dump`, `export` and `holds` use the folded values.
 
-Per stored block the index keeps two dict entries (engine key → prefix key in the holder's tier map, prefix
-key → holders in a shared map) and two 32-byte ints: about 148 bytes of live objects at 1M blocks, 155 bytes
-of resident memory (`kvmesh bench index --memory`). The shared map names a holder's tier by a small int id:
-a prefix held once by one holder maps to that id itself (a shared int, no allocation), and only a second
-holder, tier or copy promotes it to a ``{id: count}`` dict. The block maps and those small dicts hold ints
-only, so the garbage collector does not track them (creating one adds no collection pressure). Going much
-lower needs the hashes packed in arrays instead of dicts of Python ints (a native extension).
+Per stored block the index keeps one slot of a blocks table (engine key, cache id, the slot of its prefix
+key: 16 bytes) and, for a prefix key no other block has, one slot of a prefixes table (prefix key and the
+cache holding it: 12 bytes): flat numpy arrays with compiled kernels (`kvmesh.core.tables`), filled to 57 –
+85 %, so 33 – 49 bytes of resident memory per block (`kvmesh bench index --memory`). A prefix key held by
+more than one block (other holders, tiers or copies) is marked shared in its slot and its ``{cache id:
+blocks}`` are kept in a dict; store counts above one are kept per cache in a dict too. No Python object
+exists per block, so the garbage collector has nothing to traverse.
 
 Complexity (n = blocks in an event, h = holders, q = blocks in a query):
 
 | operation | cost |
 |---|---|
-| `store` | O(n) dict operations (+ held descendants that attach) |
+| `store` | O(n) table operations in one compiled call (+ held descendants that attach) |
 | `remove` | O(n) |
-| `clear` | O(blocks of that holder) |
-| `match` | O(q · holders still matching) |
-| `digest` | O(holders · tiers): kept incrementally, one hash per stored or removed block (`digest_from_scratch`: O(total blocks)) |
+| `clear` | O(blocks in the index): one compiled scan of the blocks table, then O(blocks of that holder) |
+| `match` | O(q) lookups in one compiled call, then O(q · holders still matching) |
+| `digest` | O(blocks in the index) in one compiled scan (a few ms per million blocks) |
+| `export` | O(blocks in the index): one compiled scan into per-cache arrays |
 """
 
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from typing import Final, NamedTuple, cast
+from itertools import islice
+from typing import Final, NamedTuple
 
+import numpy as np
 import xxhash
 
+from kvmesh.core import tables
 from kvmesh.core.hashing import SEED, prefix_keys
+from kvmesh.core.tables import I32, U64
 
 DEFAULT_MAX_ORPHANS: Final[int] = 4096
 """Held BlockStored events per holder before the oldest is dropped."""
@@ -101,6 +103,9 @@ ENGINE_KEY_PRIME: Final[int] = 2**60 - 93
 """The largest prime below ``2**60``: the index keeps engine hashes modulo it (`engine_key60`)."""
 
 _MASK64: Final[int] = 2**64 - 1
+_SHARED: Final[int] = tables.SHARED
+_FIRST_CHUNK: Final[int] = 16
+"""Prompt keys looked up in the first compiled call of a match; each further call takes twice as many."""
 
 
 class Holder(NamedTuple):
@@ -155,29 +160,24 @@ class _Orphan:
 
 @dataclass(slots=True, eq=False)
 class _Cache:
-    """One tier of one holder."""
+    """One tier of one holder: its blocks live in the index's tables under `cid`."""
 
     holder: Holder
     medium: str | None
     """Normalized tier name; None: the default tier."""
     cid: int
-    """Small int naming this cache in `PrefixIndex._where` (ids are reused once a cache is gone)."""
-    # engine key -> prefix key (ints only, so a snapshot copy is one C-level dict copy)
-    blocks: dict[int, int] = field(default_factory=dict)
+    """Small int naming this cache in the tables (ids are reused once a cache is gone)."""
+    n: int = 0
+    """Blocks indexed (each engine key once, whatever its store count)."""
     # engine key -> store count, only for blocks stored more than once (vLLM duplicate copies)
     counts: dict[int, int] = field(default_factory=dict)
-    dsum: int = 0
-    """Sum (unbounded, not masked) of `_entry_hash` over the cache's blocks, kept while the index tracks its
-    digest; exactly 0 when the cache is empty."""
-    dtag: bytes = b""
-    """The cache's prefix of every digest entry: ``worker\\0rank`` (and ``\\0TIER`` off the default tier)."""
-    dpack: Callable[[bytes, int, int, int], bytes] = struct.pack
-    """``dpack(dtag, engine_key, prefix_key, count)``: one digest entry's bytes (a `struct.Struct` pack)."""
+    tag: int = 0
+    """The cache's digest tag: XXH3-64 (seed 1337) of ``worker\\0rank`` (and ``\\0TIER`` off the default tier)."""
 
 
 @dataclass(slots=True, eq=False)
 class _HolderState(_Cache):
-    """A holder: its default tier (the inherited maps), its other tiers and its held events."""
+    """A holder: its default tier (the inherited fields), its other tiers and its held events."""
 
     # other tiers by normalized name, fastest first; None until a block is stored on one
     tiers: dict[str, _Cache] | None = None
@@ -242,14 +242,37 @@ class IndexStats:
     unknown_removals: int
 
 
+class TierCount(NamedTuple):
+    """One tier of one holder in `PrefixIndex.tier_counts`."""
+
+    holder: Holder
+    tier: str
+    """Normalized medium (`DEFAULT_TIER` for the default one)."""
+    blocks: int
+    held_orphans: int
+    """The holder's held events (reported on its default tier only; 0 on the others)."""
+
+
+def _empty_keys() -> U64:
+    return np.zeros(0, dtype=np.uint64)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TierExport:
     """One non-default tier of a holder (see `HolderExport`)."""
 
     medium: str
     """Normalized (upper-case) medium name."""
-    blocks: dict[int, int]
+    engine: U64
+    """Engine keys of the tier's blocks (uint64, one per block, in no particular order)."""
+    prefixes: U64
+    """The prefix key of each of those blocks (same length)."""
     counts: dict[int, int]
+
+    @property
+    def blocks(self) -> dict[int, int]:
+        """Engine key → prefix key, as a new dict (O(blocks): for tests and small exports)."""
+        return dict(zip(self.engine.tolist(), self.prefixes.tolist(), strict=True))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -258,7 +281,8 @@ class HolderExport:
 
     Attributes:
         holder: the (worker, dp_rank).
-        blocks: engine key → prefix key of every block on the default tier (a private copy).
+        engine: engine keys of every block on the default tier (uint64 array, a private copy).
+        prefixes: the prefix key of each of those blocks (uint64 array, same length).
         counts: engine key → store count, only for default-tier blocks stored more than once.
         orphans: held BlockStored events in hold order, each ``(serial, parent, engine_keys, local_hashes,
             op, medium)`` where ``op`` is the index's store counter when it was held and ``medium`` the
@@ -268,11 +292,18 @@ class HolderExport:
     """
 
     holder: Holder
-    blocks: dict[int, int]
-    counts: dict[int, int]
-    orphans: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...], int, str | None], ...]
-    orphan_serial: int
+    engine: U64 = field(default_factory=_empty_keys)
+    prefixes: U64 = field(default_factory=_empty_keys)
+    counts: dict[int, int] = field(default_factory=dict)
+    orphans: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...], int, str | None], ...] = ()
+    orphan_serial: int = 0
     tiers: tuple[TierExport, ...] = ()
+
+    @property
+    def blocks(self) -> dict[int, int]:
+        """Engine key → prefix key of the default tier, as a new dict (O(blocks): for tests and small
+        exports)."""
+        return dict(zip(self.engine.tolist(), self.prefixes.tolist(), strict=True))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -289,14 +320,27 @@ class IndexExport:
     """In the index's own order."""
 
 
+def as_keys(values: Iterable[int]) -> U64:
+    """Engine hashes (unsigned 64-bit ints, any iterable) as a uint64 array folded to the index's engine keys.
+
+    Raises:
+        ValueError: a value is negative or not below ``2**64``.
+    """
+    try:
+        arr = np.array(values if type(values) in _SEQUENCES else list(values), dtype=np.uint64)
+    except OverflowError:
+        raise ValueError("engine hashes must be unsigned 64-bit ints") from None
+    tables.fold(arr)
+    return arr
+
+
 class PrefixIndex:
     """Index of cached prefixes for one model and block size.
 
     Args:
         max_orphans: bound on held BlockStored events per holder (oldest dropped first).
         orphan_ttl_ops: a held event expires after this many later `store` calls on the index.
-        track_digest: keep the digest up to date from the start (`track_digest`); otherwise the first
-            `digest` call computes it once and turns tracking on.
+        track_digest: accepted for compatibility; the digest is computed on demand (`digest`).
     """
 
     def __init__(
@@ -306,16 +350,21 @@ class PrefixIndex:
         orphan_ttl_ops: int = DEFAULT_ORPHAN_TTL_OPS,
         track_digest: bool = False,
     ) -> None:
-        self._track = track_digest
-        """Whether every change updates the caches' `_Cache.dsum` (see `digest`)."""
+        del track_digest
         self._max_orphans = max_orphans
         self._orphan_ttl_ops = orphan_ttl_ops
         self._holders: dict[Holder, _HolderState] = {}
-        # prefix key -> the caches (a holder's tier, by `_Cache.cid`) with a block of that key. Most prefixes
-        # have one cache with one block: the value is then the cache's id itself (a shared small int), else a
-        # {cid: number of that cache's engine blocks with this prefix key} dict. Ints only, so the garbage
-        # collector never traverses this map (nor the block maps).
-        self._where: dict[int, int | dict[int, int]] = {}
+        self._bk, self._bc, self._bp = tables.new_blocks(tables.MIN_CAPACITY)
+        self._pk, self._pv = tables.new_prefixes(tables.MIN_CAPACITY)
+        self._meta = np.zeros(3, dtype=np.int64)
+        self._b_limit = int(tables.MIN_CAPACITY * tables.MAX_LOAD)
+        self._p_limit = self._b_limit
+        self._nb = 0
+        """Blocks in the blocks table (the sum of every cache's `_Cache.n`)."""
+        # prefix key -> {cid: blocks of that cache with the key}, for keys whose slot is SHARED
+        self._shared: dict[int, dict[int, int]] = {}
+        self._st = np.zeros(64, dtype=np.int32)
+        self._aux = np.zeros(64, dtype=np.int32)
         self._caches: list[_Cache | None] = []
         """cid -> cache; None for a free id."""
         self._free_cids: list[int] = []
@@ -345,10 +394,11 @@ class PrefixIndex:
             medium: the storage tier (None or "GPU": the default tier).
 
         Raises:
-            ValueError: the two hash lists differ in length.
+            ValueError: the two hash lists differ in length, or an engine hash is not an unsigned 64-bit int.
         """
         if len(engine_hashes) != len(local_hashes):
             raise ValueError(f"{len(engine_hashes)} engine hashes but {len(local_hashes)} local hashes")
+        keys = as_keys(engine_hashes)
         self._ops += 1
         state = self._holders.get(holder)
         if state is None:
@@ -360,26 +410,25 @@ class PrefixIndex:
             name = tier_name(medium)
             if name is not None:  # created below, once something attaches
                 cache = state.tiers.get(name) if state.tiers else None
-        prime = ENGINE_KEY_PRIME
-        keys = [h % prime for h in engine_hashes]
         if parent is None:
             parent_key: int | None = None
         else:
-            parent %= prime
-            parent_key = cache.blocks.get(parent) if cache is not None else None
+            parent %= ENGINE_KEY_PRIME
+            parent_key = self._prefix_of(cache, parent) if cache is not None else None
             if parent_key is None and (cache is not state or state.tiers):
-                parent_key = _find_parent(state, parent)
+                parent_key = self._find_parent(state, parent)
             if parent_key is None:
-                dropped += self._hold(state, parent, tuple(keys), tuple(local_hashes), name)
+                dropped += self._hold(state, parent, tuple(keys.tolist()), tuple(local_hashes), name)
                 return StoreResult(0, 0, True, dropped)
+        if not len(keys):
+            return StoreResult(0, 0, False, dropped)
         if cache is None:
-            if not keys:
-                return StoreResult(0, 0, False, dropped)
             assert name is not None
             cache = self._tier(state, name)
-        attached, dups = self._attach(cache, keys, prefix_keys(local_hashes, parent_key))
-        if state.orphans and keys:
-            more, more_dups = self._attach_held(state, keys)
+        prefixes = prefix_keys(local_hashes, parent_key)
+        attached, dups = self._attach(cache, keys, np.array(prefixes, dtype=np.uint64), prefixes)
+        if state.orphans:
+            more, more_dups = self._attach_held(state, keys.tolist())
             attached += more
             dups += more_dups
         return StoreResult(attached, dups, False, dropped)
@@ -391,6 +440,9 @@ class PrefixIndex:
             holder: the (worker, dp_rank).
             engine_hashes: the engine's block hashes.
             medium: the tier to remove from (None or "GPU": the default tier).
+
+        Raises:
+            ValueError: an engine hash is not an unsigned 64-bit int.
         """
         cache: _Cache | None = self._holders.get(holder)
         if cache is not None and medium is not None:
@@ -398,78 +450,64 @@ class PrefixIndex:
             if name is not None:
                 tiers = self._holders[holder].tiers
                 cache = tiers.get(name) if tiers else None
-        prime = ENGINE_KEY_PRIME
         if (
             cache is not None
             and not cache.counts
             and type(engine_hashes) in _SEQUENCES
             and len(engine_hashes) == 1  # type: ignore[arg-type]  # a list or tuple here
         ):
-            # One block (vLLM sends one BlockRemoved per evicted block): no list work.
-            blocks = cache.blocks
-            key = engine_hashes[0] % prime  # type: ignore[index]
-            prefix = blocks.pop(key, None)
-            if prefix is None:
+            # One block (vLLM sends one BlockRemoved per evicted block): one compiled call, no arrays.
+            h = engine_hashes[0]  # type: ignore[index]
+            if not 0 <= h <= _MASK64:
+                raise ValueError("engine hashes must be unsigned 64-bit ints")
+            slot = tables.remove_one(
+                self._bk, self._bc, self._bp, self._pv, self._meta, cache.cid, np.uint64(h % ENGINE_KEY_PRIME)
+            )
+            if slot == -2:
                 self._unknown_removals += 1
                 return _UNKNOWN_ONE
-            if self._track:
-                cache.dsum -= _xxh3(cache.dpack(cache.dtag, key, prefix, 1), SEED)
-            where = self._where
-            old = where.pop(prefix)
-            if old != cache.cid:  # held by several caches (or twice by this one)
-                where[prefix] = old
-                self._unwhere(prefix, cache.cid)
-            if cache.medium is not None and not blocks:
-                self._drop_tier(cache)
+            if slot >= 0:
+                self._unshare(slot, cache.cid)
+            cache.n -= 1
+            self._nb -= 1
+            if not cache.n:
+                self._emptied(cache)
             return _REMOVED_ONE
-        keys = [h % prime for h in engine_hashes]
+        keys = as_keys(engine_hashes)
         if cache is None:
             self._unknown_removals += len(keys)
-            return RemoveResult(0, 0, len(keys)) if keys else _REMOVED_NONE
-        blocks = cache.blocks
+            return RemoveResult(0, 0, len(keys)) if len(keys) else _REMOVED_NONE
+        decremented = 0
         counts = cache.counts
-        where = self._where
-        cid = cache.cid
-        removed = decremented = unknown = 0
-        if not counts or counts.keys().isdisjoint(keys):
-            found = list(map(blocks.pop, keys, repeat(None)))
-            unknown = found.count(None)
-            prefixes = [p for p in found if p is not None] if unknown else cast("list[int]", found)
-            self._unwhere_many(prefixes, cid)
-            removed = len(prefixes)
-            if self._track and prefixes:
-                gone = list(compress(keys, [p is not None for p in found])) if unknown else keys
-                cache.dsum -= _entries_sum(cache, gone, prefixes)
-        else:
-            pop = blocks.pop
-            track = self._track
-            for h in keys:
-                if h in counts:
-                    count = counts[h]
-                    if count > 2:
-                        counts[h] = count - 1
+        if counts:
+            klist = keys.tolist()
+            if not counts.keys().isdisjoint(klist):
+                rest = []
+                for h in klist:
+                    count = counts.get(h)
+                    if count is None:
+                        rest.append(h)
                     else:
-                        del counts[h]
-                    if track:
-                        p = blocks[h]
-                        cache.dsum += _entry_hash(cache, h, p, count - 1) - _entry_hash(cache, h, p, count)
-                    decremented += 1
-                    continue
-                prefix = pop(h, None)
-                if prefix is None:
-                    unknown += 1
-                    continue
-                if track:
-                    cache.dsum -= _entry_hash(cache, h, prefix, 1)
-                # Inline fast path of `_unwhere`: the prefix held once by this cache alone.
-                if where.get(prefix) == cid:
-                    del where[prefix]
-                else:
-                    self._unwhere(prefix, cid)
-                removed += 1
+                        if count > 2:
+                            counts[h] = count - 1
+                        else:
+                            del counts[h]
+                        decremented += 1
+                keys = np.array(rest, dtype=np.uint64)
+        n = len(keys)
+        st, aux = self._scratch(n)
+        removed = tables.remove(self._bk, self._bc, self._bp, self._pv, self._meta, cache.cid, keys, st, aux)
+        unknown = n - removed
+        if removed:
+            codes = st[:n]
+            if np.count_nonzero(codes == tables.REMOVED_SHARED):
+                for i in np.flatnonzero(codes == tables.REMOVED_SHARED).tolist():
+                    self._unshare(int(aux[i]), cache.cid)
+            cache.n -= removed
+            self._nb -= removed
         self._unknown_removals += unknown
-        if cache.medium is not None and not blocks and not counts:
-            self._drop_tier(cache)
+        if not cache.n:
+            self._emptied(cache)
         return RemoveResult(removed, decremented, unknown)
 
     def touch(self, holder: Holder) -> None:
@@ -489,12 +527,19 @@ class PrefixIndex:
             return 0
         n = 0
         for _name, cache in list(state.caches()):
-            self._unwhere_many(list(cache.blocks.values()), cache.cid)
-            n += len(cache.blocks)
-            cache.blocks.clear()
+            if cache.n:
+                keys = np.zeros(cache.n, dtype=np.uint64)
+                got = tables.collect_one(self._bk, self._bc, cache.cid, keys)
+                assert got == cache.n, (got, cache.n)
+                cache.counts.clear()
+                n += self.remove(cache.holder, keys, cache.medium).removed
             cache.counts.clear()
-            cache.dsum = 0
-            if cache is not state:
+            if (
+                cache is not state
+                and cache.medium is not None
+                and state.tiers
+                and cache.medium in state.tiers
+            ):
                 self._drop_tier(cache)
         state.orphans.clear()
         return n
@@ -514,7 +559,8 @@ class PrefixIndex:
 
         Args:
             prompt_keys: the prompt's prefix keys (`kvmesh.core.hashing.prompt_prefix_keys`, or the lazy
-                `kvmesh.core.hashing.iter_prompt_prefix_keys`: consumed only as far as some holder matches).
+                `kvmesh.core.hashing.iter_prompt_prefix_keys`: consumed in growing chunks, only as far as
+                some holder matches).
 
         Returns:
             ``{holder: overlap_blocks}`` for holders with at least one leading block; others are absent.
@@ -543,7 +589,18 @@ class PrefixIndex:
         state = self._holders.get(holder)
         if state is None:
             return 0
-        return len(state.blocks) + (sum(len(c.blocks) for c in state.tiers.values()) if state.tiers else 0)
+        return state.n + (sum(c.n for c in state.tiers.values()) if state.tiers else 0)
+
+    def tier_counts(self) -> Iterator[TierCount]:
+        """Every holder's tiers with their block counts, fastest tier first (O(holders · tiers))."""
+        for holder, state in self._holders.items():
+            for name, cache in state.caches():
+                yield TierCount(
+                    holder,
+                    DEFAULT_TIER if name is None else name,
+                    cache.n,
+                    len(state.orphans) if name is None else 0,
+                )
 
     def holds(self, holder: Holder, engine_hash: int, medium: str | None = None) -> bool:
         """Tell whether a holder has the block with this engine hash indexed on a tier (default: GPU)."""
@@ -552,110 +609,106 @@ class PrefixIndex:
             return False
         name = tier_name(medium)
         cache = state if name is None else (state.tiers or {}).get(name)
-        return cache is not None and engine_key60(engine_hash) in cache.blocks
+        return cache is not None and self._prefix_of(cache, engine_key60(engine_hash)) is not None
 
     def stats(self) -> IndexStats:
         """Return a snapshot of sizes and counters."""
         return IndexStats(
             holders=len(self._holders),
-            blocks=sum(len(c.blocks) for s in self._holders.values() for _n, c in s.caches()),
-            distinct_prefixes=len(self._where),
+            blocks=self._nb,
+            distinct_prefixes=int(self._meta[tables.P_LIVE]),
             held_orphans=sum(len(s.orphans) for s in self._holders.values()),
             orphans_expired=self._orphans_expired,
             unknown_removals=self._unknown_removals,
         )
 
+    def memory_bytes(self) -> int:
+        """Bytes held by the index's tables (their arrays; the dicts of shared prefixes and counts excluded)."""
+        return int(self._bk.nbytes + self._bc.nbytes + self._bp.nbytes + self._pk.nbytes + self._pv.nbytes)
+
     def digest(self) -> int:
         """Return an order-independent 64-bit digest of the indexed content.
 
         Two indexes that hold the same (holder, tier, engine key, prefix key, store count) entries have the
-        same digest, whatever order the events came in. Held orphans are not included. The value is
-        `digest_from_scratch`'s: the sum modulo ``2**64`` of one XXH3-64 (seed 1337) per entry, over
-        ``worker\\0rank[\\0TIER] ‖ le64(engine key) ‖ le64(prefix key) ‖ le32(store count)``.
+        same digest, whatever order the events came in. Held orphans are not included. The value is the sum
+        modulo ``2**64`` of one `kvmesh.core.tables.entry_hash` per entry (a 64-bit mix of the cache's tag —
+        XXH3-64, seed 1337, of ``worker\\0rank[\\0TIER]`` —, the engine key, the prefix key and the store
+        count); `digest_from_scratch` computes the same value in plain Python.
 
-        O(caches) (one per holder and tier in use): every change keeps a per-cache sum up to date. The first
-        call on an index built without ``track_digest`` computes those sums once (O(total blocks)) and turns
-        tracking on; from then on a stored or removed block costs one more hash (about 150 ns).
+        O(blocks in the index), one compiled scan: a few milliseconds per million blocks.
         """
-        if not self._track:
-            self.track_digest()
-        total = 0
+        tags = np.zeros(max(1, len(self._caches)), dtype=np.uint64)
         for cache in self._caches:
             if cache is not None:
-                total += cache.dsum
+                tags[cache.cid] = cache.tag
+        total = int(tables.digest_sum(self._bk, self._bc, self._bp, self._pk, tags))
+        for cache in self._caches:
+            if cache is not None and cache.counts:
+                tag = np.uint64(cache.tag)
+                for h, count in cache.counts.items():
+                    key = self._prefix_of(cache, h)
+                    assert key is not None
+                    k, p = np.uint64(h), np.uint64(key)
+                    total += int(tables.entry_hash(tag, k, p, count)) - int(tables.entry_hash(tag, k, p, 1))
         return total & _MASK64
 
     def track_digest(self) -> None:
-        """Keep the digest up to date from now on: compute every cache's sum once (O(total blocks)).
-
-        Idempotent: does nothing when the index already tracks it.
-        """
-        if self._track:
-            return
-        for state in self._holders.values():
-            for _name, cache in state.caches():
-                counts = cache.counts
-                if not counts:
-                    cache.dsum = _entries_sum(cache, list(cache.blocks), list(cache.blocks.values()))
-                    continue
-                cache.dsum = sum(
-                    _entry_hash(cache, h, key, counts.get(h, 1)) for h, key in cache.blocks.items()
-                )
-        self._track = True
+        """Nothing to do: the digest is computed on demand (kept for callers of the incremental digest)."""
 
     def digest_from_scratch(self) -> int:
-        """Return `digest`'s value computed from the block maps alone, O(total blocks) (a check of the
-        incrementally kept one)."""
+        """Return `digest`'s value computed in plain Python from `dump` (a check of the compiled one)."""
         total = 0
-        for holder, state in self._holders.items():
-            for name, cache in state.caches():
-                tag = f"{holder.worker_id}\x00{holder.dp_rank}".encode()
-                if name is not None:
-                    tag += b"\x00" + name.encode()
-                counts = cache.counts
-                for h, key in cache.blocks.items():
-                    count = counts.get(h, 1)
-                    total = (
-                        total
-                        + xxhash.xxh3_64_intdigest(
-                            tag
-                            + h.to_bytes(8, "little")
-                            + key.to_bytes(8, "little")
-                            + count.to_bytes(4, "little"),
-                            seed=SEED,
-                        )
-                    ) & _MASK64
-        return total
+        for holder, tier, h, key, count in self.dump():
+            tag = _tag(holder, None if tier == DEFAULT_TIER else tier)
+            total += _py_entry_hash(tag, h, key, count)
+        return total & _MASK64
 
     def dump(self) -> Iterator[tuple[Holder, str, int, int, int]]:
         """Yield ``(holder, tier, engine_key, prefix_key, store_count)`` for every indexed block; ``tier`` is
         the normalized medium (`DEFAULT_TIER` for the default one)."""
-        for holder, state in self._holders.items():
-            for name, cache in state.caches():
-                counts = cache.counts
-                tier = DEFAULT_TIER if name is None else name
-                for h, key in cache.blocks.items():
-                    yield holder, tier, h, key, counts.get(h, 1)
+        export = self.export()
+        for h in export.holders:
+            for tier, engine, prefixes, counts in (
+                (DEFAULT_TIER, h.engine, h.prefixes, h.counts),
+                *((t.medium, t.engine, t.prefixes, t.counts) for t in h.tiers),
+            ):
+                for e, p in zip(engine.tolist(), prefixes.tolist(), strict=True):
+                    yield h.holder, tier, e, p, counts.get(e, 1)
 
     # ------------------------------------------------------------------ snapshots
 
     def export(self) -> IndexExport:
         """Copy the complete state out of the index, cheaply enough to do between two applied messages.
 
-        The block maps are copied with ``dict.copy()`` (a C loop over int keys and values: about 10 ms per
-        million blocks on these machines); everything else is small. The export shares nothing mutable
-        with the index, so it can be encoded in another thread while the index keeps changing.
+        One compiled scan of the blocks table writes every cache's blocks into its own arrays (a few
+        milliseconds per million blocks); everything else is small. The export shares nothing mutable with
+        the index, so it can be encoded in another thread while the index keeps changing.
         """
-        return IndexExport(
-            max_orphans=self._max_orphans,
-            orphan_ttl_ops=self._orphan_ttl_ops,
-            ops=self._ops,
-            orphans_expired=self._orphans_expired,
-            unknown_removals=self._unknown_removals,
-            holders=tuple(
+        ncid = len(self._caches)
+        sizes = np.zeros(ncid, dtype=np.int64)
+        for cache in self._caches:
+            if cache is not None:
+                sizes[cache.cid] = cache.n
+        start = np.zeros(ncid, dtype=np.int64)
+        if ncid:
+            np.cumsum(sizes[:-1], out=start[1:])
+        begin = start.copy()
+        engine = np.zeros(self._nb, dtype=np.uint64)
+        prefixes = np.zeros(self._nb, dtype=np.uint64)
+        tables.collect(self._bk, self._bc, self._bp, self._pk, start, engine, prefixes)
+
+        def part(cache: _Cache) -> tuple[U64, U64]:
+            a, b = int(begin[cache.cid]), int(begin[cache.cid] + cache.n)
+            return engine[a:b], prefixes[a:b]
+
+        holders = []
+        for holder, state in self._holders.items():
+            e, p = part(state)
+            holders.append(
                 HolderExport(
                     holder=holder,
-                    blocks=state.blocks.copy(),
+                    engine=e,
+                    prefixes=p,
                     counts=state.counts.copy(),
                     orphans=tuple(
                         (serial, parent, o.engine_hashes, o.local_hashes, o.op, o.medium)
@@ -663,50 +716,175 @@ class PrefixIndex:
                     ),
                     orphan_serial=state.orphan_serial,
                     tiers=tuple(
-                        TierExport(medium=name, blocks=c.blocks.copy(), counts=c.counts.copy())
+                        TierExport(
+                            medium=name, engine=part(c)[0], prefixes=part(c)[1], counts=c.counts.copy()
+                        )
                         for name, c in (state.tiers or {}).items()
                     ),
                 )
-                for holder, state in self._holders.items()
-            ),
+            )
+        return IndexExport(
+            max_orphans=self._max_orphans,
+            orphan_ttl_ops=self._orphan_ttl_ops,
+            ops=self._ops,
+            orphans_expired=self._orphans_expired,
+            unknown_removals=self._unknown_removals,
+            holders=tuple(holders),
         )
 
     @classmethod
     def from_export(cls, export: IndexExport, *, track_digest: bool = False) -> PrefixIndex:
-        """Rebuild an index from `export()`; it takes ownership of the export's dicts.
-
-        O(total blocks): the prefix key → holders map is rebuilt from the block maps; with ``track_digest``
-        the digest's sums too (`track_digest`), else the first `digest` call computes them.
-        """
+        """Rebuild an index from `export()` (O(total blocks), compiled inserts; the export is not modified)."""
+        del track_digest
         index = cls(max_orphans=export.max_orphans, orphan_ttl_ops=export.orphan_ttl_ops)
         index._ops = export.ops
         index._orphans_expired = export.orphans_expired
         index._unknown_removals = export.unknown_removals
+        total = sum(len(h.engine) + sum(len(t.engine) for t in h.tiers) for h in export.holders)
+        index._room(total)
         for h in export.holders:
             state = index._new_holder(Holder(h.holder[0], h.holder[1]))
-            state.blocks, state.counts = h.blocks, h.counts
+            if len(h.engine):
+                index._attach(
+                    state, np.asarray(h.engine, dtype=np.uint64), np.asarray(h.prefixes, dtype=np.uint64)
+                )
+            state.counts = dict(h.counts)
             state.orphan_serial = h.orphan_serial
             for serial, parent, engine, local, op, medium in h.orphans:
                 state.orphans[(parent, serial)] = (parent, _Orphan(tuple(engine), tuple(local), op, medium))
             for t in h.tiers:
-                if t.blocks or t.counts:
+                if len(t.engine):
                     cache = index._tier(state, t.medium)
-                    cache.blocks, cache.counts = t.blocks, t.counts
-            for _name, cache in state.caches():
-                for key in cache.blocks.values():
-                    index._where_add(key, cache.cid)
-        if track_digest:
-            index.track_digest()
+                    index._attach(
+                        cache, np.asarray(t.engine, dtype=np.uint64), np.asarray(t.prefixes, dtype=np.uint64)
+                    )
+                    cache.counts = dict(t.counts)
         return index
 
     # ------------------------------------------------------------------ internals
 
+    def _scratch(self, n: int) -> tuple[I32, I32]:
+        if len(self._st) < n:
+            size = max(n, 2 * len(self._st))
+            self._st = np.zeros(size, dtype=np.int32)
+            self._aux = np.zeros(size, dtype=np.int32)
+        return self._st, self._aux
+
+    def _room(self, n: int) -> None:
+        """Make room for ``n`` more blocks and prefix keys (rebuilding a table that would pass `MAX_LOAD`)."""
+        if self._nb + n > self._b_limit:
+            self._rebuild_blocks(self._nb + n)
+        meta = self._meta
+        if int(meta[tables.P_LIVE]) + int(meta[tables.P_TOMB]) + n > self._p_limit:
+            self._rebuild_prefixes(int(meta[tables.P_LIVE]) + n)
+
+    def _rebuild_blocks(self, entries: int) -> None:
+        cap = tables.capacity_for(entries)
+        new = tables.new_blocks(cap)
+        tables.rebuild_blocks(self._bk, self._bc, self._bp, *new)
+        self._bk, self._bc, self._bp = new
+        self._b_limit = int(cap * tables.MAX_LOAD)
+
+    def _rebuild_prefixes(self, entries: int) -> None:
+        cap = tables.capacity_for(entries)
+        pk, pv = tables.new_prefixes(cap)
+        remap = np.zeros(len(self._pk), dtype=np.uint32)
+        live = tables.rebuild_prefixes(self._pk, self._pv, pk, pv, remap)
+        tables.remap_ps(self._bc, self._bp, remap)
+        self._pk, self._pv = pk, pv
+        self._meta[tables.P_LIVE] = live
+        self._meta[tables.P_TOMB] = 0
+        self._p_limit = int(cap * tables.MAX_LOAD)
+
+    def _shrink(self) -> None:
+        """Rebuild tables that fell below `MIN_LOAD` (after removals) to their `GROWTH` size."""
+        bcap = len(self._bk)
+        if bcap > tables.MIN_CAPACITY and self._nb < bcap * tables.MIN_LOAD:
+            self._rebuild_blocks(self._nb)
+        pcap = len(self._pk)
+        live = int(self._meta[tables.P_LIVE])
+        if pcap > tables.MIN_CAPACITY and live < pcap * tables.MIN_LOAD:
+            self._rebuild_prefixes(live)
+
+    def _prefix_of(self, cache: _Cache, key: int) -> int | None:
+        """The prefix key of a cache's block (by engine key), or None."""
+        slot = tables.prefix_slot(self._bk, self._bc, self._bp, cache.cid, np.uint64(key))
+        return None if slot < 0 else int(self._pk[slot])
+
+    def _find_parent(self, state: _HolderState, parent: int, first: str | None = None) -> int | None:
+        """A parent's prefix key on tier ``first``, else on any tier of the holder, fastest tier first."""
+        if first is not None and state.tiers and first in state.tiers:
+            key = self._prefix_of(state.tiers[first], parent)
+            if key is not None:
+                return key
+        for _name, cache in state.caches():
+            key = self._prefix_of(cache, parent)
+            if key is not None:
+                return key
+        return None
+
+    def _attach(
+        self, cache: _Cache, keys: U64, prefixes: U64, prefix_list: list[int] | None = None
+    ) -> tuple[int, int]:
+        """Index engine keys with their prefix keys in one cache; returns (attached, duplicates)."""
+        n = len(keys)
+        self._room(n)
+        st, aux = self._scratch(n)
+        cid = cache.cid
+        special = tables.store(
+            self._bk, self._bc, self._bp, self._pk, self._pv, self._meta, cid, keys, prefixes, st, aux
+        )
+        dups = 0
+        if special:
+            shared = self._shared
+            for i in np.flatnonzero(st[:n]).tolist():
+                code = int(st[i])
+                if code == tables.STORED_DUPLICATE:
+                    h = int(keys[i])
+                    cache.counts[h] = cache.counts.get(h, 1) + 1
+                    dups += 1
+                    continue
+                p = prefix_list[i] if prefix_list is not None else int(prefixes[i])
+                if code == tables.STORED_PROMOTED:
+                    old = int(aux[i])
+                    shared[p] = {old: 2} if old == cid else {old: 1, cid: 1}
+                else:  # STORED_SHARED
+                    holders = shared[p]
+                    holders[cid] = holders.get(cid, 0) + 1
+        attached = n - dups
+        cache.n += attached
+        self._nb += attached
+        return attached, dups
+
+    def _unshare(self, slot: int, cid: int) -> None:
+        """One block of cache ``cid`` fewer on a SHARED prefix slot (demoting or freeing the slot)."""
+        key = int(self._pk[slot])
+        holders = self._shared[key]
+        count = holders[cid] - 1
+        if count:
+            holders[cid] = count
+        else:
+            del holders[cid]
+        if not holders:
+            del self._shared[key]
+            self._pv[slot] = tables.TOMB
+            self._meta[tables.P_LIVE] -= 1
+            self._meta[tables.P_TOMB] += 1
+        elif len(holders) == 1:
+            ((only, count),) = holders.items()
+            if count == 1:
+                del self._shared[key]
+                self._pv[slot] = only
+
+    def _emptied(self, cache: _Cache) -> None:
+        """A cache's last block went: forget an emptied non-default tier, shrink the tables if they are sparse."""
+        if cache.medium is not None and not cache.counts:
+            self._drop_tier(cache)
+        if len(self._bk) > tables.MIN_CAPACITY:
+            self._shrink()
+
     def _new_cid(self, cache: _Cache) -> None:
-        tag = f"{cache.holder.worker_id}\x00{cache.holder.dp_rank}".encode()
-        if cache.medium is not None:
-            tag += b"\x00" + cache.medium.encode()
-        cache.dtag = tag
-        cache.dpack = struct.Struct(f"<{len(tag)}sQQI").pack
+        cache.tag = _tag(cache.holder, cache.medium)
         if self._free_cids:
             cache.cid = self._free_cids.pop()
             self._caches[cache.cid] = cache
@@ -715,7 +893,7 @@ class PrefixIndex:
             self._caches.append(cache)
 
     def _release(self, cache: _Cache) -> None:
-        """Give a cache's id back (the cache holds nothing, so `_where` no longer names it)."""
+        """Give a cache's id back (the cache holds nothing, so the tables no longer name it)."""
         self._caches[cache.cid] = None
         self._free_cids.append(cache.cid)
 
@@ -746,24 +924,43 @@ class PrefixIndex:
         self._tiered -= 1
         self._release(cache)
 
-    def _match_default(self, keys: Iterable[int]) -> dict[Holder, int]:
-        """`match` when every block is on the default tier: each cache id in `_where` is a whole holder.
-
-        ``keys`` is consumed only up to the first block no holder has (a lazy iterator hashes no further).
-        """
+    def _lookup(self, keys: Iterable[int]) -> Iterator[tuple[int, int | dict[int, int]]]:
+        """Yield (prefix key, holders) for the prompt's leading run of indexed keys: holders is a cache id, or
+        ``{cid: blocks}`` for a shared key. Looks keys up in compiled calls of growing chunks, taking keys from
+        a lazy iterator only as far as the run goes."""
         it = iter(keys)
-        where = self._where
-        first = where.get(next(it, -1))  # -1 is no key: keys are ≥ 0
+        shared = self._shared
+        size = _FIRST_CHUNK
+        out = np.zeros(size, dtype=np.int32)
+        while True:
+            chunk = list(islice(it, size))
+            if not chunk:
+                return
+            if len(out) < len(chunk):
+                out = np.zeros(len(chunk), dtype=np.int32)
+            try:
+                arr = np.array(chunk, dtype=np.uint64)
+            except OverflowError:
+                return  # a key no index holds (keys are below 2**60)
+            found = tables.lookup_run(self._pk, self._pv, arr, out)
+            for k, v in zip(chunk[:found], out[:found].tolist(), strict=True):
+                yield k, (shared[k] if v == _SHARED else v)
+            if found < len(chunk):
+                return
+            size *= 2
+
+    def _match_default(self, keys: Iterable[int]) -> dict[Holder, int]:
+        """`match` when every block is on the default tier: each cache id is a whole holder."""
+        run = self._lookup(keys)
+        first = next(run, None)
         if first is None:
             return {}
         caches = self._caches
         result: dict[Holder, int] = {}
-        alive: set[int] = set(first) if isinstance(first, dict) else {first}
+        here = first[1]
+        alive: set[int] = set(here) if isinstance(here, dict) else {here}
         depth = 1
-        for h in it:
-            here = where.get(h)
-            if here is None:
-                break
+        for _k, here in run:
             if type(here) is dict:
                 if here.keys() >= alive:  # every holder still matching holds this block too (no new set)
                     depth += 1
@@ -785,16 +982,12 @@ class PrefixIndex:
 
     def _match_tiered(self, keys: Iterable[int]) -> dict[Holder, Overlap]:
         """`match_tiers` when some holder has blocks off the default tier."""
-        where = self._where
         caches = self._caches
         result: dict[Holder, Overlap] = {}
         # holder -> overlap blocks per tier so far (None: default tier)
         alive: dict[Holder, dict[str | None, int]] = {}
         depth = 0
-        for k in keys:
-            entry = where.get(k)
-            if entry is None:
-                break
+        for _k, entry in self._lookup(keys):
             best: dict[Holder, str | None] = {}
             for cid in entry if isinstance(entry, dict) else (entry,):
                 cache = caches[cid]
@@ -819,114 +1012,6 @@ class PrefixIndex:
         for holder, per_tier in alive.items():
             result[holder] = _overlap(depth, per_tier)
         return result
-
-    def _attach(self, cache: _Cache, keys: list[int], prefixes: list[int]) -> tuple[int, int]:
-        """Index engine keys with their prefix keys in one cache; returns (attached, duplicates)."""
-        blocks = cache.blocks
-        where = self._where
-        cid = cache.cid
-        n = len(keys)
-        if n > 1 and blocks.keys().isdisjoint(keys):
-            # All new to this cache (the common case): C-level dict updates instead of a loop per block.
-            before = len(blocks)
-            blocks.update(zip(keys, prefixes, strict=True))
-            if len(blocks) - before == n:
-                if self._track:
-                    cache.dsum += _entries_sum(cache, keys, prefixes)
-                if where.keys().isdisjoint(prefixes):
-                    before = len(where)
-                    where.update(zip(prefixes, repeat(cid)))
-                    if len(where) - before == n:
-                        return n, 0
-                    for p in prefixes:  # a prefix key twice in this event: undo, then one by one
-                        where.pop(p, None)
-                get = where.get
-                for p in prefixes:
-                    here = get(p)
-                    if here is None:
-                        where[p] = cid
-                    elif isinstance(here, dict):
-                        here[cid] = here.get(cid, 0) + 1
-                    else:
-                        where[p] = {here: 2} if here == cid else {here: 1, cid: 1}
-                return n, 0
-            for h in keys:  # an engine hash twice in this event: undo, then one by one
-                blocks.pop(h, None)
-        attached = dups = 0
-        counts = cache.counts
-        track = self._track
-        for h, p in zip(keys, prefixes, strict=True):
-            if h in blocks:
-                count = counts.get(h, 1)
-                counts[h] = count + 1
-                if track:
-                    key = blocks[h]
-                    cache.dsum += _entry_hash(cache, h, key, count + 1) - _entry_hash(cache, h, key, count)
-                dups += 1
-                continue
-            blocks[h] = p
-            if track:
-                cache.dsum += _entry_hash(cache, h, p, 1)
-            here = where.get(p)
-            if here is None:
-                where[p] = cid
-            elif isinstance(here, dict):
-                here[cid] = here.get(cid, 0) + 1
-            else:
-                where[p] = {here: 2} if here == cid else {here: 1, cid: 1}
-            attached += 1
-        return attached, dups
-
-    def _where_add(self, key: int, cid: int) -> None:
-        where = self._where
-        here = where.get(key)
-        if here is None:
-            where[key] = cid
-        elif isinstance(here, dict):
-            here[cid] = here.get(cid, 0) + 1
-        else:
-            where[key] = {here: 2} if here == cid else {here: 1, cid: 1}
-
-    def _unwhere_many(self, prefixes: list[int], cid: int) -> None:
-        """Drop one block of cache ``cid`` for each prefix key (keys may repeat)."""
-        where = self._where
-        olds = list(map(where.pop, prefixes, repeat(None)))
-        if olds.count(cid) == len(olds):
-            return  # every key was held once, by this cache alone: popping was all there was to do
-        for p, old in zip(prefixes, olds, strict=True):
-            if old == cid:  # held once, by this cache alone: popped, done
-                continue
-            if old is None:  # a repeated key, popped by its first occurrence (restored by then)
-                self._unwhere(p, cid)
-            elif isinstance(old, dict):  # held by several caches: one block fewer for this one
-                n = old[cid] - 1
-                if n:
-                    old[cid] = n
-                else:
-                    del old[cid]
-                if len(old) > 1:
-                    where[p] = old
-                elif old:
-                    ((only, count),) = old.items()
-                    where[p] = only if count == 1 else old
-
-    def _unwhere(self, key: int, cid: int) -> None:
-        where = self._where
-        here = where[key]
-        if not isinstance(here, dict):
-            del where[key]
-            return
-        n = here[cid] - 1
-        if n:
-            here[cid] = n
-        else:
-            del here[cid]
-        if not here:
-            del where[key]
-        elif len(here) == 1:
-            ((only, count),) = here.items()
-            if count == 1:
-                where[key] = only
 
     def _hold(
         self,
@@ -968,45 +1053,46 @@ class PrefixIndex:
             frontier = []
             for key in [k for k, (p, _o) in state.orphans.items() if p in ready]:
                 parent, orphan = state.orphans.pop(key)
-                parent_key = _find_parent(state, parent, orphan.medium)
+                parent_key = self._find_parent(state, parent, orphan.medium)
                 if parent_key is None:  # removed again in the meantime; keep waiting
                     state.orphans[key] = (parent, orphan)
                     continue
+                if not orphan.engine_hashes:
+                    continue
                 cache = state if orphan.medium is None else self._tier(state, orphan.medium)
                 prefixes = prefix_keys(orphan.local_hashes, parent_key)
-                a, d = self._attach(cache, list(orphan.engine_hashes), prefixes)
+                a, d = self._attach(
+                    cache,
+                    np.array(orphan.engine_hashes, dtype=np.uint64),
+                    np.array(prefixes, dtype=np.uint64),
+                    prefixes,
+                )
                 attached += a
                 dups += d
                 frontier.extend(orphan.engine_hashes)
         return attached, dups
 
 
-_xxh3: Final = xxhash.xxh3_64_intdigest
+def _tag(holder: Holder, medium: str | None) -> int:
+    """A cache's digest tag (see `PrefixIndex.digest`)."""
+    tag = f"{holder.worker_id}\x00{holder.dp_rank}".encode()
+    if medium is not None:
+        tag += b"\x00" + medium.encode()
+    return xxhash.xxh3_64_intdigest(tag, seed=SEED)
 
 
-def _entry_hash(cache: _Cache, engine_key: int, prefix_key: int, count: int) -> int:
-    """One digest entry of a cache's block (see `PrefixIndex.digest`)."""
-    return _xxh3(cache.dpack(cache.dtag, engine_key, prefix_key, count), SEED)
+def _py_mix(x: int) -> int:
+    """`kvmesh.core.tables`' 64-bit mix in plain Python (for `PrefixIndex.digest_from_scratch`)."""
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _MASK64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & _MASK64
+    x ^= x >> 33
+    return x
 
 
-def _entries_sum(cache: _Cache, engine_keys: Iterable[int], prefixes: Iterable[int]) -> int:
-    """The digest entries of blocks stored once, summed (not masked); C-level loops, no bytecode per block."""
-    return sum(
-        map(_xxh3, map(cache.dpack, repeat(cache.dtag), engine_keys, prefixes, repeat(1)), repeat(SEED))
-    )
-
-
-def _find_parent(state: _HolderState, parent: int, first: str | None = None) -> int | None:
-    """A parent's prefix key on tier ``first``, else on any tier of the holder, fastest tier first."""
-    if first is not None and state.tiers and first in state.tiers:
-        key = state.tiers[first].blocks.get(parent)
-        if key is not None:
-            return key
-    for _name, cache in state.caches():
-        key = cache.blocks.get(parent)
-        if key is not None:
-            return key
-    return None
+def _py_entry_hash(tag: int, key: int, prefix: int, count: int) -> int:
+    return _py_mix(tag ^ _py_mix(key ^ _py_mix((prefix + count * 0x9E3779B97F4A7C15) & _MASK64)))
 
 
 def _overlap(blocks: int, per_tier: dict[str | None, int]) -> Overlap:

@@ -34,20 +34,18 @@ SnapshotError (KvmeshError, ValueError)   the bytes are not a whole, verified sn
 from __future__ import annotations
 
 import struct
-import sys
-from array import array
-from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import islice
 from typing import Final
 
 import msgspec
+import numpy as np
 import xxhash
 
 from kvmesh.core.errors import SnapshotError
 from kvmesh.core.hashing import SEED
 from kvmesh.core.index import Holder, HolderExport, IndexExport, TierExport
 from kvmesh.core.state import StateExport, WorkerExport
+from kvmesh.core.tables import U64
 
 MAGIC: Final[bytes] = b"KVMSNAP\x00"
 FORMAT_VERSION: Final[int] = 3
@@ -57,8 +55,6 @@ _OLD_FORMATS: Final[dict[int, str]] = {
     1: " (format 1 keyed the index by 64-bit sequence hashes)",
     2: " (format 2 kept no engine order per holder)",
 }
-_CHUNK: Final[int] = 65_536
-"""Ints packed per C call, so a thread encoding a snapshot gives the GIL back every millisecond or so."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,24 +127,20 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Body)
 
 
-def _pack(values: Iterable[int], count: int) -> bytes:
-    """Pack ints as little-endian uint64, ``_CHUNK`` at a time."""
-    it = iter(values)
-    parts = []
-    for _ in range(0, count, _CHUNK):
-        chunk = array("Q", islice(it, _CHUNK))
-        if sys.byteorder == "big":
-            chunk.byteswap()
-        parts.append(chunk.tobytes())
-    return b"".join(parts)
+def _pack(values: U64) -> bytes:
+    """A uint64 array as little-endian bytes."""
+    return values.astype("<u8", copy=False).tobytes()
 
 
-def _unpack(data: bytes) -> list[int]:
-    arr = array("Q")
-    arr.frombytes(data)
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return arr.tolist()
+def _unpack(data: bytes) -> U64:
+    """Little-endian uint64 bytes as a native uint64 array (a copy).
+
+    Raises:
+        SnapshotError: the length is not a multiple of 8.
+    """
+    if len(data) % 8:
+        raise SnapshotError("body", f"a packed key array of {len(data)} bytes is not a whole number of keys")
+    return np.frombuffer(data, dtype="<u8").astype(np.uint64)
 
 
 def encode_snapshot(export: StateExport) -> bytes:
@@ -190,16 +182,16 @@ def encode_snapshot(export: StateExport) -> bytes:
                     _Holder(
                         h.holder[0],
                         h.holder[1],
-                        _pack(h.blocks.keys(), len(h.blocks)),
-                        _pack(h.blocks.values(), len(h.blocks)),
+                        _pack(h.engine),
+                        _pack(h.prefixes),
                         sorted(h.counts.items()),
                         [(s, p, list(e), list(lo), op, m) for s, p, e, lo, op, m in h.orphans],
                         h.orphan_serial,
                         [
                             _Tier(
                                 t.medium,
-                                _pack(t.blocks.keys(), len(t.blocks)),
-                                _pack(t.blocks.values(), len(t.blocks)),
+                                _pack(t.engine),
+                                _pack(t.prefixes),
                                 sorted(t.counts.items()),
                             )
                             for t in h.tiers
@@ -297,7 +289,8 @@ def decode_snapshot(data: bytes) -> StateExport:
                     holders=tuple(
                         HolderExport(
                             holder=Holder(h.worker_id, h.dp_rank),
-                            blocks=dict(zip(_unpack(h.engine), _unpack(h.seq), strict=True)),
+                            engine=_unpack(h.engine),
+                            prefixes=_unpack(h.seq),
                             counts=dict(h.counts),
                             orphans=tuple(
                                 (s, p, tuple(e), tuple(lo), op, m) for s, p, e, lo, op, m in h.orphans
@@ -306,7 +299,8 @@ def decode_snapshot(data: bytes) -> StateExport:
                             tiers=tuple(
                                 TierExport(
                                     medium=t.medium,
-                                    blocks=dict(zip(_unpack(t.engine), _unpack(t.seq), strict=True)),
+                                    engine=_unpack(t.engine),
+                                    prefixes=_unpack(t.seq),
                                     counts=dict(t.counts),
                                 )
                                 for t in h.tiers

@@ -35,6 +35,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvmesh.core.index import DEFAULT_TIER
 from kvmesh.core.state import IndexState
 from kvmesh.runtime.replica import StreamReplica
 
@@ -389,17 +390,11 @@ def replica_samples(prefix: str, view: ReplicaView, labels: Mapping[str, str]) -
 def _holder_tiers(state: IndexState) -> Iterator[tuple[tuple[str, int], str, int, int]]:
     """((worker, dp_rank), tier, blocks, held orphans) of every holder's tiers (``gpu``: the default tier,
     which also carries the holder's held orphans)."""
-    # Private maps of the core index: the per-tier sizes without walking blocks (no public accessor yet).
     for by_size in state._indexes.values():
         for index in by_size.values():
-            for holder, hs in index._holders.items():
-                for name, cache in hs.caches():
-                    yield (
-                        (holder.worker_id, holder.dp_rank),
-                        name or "gpu",
-                        len(cache.blocks),
-                        len(hs.orphans) if name is None else 0,
-                    )
+            for t in index.tier_counts():
+                tier = "gpu" if t.tier == DEFAULT_TIER else t.tier
+                yield (t.holder.worker_id, t.holder.dp_rank), tier, t.blocks, t.held_orphans
 
 
 def parse_exposition(text: str) -> dict[str, float]:

@@ -1,0 +1,453 @@
+"""Compact hash tables of the prefix index: flat numpy arrays and compiled kernels over them.
+
+Pure code: no I/O, no clock. The kernels are compiled by numba on first use and cached beside this module
+(or under ``NUMBA_CACHE_DIR``); that cache is numba's own file, not state of kvmesh.
+
+Two open-addressing tables with linear probing, both sized to any capacity (not a power of two: the slot of
+a 64-bit mixed hash ``h`` is ``((h >> 32) * capacity) >> 32``), grown by 1.5× when an insert would take them
+over 85 % full, and shrunk when they fall under 20 %:
+
+* **blocks** — one slot per indexed (cache, engine key): ``b_key`` (uint64 engine key), ``b_cid`` (int32
+  cache id; -1 marks an empty slot) and ``b_ps`` (uint32: the slot of the block's prefix key in the
+  prefixes table). 16 bytes a slot. Deletion shifts later entries back, so the table has no tombstones.
+* **prefixes** — one slot per distinct prefix key: ``p_key`` (uint64) and ``p_val`` (int32): a cache id when
+  one block of one cache has the key, `SHARED` when more do (the caller keeps those in a dict), `TOMB` for a
+  deleted slot, `EMPTY` for a free one. 12 bytes a slot. Slots never move except when the table is rebuilt,
+  which rewrites every ``b_ps`` (`remap_ps`).
+
+``meta`` is an int64 array ``[blocks in use, prefixes in use, prefix tombstones]``.
+
+At the loads these tables run at (57 – 85 %), a block whose prefix key no other block has costs 33 – 49
+bytes; a shared prefix costs one blocks slot per holder and one prefixes slot (plus the caller's dict).
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable
+from typing import Any, Final, TypeVar, cast
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+U64 = npt.NDArray[np.uint64]
+I32 = npt.NDArray[np.int32]
+U32 = npt.NDArray[np.uint32]
+I64 = npt.NDArray[np.int64]
+
+EMPTY: Final[int] = -3
+"""``p_val`` of a free prefixes slot."""
+TOMB: Final[int] = -2
+"""``p_val`` of a deleted prefixes slot (probing continues past it)."""
+SHARED: Final[int] = -1
+"""``p_val`` of a prefix key that several blocks (of one or more caches) have."""
+
+MAX_LOAD: Final[float] = 0.85
+"""A table is rebuilt before an insert would take it above this fill (in use plus tombstones)."""
+GROWTH: Final[float] = 1.5
+"""A rebuilt table has room for this many times its entries at `MAX_LOAD`."""
+MIN_LOAD: Final[float] = 0.2
+"""A table above `MIN_CAPACITY` is rebuilt smaller once its entries fall below this fill."""
+MIN_CAPACITY: Final[int] = 1024
+
+# meta fields
+B_LIVE: Final[int] = 0
+P_LIVE: Final[int] = 1
+P_TOMB: Final[int] = 2
+
+# store codes (per block, in ``st``)
+STORED_NEW: Final[int] = 0
+"""Indexed; its prefix key was new (or held by no one)."""
+STORED_PROMOTED: Final[int] = 1
+"""Indexed; its prefix key was held once by cache ``aux``: the slot is now `SHARED`."""
+STORED_SHARED: Final[int] = 2
+"""Indexed; its prefix key was already `SHARED` (slot ``aux``)."""
+STORED_DUPLICATE: Final[int] = 3
+"""Already indexed for this cache: nothing changed (the caller raises its store count)."""
+# remove codes
+REMOVED: Final[int] = 0
+"""Removed; its prefix slot was this cache's alone and is now a tombstone."""
+REMOVED_UNKNOWN: Final[int] = 1
+"""Not indexed for this cache."""
+REMOVED_SHARED: Final[int] = 2
+"""Removed; its prefix slot ``aux`` is `SHARED` (the caller drops one block of this cache from it)."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _jit(fn: F) -> F:
+    return cast("F", numba.njit(cache=True, nogil=True)(fn))
+
+
+_C1 = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+_S32 = np.uint64(32)
+_ONE = np.uint64(1)
+_PRIME = np.uint64(2**60 - 93)
+
+
+@_jit
+def _mix(x: np.uint64) -> np.uint64:
+    x ^= x >> _S33
+    x *= _M1
+    x ^= x >> _S33
+    x *= _M2
+    x ^= x >> _S33
+    return x
+
+
+@_jit
+def _slot(h: np.uint64, cap: int) -> int:
+    return np.int64(((h >> _S32) * np.uint64(cap)) >> _S32)  # type: ignore[return-value]  # an int64 in compiled code
+
+
+@_jit
+def _b_home(key: np.uint64, cid: int, cap: int) -> int:
+    return _slot(_mix(key ^ (np.uint64(cid + 1) * _C1)), cap)
+
+
+@_jit
+def _b_find(b_key: U64, b_cid: I32, cid: int, key: np.uint64) -> int:
+    cap = b_key.shape[0]
+    i = _b_home(key, cid, cap)
+    while True:
+        c = b_cid[i]
+        if c == -1:
+            return -1
+        if c == cid and b_key[i] == key:
+            return i
+        i += 1
+        if i == cap:
+            i = 0
+
+
+@_jit
+def _b_delete(b_key: U64, b_cid: I32, b_ps: U32, i: int) -> None:
+    """Empty slot ``i`` and shift the entries after it back (no tombstones)."""
+    cap = b_key.shape[0]
+    j = i
+    while True:
+        j += 1
+        if j == cap:
+            j = 0
+        c = b_cid[j]
+        if c == -1:
+            break
+        k = _b_home(b_key[j], c, cap)
+        # entry j may move to i unless its home lies cyclically in (i, j]
+        stays = i < k <= j if i <= j else k > i or k <= j
+        if not stays:
+            b_key[i] = b_key[j]
+            b_cid[i] = c
+            b_ps[i] = b_ps[j]
+            i = j
+    b_cid[i] = -1
+
+
+@_jit
+def _p_find(p_key: U64, p_val: I32, key: np.uint64) -> int:
+    cap = p_key.shape[0]
+    i = _slot(_mix(key), cap)
+    while True:
+        v = p_val[i]
+        if v == EMPTY:
+            return -1
+        if v != TOMB and p_key[i] == key:
+            return i
+        i += 1
+        if i == cap:
+            i = 0
+
+
+@_jit
+def fold(keys: U64) -> None:
+    """Fold engine hashes in place to the index's 60-bit engine keys (``h mod (2**60 - 93)``)."""
+    for i in range(keys.shape[0]):
+        keys[i] = keys[i] % _PRIME
+
+
+@_jit
+def store(  # noqa: PLR0917 - compiled kernels take their arrays positionally
+    b_key: U64,
+    b_cid: I32,
+    b_ps: U32,
+    p_key: U64,
+    p_val: I32,
+    meta: I64,
+    cid: int,
+    keys: U64,
+    prefixes: U64,
+    st: I32,
+    aux: I32,
+) -> int:
+    """Index blocks ``keys[i]`` (engine keys) with ``prefixes[i]`` for cache ``cid``, in order.
+
+    The caller has made room for ``len(keys)`` more entries in both tables. Writes a store code per block
+    into ``st`` (and the code's slot or cache id into ``aux``). Returns the number of blocks whose code is not
+    `STORED_NEW`.
+    """
+    bcap = b_key.shape[0]
+    pcap = p_key.shape[0]
+    special = 0
+    for n in range(keys.shape[0]):
+        key = keys[n]
+        i = _b_home(key, cid, bcap)
+        dup = False
+        while True:
+            c = b_cid[i]
+            if c == -1:
+                break
+            if c == cid and b_key[i] == key:
+                dup = True
+                break
+            i += 1
+            if i == bcap:
+                i = 0
+        if dup:
+            st[n] = STORED_DUPLICATE
+            special += 1
+            continue
+        pk = prefixes[n]
+        j = _slot(_mix(pk), pcap)
+        free = -1
+        while True:
+            v = p_val[j]
+            if v == EMPTY:
+                break
+            if v == TOMB:
+                if free < 0:
+                    free = j
+            elif p_key[j] == pk:
+                break
+            j += 1
+            if j == pcap:
+                j = 0
+        v = p_val[j]
+        if v == EMPTY:
+            if free >= 0:
+                j = free
+                meta[P_TOMB] -= 1
+            p_key[j] = pk
+            p_val[j] = cid
+            meta[P_LIVE] += 1
+            st[n] = STORED_NEW
+        elif v == SHARED:
+            st[n] = STORED_SHARED
+            aux[n] = j
+            special += 1
+        else:
+            p_val[j] = SHARED
+            st[n] = STORED_PROMOTED
+            aux[n] = v
+            special += 1
+        b_key[i] = key
+        b_cid[i] = cid
+        b_ps[i] = np.uint32(j)
+        meta[B_LIVE] += 1
+    return special
+
+
+@_jit
+def remove(  # noqa: PLR0917 - compiled kernels take their arrays positionally
+    b_key: U64,
+    b_cid: I32,
+    b_ps: U32,
+    p_val: I32,
+    meta: I64,
+    cid: int,
+    keys: U64,
+    st: I32,
+    aux: I32,
+) -> int:
+    """Remove blocks ``keys[i]`` (engine keys) of cache ``cid``; writes a remove code per block into ``st``.
+
+    Returns the number of blocks removed.
+    """
+    removed = 0
+    for n in range(keys.shape[0]):
+        i = _b_find(b_key, b_cid, cid, keys[n])
+        if i < 0:
+            st[n] = REMOVED_UNKNOWN
+            continue
+        j = np.int64(b_ps[i])
+        _b_delete(b_key, b_cid, b_ps, i)
+        meta[B_LIVE] -= 1
+        removed += 1
+        if p_val[j] == cid:
+            p_val[j] = TOMB
+            meta[P_LIVE] -= 1
+            meta[P_TOMB] += 1
+            st[n] = REMOVED
+        else:
+            st[n] = REMOVED_SHARED
+            aux[n] = j
+    return removed
+
+
+@_jit
+def remove_one(b_key: U64, b_cid: I32, b_ps: U32, p_val: I32, meta: I64, cid: int, key: np.uint64) -> int:  # noqa: PLR0917 - compiled kernels take their arrays positionally
+    """`remove` of one block: -2 when not indexed, -1 when removed and its prefix slot was this cache's alone,
+    else the `SHARED` prefix slot to fix."""
+    i = _b_find(b_key, b_cid, cid, key)
+    if i < 0:
+        return -2
+    j = np.int64(b_ps[i])
+    _b_delete(b_key, b_cid, b_ps, i)
+    meta[B_LIVE] -= 1
+    if p_val[j] == cid:
+        p_val[j] = TOMB
+        meta[P_LIVE] -= 1
+        meta[P_TOMB] += 1
+        return -1
+    return j  # type: ignore[return-value]  # an int64 in compiled code
+
+
+@_jit
+def prefix_slot(b_key: U64, b_cid: I32, b_ps: U32, cid: int, key: np.uint64) -> int:
+    """The prefixes slot of cache ``cid``'s block with engine key ``key``; -1 when not indexed."""
+    i = _b_find(b_key, b_cid, cid, key)
+    if i < 0:
+        return -1
+    return np.int64(b_ps[i])  # type: ignore[return-value]  # an int64 in compiled code
+
+
+@_jit
+def lookup_run(p_key: U64, p_val: I32, keys: U64, out: I32) -> int:
+    """``out[i]`` = the ``p_val`` of ``keys[i]`` for the leading run of keys that are indexed; returns its
+    length."""
+    for n in range(keys.shape[0]):
+        j = _p_find(p_key, p_val, keys[n])
+        if j < 0:
+            return n
+        out[n] = p_val[j]
+    return keys.shape[0]  # type: ignore[no-any-return]  # an int64 in compiled code
+
+
+@_jit
+def find_prefix(p_key: U64, p_val: I32, key: np.uint64) -> int:
+    """The slot of a prefix key, or -1."""
+    return _p_find(p_key, p_val, key)
+
+
+@_jit
+def collect(b_key: U64, b_cid: I32, b_ps: U32, p_key: U64, start: I64, out_key: U64, out_prefix: U64) -> None:  # noqa: PLR0917 - compiled kernels take their arrays positionally
+    """Every block's (engine key, prefix key), grouped by cache: cache ``c``'s blocks go to
+    ``out[start[c]:...]`` (``start`` is advanced; the caller sizes it from its per-cache counts)."""
+    for i in range(b_key.shape[0]):
+        c = b_cid[i]
+        if c >= 0:
+            n = start[c]
+            out_key[n] = b_key[i]
+            out_prefix[n] = p_key[b_ps[i]]
+            start[c] = n + 1
+
+
+@_jit
+def collect_one(b_key: U64, b_cid: I32, cid: int, out_key: U64) -> int:
+    """The engine keys of one cache's blocks; returns how many."""
+    n = 0
+    for i in range(b_key.shape[0]):
+        if b_cid[i] == cid:
+            out_key[n] = b_key[i]
+            n += 1
+    return n
+
+
+@_jit
+def rebuild_blocks(old_key: U64, old_cid: I32, old_ps: U32, b_key: U64, b_cid: I32, b_ps: U32) -> None:  # noqa: PLR0917 - compiled kernels take their arrays positionally
+    """Insert every entry of the old blocks table into the new (empty) one."""
+    cap = b_key.shape[0]
+    for n in range(old_key.shape[0]):
+        c = old_cid[n]
+        if c < 0:
+            continue
+        key = old_key[n]
+        i = _b_home(key, c, cap)
+        while b_cid[i] != -1:
+            i += 1
+            if i == cap:
+                i = 0
+        b_key[i] = key
+        b_cid[i] = c
+        b_ps[i] = old_ps[n]
+
+
+@_jit
+def rebuild_prefixes(old_key: U64, old_val: I32, p_key: U64, p_val: I32, remap: U32) -> int:
+    """Insert every live entry of the old prefixes table into the new (empty) one; ``remap[old slot]`` = new
+    slot. Returns the live entries."""
+    cap = p_key.shape[0]
+    live = 0
+    for n in range(old_key.shape[0]):
+        v = old_val[n]
+        if v in (EMPTY, TOMB):
+            continue
+        key = old_key[n]
+        i = _slot(_mix(key), cap)
+        while p_val[i] != EMPTY:
+            i += 1
+            if i == cap:
+                i = 0
+        p_key[i] = key
+        p_val[i] = v
+        remap[n] = np.uint32(i)
+        live += 1
+    return live
+
+
+@_jit
+def remap_ps(b_cid: I32, b_ps: U32, remap: U32) -> None:
+    """Point every block at its prefix key's slot in the rebuilt prefixes table."""
+    for i in range(b_cid.shape[0]):
+        if b_cid[i] >= 0:
+            b_ps[i] = remap[b_ps[i]]
+
+
+@_jit
+def entry_hash(tag: np.uint64, key: np.uint64, prefix: np.uint64, count: int) -> np.uint64:
+    """One digest entry: a 64-bit mix of the cache's tag hash, engine key, prefix key and store count."""
+    return _mix(tag ^ _mix(key ^ _mix(prefix + np.uint64(count) * _C1)))
+
+
+@_jit
+def digest_sum(b_key: U64, b_cid: I32, b_ps: U32, p_key: U64, tags: U64) -> np.uint64:
+    """Sum (modulo 2**64) of `entry_hash` with count 1 over every block (cache ``c``'s tag: ``tags[c]``)."""
+    total = np.uint64(0)
+    for i in range(b_key.shape[0]):
+        c = b_cid[i]
+        if c >= 0:
+            total += entry_hash(tags[c], b_key[i], p_key[b_ps[i]], 1)
+    return total
+
+
+MMAP_BYTES: Final[int] = 1 << 20
+"""Arrays of at least this size are anonymous memory maps, given back to the system when dropped (from the
+allocator's heap, the old table of every rebuild would stay resident as free space)."""
+
+
+def _array(capacity: int, dtype: type[np.generic], fill: int) -> Any:
+    size = capacity * np.dtype(dtype).itemsize
+    if size < MMAP_BYTES:
+        return np.full(capacity, fill, dtype=dtype)
+    arr = np.frombuffer(mmap.mmap(-1, size), dtype=dtype)  # zero pages until written; unmapped with the array
+    if fill:
+        arr.fill(fill)
+    return arr
+
+
+def new_blocks(capacity: int) -> tuple[U64, I32, U32]:
+    """An empty blocks table."""
+    return _array(capacity, np.uint64, 0), _array(capacity, np.int32, -1), _array(capacity, np.uint32, 0)
+
+
+def new_prefixes(capacity: int) -> tuple[U64, I32]:
+    """An empty prefixes table."""
+    return _array(capacity, np.uint64, 0), _array(capacity, np.int32, EMPTY)
+
+
+def capacity_for(entries: int) -> int:
+    """The capacity a table is rebuilt to for ``entries`` entries (`GROWTH` × room at `MAX_LOAD`)."""
+    return max(MIN_CAPACITY, int(entries * GROWTH / MAX_LOAD) + 1)

@@ -17,10 +17,8 @@ Figures per run:
 
 * **block operations/s until queryable**: stored + removed blocks of every frame, divided by the time from
   the first frame sent to the moment the system answers the last prompt of every engine with the engines'
-  own truth (polled every 20 ms; the probe is part of the cost). A system that never reaches the truth
-  (Dynamo skips a BlockStored whose parent it does not hold) counts as queryable when its answers stop
-  changing (unchanged for ``--settle-s``, not all zero), at the time they took their final value; the
-  table's "settled" column says which;
+  own truth (polled every 20 ms; the probe is part of the cost). Each engine's last prompt is a sentinel
+  of 4 fresh blocks (no parent, held by no other engine), so both systems can reach the truth on it;
 * **CPU seconds per million block operations**: user + system time of every process of the system (for
   kvmesh the ingests, the indexer, the router and nats-server) over the same interval, from
   ``/proc/PID/stat``;
@@ -75,6 +73,9 @@ SKIP_MESSAGE: Final[str] = (
     "the Dynamo side is skipped. Install the bench extra of kvmesh-tools "
     "(`uv sync --all-packages --extra bench`) to compare."
 )
+SENTINEL_TOKENS: Final[int] = 64
+"""Tokens of the prompt each engine serves last (4 blocks no other prompt has): once a system answers it
+for every engine, it has applied every frame before it (each engine's frames arrive in order)."""
 _REPLAY_STEPS: Final[int] = 200_000
 _HWM: Final[int] = 1_000_000
 """Send high-water mark of each engine socket, in frames: above every run's frame count, so nothing is
@@ -103,7 +104,7 @@ class Frames:
     served: int = 0
     """Requests the pools served (the rest did not fit a pool)."""
     probes: list[list[int]] = field(default_factory=list)
-    """Per engine, the last prompt it served."""
+    """Per engine, the last prompt it served: its sentinel (`SENTINEL_TOKENS` fresh tokens)."""
     queries: list[list[int]] = field(default_factory=list)
     truth: list[list[int]] = field(default_factory=list)
     """Per query (then per probe, after the queries), every engine's overlap in blocks."""
@@ -159,10 +160,26 @@ def make_frames(
                 out.removed_blocks += len(ev.block_hashes)
         if events:
             out.frames[w].append(encode_batch(EngineBatch(ts=float(i), events=tuple(events), dp_rank=0)))
+    for w, pool in enumerate(pools):  # each engine's last frame: a short prompt no other engine holds
+        sentinel = [
+            int(t) for t in random.Random(f"sentinel-{seed}-{w}").choices(range(32000), k=SENTINEL_TOKENS)
+        ]
+        pool.start(f"sentinel-{w}", sentinel)
+        pool.finish(f"sentinel-{w}")
+        last[w] = sentinel
+        events = pool.take_events()
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                out.stored_blocks += len(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                out.removed_blocks += len(ev.block_hashes)
+        out.frames[w].append(
+            encode_batch(EngineBatch(ts=float(requests + w), events=tuple(events), dp_rank=0))
+        )
     out.block_ops = out.stored_blocks + out.removed_blocks
     rng = random.Random(seed)
     out.queries = [rng.choice(prompts)[:query_tokens] for _ in range(queries)] if prompts else []
-    out.probes = [p or [0] * BLOCK_SIZE for p in last]
+    out.probes = last
     cached = [set(p.cached_block_hashes()) for p in pools]
     for q in [*out.queries, *out.probes]:
         out.truth.append(
@@ -285,37 +302,23 @@ def _wait_subscribed(pubs: Sequence[EventPublisher], check: Callable[[], None], 
 
 
 class _Settle:
-    """When a system is queryable: its probe answers equal the engines' truth, or (a system that never
-    reaches it) they have not changed for ``settle_s`` and are not all zero; then the time is when they
-    first took their final value. ``cpu_s`` is the processes' CPU time at that moment, so the polls after it
-    do not count."""
+    """Queryable once the probe answers equal the engines' truth (or past the timeout); ``cpu_s`` is the
+    processes' CPU time at that moment."""
 
-    def __init__(
-        self, truth: list[list[int]], pids: Sequence[int], settle_s: float, timeout_s: float
-    ) -> None:
+    def __init__(self, truth: list[list[int]], pids: Sequence[int], timeout_s: float) -> None:
         self.truth = truth
         self.pids = list(pids)
-        self.cpu_s = self.cpu_at_change = cpu_seconds(self.pids)
-        self.settle_s = settle_s
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + timeout_s
-        self.last: list[list[int]] | None = None
-        self.changed_at = self.t0
+        self.cpu_s = cpu_seconds(self.pids)
         self.queryable_s = 0.0
         self.settled = False
 
     def done(self, answers: list[list[int]]) -> bool:
         """Record one poll's answers; True once queryable (or past the timeout)."""
         now = time.perf_counter()
-        if answers == self.truth:
-            self.queryable_s, self.settled, self.cpu_s = now - self.t0, True, cpu_seconds(self.pids)
-            return True
-        if answers != self.last:
-            self.last, self.changed_at, self.cpu_at_change = answers, now, cpu_seconds(self.pids)
-        elif now - self.changed_at >= self.settle_s and any(any(a) for a in answers):
-            self.queryable_s, self.cpu_s = self.changed_at - self.t0, self.cpu_at_change
-            return True
-        if now > self.deadline:
+        self.settled = answers == self.truth
+        if self.settled or now > self.deadline:
             self.queryable_s, self.cpu_s = now - self.t0, cpu_seconds(self.pids)
             return True
         return False
@@ -359,7 +362,7 @@ class _DynamoClient:
 
 
 def run_dynamo(
-    fr: Frames, *, query_requests: int, threads: int | None, timeout_s: float, log_dir: Path, settle_s: float = 2.0
+    fr: Frames, *, query_requests: int, threads: int | None, timeout_s: float, log_dir: Path
 ) -> RunResult:  # fmt: skip
     """One run of Dynamo's standalone indexer on the frames (see the module docstring)."""
     result = RunResult(system=DYNAMO, block_ops=fr.block_ops)
@@ -401,7 +404,7 @@ def run_dynamo(
                 time.sleep(0.1)
         pids = [proc.pid]
         cpu0 = cpu_seconds(pids)
-        settle = _Settle(fr.probe_truth, pids, settle_s, timeout_s)
+        settle = _Settle(fr.probe_truth, pids, timeout_s)
         _send_all(pubs, fr.frames)
         while not settle.done([client.overlaps(p, fr.workers) for p in fr.probes]):
             check()
@@ -445,7 +448,7 @@ def run_dynamo(
 
 
 async def _kvmesh(
-    fr: Frames, result: RunResult, *, query_requests: int, timeout_s: float, log_dir: Path, settle_s: float
+    fr: Frames, result: RunResult, *, query_requests: int, timeout_s: float, log_dir: Path
 ) -> None:  # fmt: skip
     from kvmesh.client import RouteError, Router  # noqa: PLC0415
     from kvmesh.harness.procs import ChildProcesses  # noqa: PLC0415
@@ -493,7 +496,7 @@ async def _kvmesh(
         if server.pid is not None:
             pids.append(server.pid)
         cpu0 = cpu_seconds(pids)
-        settle = _Settle(fr.probe_truth, pids, settle_s, timeout_s)
+        settle = _Settle(fr.probe_truth, pids, timeout_s)
         _send_all(pubs, fr.frames)
         while True:
             children.check()
@@ -531,16 +534,10 @@ async def _kvmesh(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run_kvmesh(
-    fr: Frames, *, query_requests: int, timeout_s: float, log_dir: Path, settle_s: float = 2.0
-) -> RunResult:
+def run_kvmesh(fr: Frames, *, query_requests: int, timeout_s: float, log_dir: Path) -> RunResult:
     """One run of the kvmesh pipeline on the frames (see the module docstring)."""
     result = RunResult(system=KVMESH, block_ops=fr.block_ops)
-    asyncio.run(
-        _kvmesh(
-            fr, result, query_requests=query_requests, timeout_s=timeout_s, log_dir=log_dir, settle_s=settle_s
-        )
-    )
+    asyncio.run(_kvmesh(fr, result, query_requests=query_requests, timeout_s=timeout_s, log_dir=log_dir))
     return result
 
 
@@ -609,11 +606,6 @@ def command(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--timeout-s", type=float, default=300.0, help="give up waiting to be queryable (default 300)"
     )
-    p.add_argument(
-        "--settle-s", type=float, default=2.0,
-        help="a system whose probe answers never reach the truth is queryable once they stay unchanged this "
-        "long (default 2)",
-    )  # fmt: skip
     p.add_argument("--log-dir", default=None, help="keep the child processes' logs here")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json")
     a = p.parse_args(argv)
@@ -649,12 +641,11 @@ def command(argv: Sequence[str] | None = None) -> int:
                 if system == DYNAMO:
                     r = run_dynamo(
                         fr, query_requests=a.query_requests, threads=a.dynamo_threads, timeout_s=a.timeout_s,
-                        log_dir=log_dir, settle_s=a.settle_s,
+                        log_dir=log_dir,
                     )  # fmt: skip
                 else:
                     r = run_kvmesh(
                         fr, query_requests=a.query_requests, timeout_s=a.timeout_s, log_dir=log_dir,
-                        settle_s=a.settle_s,
                     )  # fmt: skip
                 runs.append(r)
                 print(

@@ -588,3 +588,20 @@ def test_duplicate_copies_count_per_tier() -> None:
     assert index.match_tiers(KEYS8) == {A0: Overlap(2, {"CPU": 2})}
     assert index.remove(A0, E8[:2], "CPU") == _removed(2)
     assert index.match_tiers(KEYS8) == {}
+
+
+def test_two_blocks_of_one_holder_with_one_prefix_key_are_removed_in_one_event() -> None:
+    """Two engine blocks of one holder with the same prefix key (same tokens under two engine hashes), removed
+    together: the key's shared entry is demoted by the first and dropped by the second (a KeyError once)."""
+    index = PrefixIndex()
+    index.store(A0, [11], None, [LOCAL[0]])
+    index.store(A0, [12], None, [LOCAL[0]])
+    index.store(B0, [13], None, [LOCAL[0]])
+    assert index.match(SEQ[:1]) == {A0: 1, B0: 1}
+    assert index.remove(A0, [11, 12]) == RemoveResult(2, 0, 0)
+    assert index.match(SEQ[:1]) == {B0: 1}
+    index.store(A0, [11, 12], None, [LOCAL[0], LOCAL[0]])  # the same key twice in one event
+    assert index.clear(A0) == 2
+    assert index.remove(B0, [13]) == RemoveResult(1, 0, 0)
+    assert index.match(SEQ[:1]) == {}
+    assert index.stats().distinct_prefixes == 0

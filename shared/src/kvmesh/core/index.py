@@ -89,7 +89,7 @@ import numpy as np
 import xxhash
 
 from kvmesh.core import tables
-from kvmesh.core.hashing import SEED, prefix_keys
+from kvmesh.core.hashing import SEED
 from kvmesh.core.tables import I32, U64
 
 DEFAULT_MAX_ORPHANS: Final[int] = 4096
@@ -320,8 +320,9 @@ class IndexExport:
     """In the index's own order."""
 
 
-def as_keys(values: Iterable[int]) -> U64:
-    """Engine hashes (unsigned 64-bit ints, any iterable) as a uint64 array folded to the index's engine keys.
+def as_keys(values: Iterable[int], *, fold: bool = True) -> U64:
+    """Engine hashes (unsigned 64-bit ints, any iterable) as a uint64 array, folded to the index's engine keys
+    (`engine_key60`) unless ``fold`` is false.
 
     Raises:
         ValueError: a value is negative or not below ``2**64``.
@@ -330,8 +331,12 @@ def as_keys(values: Iterable[int]) -> U64:
         arr = np.array(values if type(values) in _SEQUENCES else list(values), dtype=np.uint64)
     except OverflowError:
         raise ValueError("engine hashes must be unsigned 64-bit ints") from None
-    tables.fold(arr)
+    if fold:
+        tables.fold(arr)
     return arr
+
+
+_NO_KEYS: Final[U64] = np.zeros(0, dtype=np.uint64)
 
 
 class PrefixIndex:
@@ -398,7 +403,7 @@ class PrefixIndex:
         """
         if len(engine_hashes) != len(local_hashes):
             raise ValueError(f"{len(engine_hashes)} engine hashes but {len(local_hashes)} local hashes")
-        keys = as_keys(engine_hashes)
+        keys = as_keys(engine_hashes, fold=False)  # folded by the store kernel
         self._ops += 1
         state = self._holders.get(holder)
         if state is None:
@@ -418,15 +423,15 @@ class PrefixIndex:
             if parent_key is None and (cache is not state or state.tiers):
                 parent_key = self._find_parent(state, parent)
             if parent_key is None:
-                dropped += self._hold(state, parent, tuple(keys.tolist()), tuple(local_hashes), name)
+                held = tuple(h % ENGINE_KEY_PRIME for h in keys.tolist())
+                dropped += self._hold(state, parent, held, tuple(local_hashes), name)
                 return StoreResult(0, 0, True, dropped)
         if not len(keys):
             return StoreResult(0, 0, False, dropped)
         if cache is None:
             assert name is not None
             cache = self._tier(state, name)
-        prefixes = prefix_keys(local_hashes, parent_key)
-        attached, dups = self._attach(cache, keys, np.array(prefixes, dtype=np.uint64), prefixes)
+        attached, dups = self._attach(cache, keys, None, local_hashes, parent_key)
         if state.orphans:
             more, more_dups = self._attach_held(state, keys.tolist())
             attached += more
@@ -746,7 +751,7 @@ class PrefixIndex:
             state = index._new_holder(Holder(h.holder[0], h.holder[1]))
             if len(h.engine):
                 index._attach(
-                    state, np.asarray(h.engine, dtype=np.uint64), np.asarray(h.prefixes, dtype=np.uint64)
+                    state, np.array(h.engine, dtype=np.uint64), np.array(h.prefixes, dtype=np.uint64)
                 )
             state.counts = dict(h.counts)
             state.orphan_serial = h.orphan_serial
@@ -756,7 +761,7 @@ class PrefixIndex:
                 if len(t.engine):
                     cache = index._tier(state, t.medium)
                     index._attach(
-                        cache, np.asarray(t.engine, dtype=np.uint64), np.asarray(t.prefixes, dtype=np.uint64)
+                        cache, np.array(t.engine, dtype=np.uint64), np.array(t.prefixes, dtype=np.uint64)
                     )
                     cache.counts = dict(t.counts)
         return index
@@ -824,15 +829,42 @@ class PrefixIndex:
         return None
 
     def _attach(
-        self, cache: _Cache, keys: U64, prefixes: U64, prefix_list: list[int] | None = None
+        self,
+        cache: _Cache,
+        keys: U64,
+        prefixes: U64 | None,
+        local_hashes: Sequence[int] | None = None,
+        parent_key: int | None = None,
     ) -> tuple[int, int]:
-        """Index engine keys with their prefix keys in one cache; returns (attached, duplicates)."""
+        """Index engine keys in one cache with their prefix keys: ``prefixes``, or (None) the chain of
+        ``local_hashes`` from ``parent_key`` (None: from block 0), computed by the store kernel. Returns
+        (attached, duplicates)."""
         n = len(keys)
         self._room(n)
         st, aux = self._scratch(n)
         cid = cache.cid
+        if prefixes is None:
+            assert local_hashes is not None
+            local = np.array(local_hashes, dtype=np.uint64)
+            prefixes = np.zeros(n, dtype=np.uint64)
+            mode = 1 if parent_key is None else 2
+        else:
+            local, mode = _NO_KEYS, 0
         special = tables.store(
-            self._bk, self._bc, self._bp, self._pk, self._pv, self._meta, cid, keys, prefixes, st, aux
+            self._bk,
+            self._bc,
+            self._bp,
+            self._pk,
+            self._pv,
+            self._meta,
+            cid,
+            keys,
+            prefixes,
+            local,
+            np.uint64(parent_key or 0),
+            mode,
+            st,
+            aux,
         )
         dups = 0
         if special:
@@ -844,7 +876,7 @@ class PrefixIndex:
                     cache.counts[h] = cache.counts.get(h, 1) + 1
                     dups += 1
                     continue
-                p = prefix_list[i] if prefix_list is not None else int(prefixes[i])
+                p = int(prefixes[i])
                 if code == tables.STORED_PROMOTED:
                     old = int(aux[i])
                     shared[p] = {old: 2} if old == cid else {old: 1, cid: 1}
@@ -858,6 +890,13 @@ class PrefixIndex:
 
     def _unshare(self, slot: int, cid: int) -> None:
         """One block of cache ``cid`` fewer on a SHARED prefix slot (demoting or freeing the slot)."""
+        if self._pv[slot] != _SHARED:
+            # Demoted to this cache alone by an earlier block of the same removal (two of its blocks had the
+            # key): this block was its last one there.
+            self._pv[slot] = tables.TOMB
+            self._meta[tables.P_LIVE] -= 1
+            self._meta[tables.P_TOMB] += 1
+            return
         key = int(self._pk[slot])
         holders = self._shared[key]
         count = holders[cid] - 1
@@ -924,59 +963,77 @@ class PrefixIndex:
         self._tiered -= 1
         self._release(cache)
 
-    def _lookup(self, keys: Iterable[int]) -> Iterator[tuple[int, int | dict[int, int]]]:
-        """Yield (prefix key, holders) for the prompt's leading run of indexed keys: holders is a cache id, or
-        ``{cid: blocks}`` for a shared key. Looks keys up in compiled calls of growing chunks, taking keys from
-        a lazy iterator only as far as the run goes."""
+    def _chunks(self, keys: Iterable[int]) -> Iterator[tuple[list[int], list[int]]]:
+        """The prompt's leading run of indexed keys, in chunks: (keys, their ``p_val``s) per compiled lookup
+        of 16, 32, 64, ... keys, taking keys from a lazy iterator only as far as the run goes. A ``p_val`` is
+        a cache id, or `tables.SHARED` (the key's holders are in ``_shared``)."""
         it = iter(keys)
-        shared = self._shared
         size = _FIRST_CHUNK
-        out = np.zeros(size, dtype=np.int32)
+        out = self._st
         while True:
-            chunk = list(islice(it, size))
+            chunk = (
+                keys
+                if size == _FIRST_CHUNK and type(keys) is list and len(keys) <= size
+                else list(islice(it, size))
+            )
             if not chunk:
                 return
             if len(out) < len(chunk):
-                out = np.zeros(len(chunk), dtype=np.int32)
+                out = self._scratch(len(chunk))[0]
             try:
                 arr = np.array(chunk, dtype=np.uint64)
             except OverflowError:
                 return  # a key no index holds (keys are below 2**60)
             found = tables.lookup_run(self._pk, self._pv, arr, out)
-            for k, v in zip(chunk[:found], out[:found].tolist(), strict=True):
-                yield k, (shared[k] if v == _SHARED else v)
-            if found < len(chunk):
+            if found:
+                yield (chunk if found == len(chunk) else chunk[:found]), out[:found].tolist()
+            if found < len(chunk) or chunk is keys:
                 return
             size *= 2
 
+    def _lookup(self, keys: Iterable[int]) -> Iterator[tuple[int, int | dict[int, int]]]:
+        """Yield (prefix key, holders) for the prompt's leading run of indexed keys (see `_chunks`): holders is
+        a cache id, or ``{cid: blocks}`` for a shared key."""
+        shared = self._shared
+        for chunk, vals in self._chunks(keys):
+            for k, v in zip(chunk, vals, strict=True):
+                yield k, (shared[k] if v == _SHARED else v)
+
     def _match_default(self, keys: Iterable[int]) -> dict[Holder, int]:
         """`match` when every block is on the default tier: each cache id is a whole holder."""
-        run = self._lookup(keys)
-        first = next(run, None)
-        if first is None:
-            return {}
         caches = self._caches
+        shared = self._shared
         result: dict[Holder, int] = {}
-        here = first[1]
-        alive: set[int] = set(here) if isinstance(here, dict) else {here}
-        depth = 1
-        for _k, here in run:
-            if type(here) is dict:
-                if here.keys() >= alive:  # every holder still matching holds this block too (no new set)
+        alive: set[int] | None = None
+        only = -9  # the one cache still matching, while exactly one is (-9: none or several)
+        depth = 0
+        for chunk, vals in self._chunks(keys):
+            for k, v in zip(chunk, vals, strict=True):
+                if v == only:
                     depth += 1
                     continue
-                nxt = alive.intersection(here)
-            else:
-                nxt = {here} if here in alive else set()
-            if len(nxt) != len(alive):
-                for gone in alive - nxt:
-                    result[caches[gone].holder] = depth  # type: ignore[union-attr]
-                if not nxt:
-                    alive = nxt
-                    break
-            alive = nxt
-            depth += 1
-        for cid in alive:
+                here: int | dict[int, int] = shared[k] if v == _SHARED else v
+                if alive is None:
+                    alive = set(here) if isinstance(here, dict) else {here}
+                    only = next(iter(alive)) if len(alive) == 1 else -9
+                    depth = 1
+                    continue
+                if type(here) is dict:
+                    if here.keys() >= alive:  # every holder still matching holds this block too (no new set)
+                        depth += 1
+                        continue
+                    nxt = alive.intersection(here)
+                else:
+                    nxt = {here} if here in alive else set()
+                if len(nxt) != len(alive):
+                    for gone in alive - nxt:
+                        result[caches[gone].holder] = depth  # type: ignore[union-attr]
+                    if not nxt:
+                        return result
+                    only = next(iter(nxt)) if len(nxt) == 1 else -9
+                alive = nxt
+                depth += 1
+        for cid in alive or ():
             result[caches[cid].holder] = depth  # type: ignore[union-attr]
         return result
 
@@ -1060,12 +1117,12 @@ class PrefixIndex:
                 if not orphan.engine_hashes:
                     continue
                 cache = state if orphan.medium is None else self._tier(state, orphan.medium)
-                prefixes = prefix_keys(orphan.local_hashes, parent_key)
                 a, d = self._attach(
                     cache,
                     np.array(orphan.engine_hashes, dtype=np.uint64),
-                    np.array(prefixes, dtype=np.uint64),
-                    prefixes,
+                    None,
+                    orphan.local_hashes,
+                    parent_key,
                 )
                 attached += a
                 dups += d

@@ -31,6 +31,8 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
+from kvmesh.core.hashing import SEED
+
 U64 = npt.NDArray[np.uint64]
 I32 = npt.NDArray[np.int32]
 U32 = npt.NDArray[np.uint32]
@@ -162,6 +164,66 @@ def _p_find(p_key: U64, p_val: I32, key: np.uint64) -> int:
             i = 0
 
 
+# XXH3-64 of a 16-byte input (two little-endian uint64), the length-9-to-16 path of the XXH3 specification:
+# the bit flips are the default secret's 64-bit words at offsets 24, 32, 40 and 48 combined with the seed.
+_SECRET_24_56 = bytes.fromhex("7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221b8084674f743248e")
+_W = [int.from_bytes(_SECRET_24_56[i : i + 8], "little") for i in range(0, 32, 8)]
+_BITFLIP1 = np.uint64(((_W[0] ^ _W[1]) + SEED) & 0xFFFFFFFFFFFFFFFF)
+_BITFLIP2 = np.uint64(((_W[2] ^ _W[3]) - SEED) & 0xFFFFFFFFFFFFFFFF)
+_M32 = np.uint64(0xFFFFFFFF)
+_MX1 = np.uint64(0x165667919E3779F9)
+_S37 = np.uint64(37)
+_SIXTEEN = np.uint64(16)
+_KEY_MASK = np.uint64(2**60 - 1)
+
+
+@_jit
+def _swap64(x: np.uint64) -> np.uint64:
+    x = ((x & np.uint64(0x00FF00FF00FF00FF)) << np.uint64(8)) | (
+        (x >> np.uint64(8)) & np.uint64(0x00FF00FF00FF00FF)
+    )
+    x = ((x & np.uint64(0x0000FFFF0000FFFF)) << _SIXTEEN) | ((x >> _SIXTEEN) & np.uint64(0x0000FFFF0000FFFF))
+    return (x << _S32) | (x >> _S32)
+
+
+@_jit
+def _mul128_fold64(a: np.uint64, b: np.uint64) -> np.uint64:
+    a_lo, a_hi = a & _M32, a >> _S32
+    b_lo, b_hi = b & _M32, b >> _S32
+    lo_lo = a_lo * b_lo
+    hi_lo = a_hi * b_lo
+    lo_hi = a_lo * b_hi
+    hi_hi = a_hi * b_hi
+    cross = (lo_lo >> _S32) + (hi_lo & _M32) + lo_hi
+    upper = (hi_lo >> _S32) + (cross >> _S32) + hi_hi
+    lower = (cross << _S32) | (lo_lo & _M32)
+    return lower ^ upper
+
+
+@_jit
+def xxh3_pair(first: np.uint64, second: np.uint64) -> np.uint64:
+    """XXH3-64 (seed 1337) of ``le64(first) ‖ le64(second)``: ``xxhash.xxh3_64_intdigest`` of those 16 bytes."""
+    lo = first ^ _BITFLIP1
+    hi = second ^ _BITFLIP2
+    acc = _SIXTEEN + _swap64(lo) + hi + _mul128_fold64(lo, hi)
+    acc ^= acc >> _S37
+    acc *= _MX1
+    acc ^= acc >> _S32
+    return acc
+
+
+@_jit
+def chain(local: U64, parent: np.uint64, has_parent: bool, out: U64) -> None:
+    """`kvmesh.core.hashing.prefix_keys` of ``local`` (from ``parent`` when ``has_parent``) into ``out``."""
+    if local.shape[0] == 0:
+        return
+    prev = (xxh3_pair(parent, local[0]) if has_parent else local[0]) & _KEY_MASK
+    out[0] = prev
+    for i in range(1, local.shape[0]):
+        prev = xxh3_pair(prev, local[i]) & _KEY_MASK
+        out[i] = prev
+
+
 @_jit
 def fold(keys: U64) -> None:
     """Fold engine hashes in place to the index's 60-bit engine keys (``h mod (2**60 - 93)``)."""
@@ -180,15 +242,24 @@ def store(  # noqa: PLR0917 - compiled kernels take their arrays positionally
     cid: int,
     keys: U64,
     prefixes: U64,
+    local: U64,
+    parent: np.uint64,
+    mode: int,
     st: I32,
     aux: I32,
 ) -> int:
-    """Index blocks ``keys[i]`` (engine keys) with ``prefixes[i]`` for cache ``cid``, in order.
+    """Index blocks ``keys[i]`` (engine hashes, folded here in place to engine keys, see `fold`) with
+    ``prefixes[i]`` for cache ``cid``, in order.
 
-    The caller has made room for ``len(keys)`` more entries in both tables. Writes a store code per block
-    into ``st`` (and the code's slot or cache id into ``aux``). Returns the number of blocks whose code is not
-    `STORED_NEW`.
+    ``mode`` 0: ``prefixes`` are given; 1: they are computed here by `chain` of ``local`` from block 0; 2: by
+    `chain` of ``local`` from the prefix key ``parent``. The caller has made room for ``len(keys)`` more
+    entries in both tables. Writes a store code per block into ``st`` (and the code's slot or cache id into
+    ``aux``). Returns the number of blocks whose code is not `STORED_NEW`.
     """
+    for n in range(keys.shape[0]):
+        keys[n] = keys[n] % _PRIME
+    if mode:
+        chain(local, parent, mode == 2, prefixes)
     bcap = b_key.shape[0]
     pcap = p_key.shape[0]
     special = 0

@@ -364,6 +364,8 @@ class PrefixIndex:
         self._meta = np.zeros(3, dtype=np.int64)
         self._b_limit = int(tables.MIN_CAPACITY * tables.MAX_LOAD)
         self._p_limit = self._b_limit
+        self._b_low = -1
+        """Blocks below which the blocks table is rebuilt smaller (-1: at its minimum size)."""
         self._nb = 0
         """Blocks in the blocks table (the sum of every cache's `_Cache.n`)."""
         # prefix key -> {cid: blocks of that cache with the key}, for keys whose slot is SHARED
@@ -477,6 +479,8 @@ class PrefixIndex:
             self._nb -= 1
             if not cache.n:
                 self._emptied(cache)
+            elif self._nb < self._b_low:
+                self._shrink()
             return _REMOVED_ONE
         keys = as_keys(engine_hashes)
         if cache is None:
@@ -513,6 +517,8 @@ class PrefixIndex:
         self._unknown_removals += unknown
         if not cache.n:
             self._emptied(cache)
+        elif self._nb < self._b_low:
+            self._shrink()
         return RemoveResult(removed, decremented, unknown)
 
     def touch(self, holder: Holder) -> None:
@@ -789,6 +795,7 @@ class PrefixIndex:
         tables.rebuild_blocks(self._bk, self._bc, self._bp, *new)
         self._bk, self._bc, self._bp = new
         self._b_limit = int(cap * tables.MAX_LOAD)
+        self._b_low = int(cap * tables.MIN_LOAD) if cap > tables.MIN_CAPACITY else -1
 
     def _rebuild_prefixes(self, entries: int) -> None:
         cap = tables.capacity_for(entries)
@@ -919,7 +926,7 @@ class PrefixIndex:
         """A cache's last block went: forget an emptied non-default tier, shrink the tables if they are sparse."""
         if cache.medium is not None and not cache.counts:
             self._drop_tier(cache)
-        if len(self._bk) > tables.MIN_CAPACITY:
+        if self._nb < self._b_low:
             self._shrink()
 
     def _new_cid(self, cache: _Cache) -> None:

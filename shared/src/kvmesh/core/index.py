@@ -510,8 +510,10 @@ class PrefixIndex:
         if removed:
             codes = st[:n]
             if np.count_nonzero(codes == tables.REMOVED_SHARED):
-                for i in np.flatnonzero(codes == tables.REMOVED_SHARED).tolist():
-                    self._unshare(int(aux[i]), cache.cid)
+                slots = aux[:n][codes == tables.REMOVED_SHARED]
+                self._unshare_many(
+                    slots.tolist(), self._pk[slots].tolist(), self._pv[slots].tolist(), cache.cid
+                )
             cache.n -= removed
             self._nb -= removed
         self._unknown_removals += unknown
@@ -876,24 +878,51 @@ class PrefixIndex:
         dups = 0
         if special:
             shared = self._shared
-            for i in np.flatnonzero(st[:n]).tolist():
-                code = int(st[i])
-                if code == tables.STORED_DUPLICATE:
-                    h = int(keys[i])
-                    cache.counts[h] = cache.counts.get(h, 1) + 1
-                    dups += 1
-                    continue
-                p = int(prefixes[i])
-                if code == tables.STORED_PROMOTED:
-                    old = int(aux[i])
-                    shared[p] = {old: 2} if old == cid else {old: 1, cid: 1}
-                else:  # STORED_SHARED
+            nz = np.flatnonzero(st[:n])
+            for code, old, p, h in zip(
+                st[nz].tolist(), aux[nz].tolist(), prefixes[nz].tolist(), keys[nz].tolist(), strict=True
+            ):
+                if code == tables.STORED_SHARED:
                     holders = shared[p]
                     holders[cid] = holders.get(cid, 0) + 1
+                elif code == tables.STORED_DUPLICATE:
+                    cache.counts[h] = cache.counts.get(h, 1) + 1
+                    dups += 1
+                else:  # STORED_PROMOTED
+                    shared[p] = {old: 2} if old == cid else {old: 1, cid: 1}
         attached = n - dups
         cache.n += attached
         self._nb += attached
         return attached, dups
+
+    def _unshare_many(self, slots: list[int], keys: list[int], vals: list[int], cid: int) -> None:
+        """`_unshare` of several slots (``keys`` and ``vals``: their prefix keys and ``p_val``s, read at once)."""
+        shared = self._shared
+        pv = self._pv
+        gone = 0
+        for slot, key, val in zip(slots, keys, vals, strict=True):
+            holders = shared.get(key) if val == _SHARED else None
+            if holders is None:  # demoted to this cache by an earlier block of this removal: its last one
+                pv[slot] = tables.TOMB
+                gone += 1
+                continue
+            count = holders[cid] - 1
+            if count:
+                holders[cid] = count
+            else:
+                del holders[cid]
+            if not holders:
+                del shared[key]
+                pv[slot] = tables.TOMB
+                gone += 1
+            elif len(holders) == 1:
+                ((only, count),) = holders.items()
+                if count == 1:
+                    del shared[key]
+                    pv[slot] = only
+        if gone:
+            self._meta[tables.P_LIVE] -= gone
+            self._meta[tables.P_TOMB] += gone
 
     def _unshare(self, slot: int, cid: int) -> None:
         """One block of cache ``cid`` fewer on a SHARED prefix slot (demoting or freeing the slot)."""

@@ -26,17 +26,20 @@ RUN uv sync --frozen --no-dev --no-editable --package kvmesh-tools
 
 FROM ${PYTHON_IMAGE} AS runtime
 RUN useradd --uid 1000 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvmesh
-ENV PATH="/app/.venv/bin:$PATH" PYTHONUNBUFFERED=1
+ENV PATH="/app/.venv/bin:$PATH" PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=/app/numba-cache
 WORKDIR /app
 
 FROM runtime AS sim
 COPY --from=sim-builder /app/.venv /app/.venv
+# The index's compiled kernels, built once into the image (any uid may add to the cache).
+RUN python -c "from kvmesh.core.tables import compile_all; compile_all()" && chmod -R a+rwX "$NUMBA_CACHE_DIR"
 USER kvmesh
 ENTRYPOINT ["kvmesh"]
 CMD ["sim", "--help"]
 
 FROM runtime AS service
 COPY --from=builder /app/.venv /app/.venv
+RUN python -c "from kvmesh.core.tables import compile_all; compile_all()" && chmod -R a+rwX "$NUMBA_CACHE_DIR"
 USER kvmesh
 ENTRYPOINT ["kvmesh"]
 CMD ["--help"]

@@ -328,6 +328,24 @@ def _stages(text: str) -> dict[str, list[str]]:
     return stages
 
 
+COMPILE_KERNELS = 'RUN python -c "from kvmesh.core.tables import compile_all; compile_all()" && chmod -R a+rwX "$NUMBA_CACHE_DIR"'
+
+
+def test_the_images_kernel_compile_step_fills_the_numba_cache(tmp_path: Path) -> None:
+    """The Dockerfile's compile step, run here as a local process with its own cache directory: it writes the
+    index's compiled kernels there, and a second process loads them from it (nothing left to compile)."""
+    cache = tmp_path / "numba-cache"
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+    code = COMPILE_KERNELS.removeprefix('RUN python -c "').split('" &&')[0]
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    cached = sorted(p.name for p in cache.rglob("*.nbi"))
+    assert any(name.startswith("tables.store-") for name in cached), cached
+    assert any(name.startswith("tables.lookup_run-") for name in cached), cached
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*")}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*")} == before
+
+
 def test_dockerfile_final_stage_is_the_slim_non_root_service_image() -> None:
     """The default (last) stage copies only the venv onto the slim base and runs kvmesh as user kvmesh: no uv, no pip, no tools sources."""
     text = DOCKERFILE.read_text()
@@ -338,10 +356,13 @@ def test_dockerfile_final_stage_is_the_slim_non_root_service_image() -> None:
     assert service == [
         "FROM runtime AS service",
         "COPY --from=builder /app/.venv /app/.venv",
+        COMPILE_KERNELS,
         "USER kvmesh",
         'ENTRYPOINT ["kvmesh"]',
         'CMD ["--help"]',
     ]
+    assert COMPILE_KERNELS in stages["sim"]
+    assert any("NUMBA_CACHE_DIR=/app/numba-cache" in line for line in stages["runtime"])
     runtime = stages["runtime"]
     assert runtime[0] == "FROM ${PYTHON_IMAGE} AS runtime"
     assert not any("uv" in line or "pip" in line or "apt" in line for line in runtime[1:])

@@ -522,3 +522,22 @@ def new_prefixes(capacity: int) -> tuple[U64, I32]:
 def capacity_for(entries: int) -> int:
     """The capacity a table is rebuilt to for ``entries`` entries (`GROWTH` × room at `MAX_LOAD`)."""
     return max(MIN_CAPACITY, int(entries * GROWTH / MAX_LOAD) + 1)
+
+
+def compile_all() -> None:
+    """Load (or compile, the first time on a machine: a few seconds) every kernel of the index, so the first
+    event a service applies does not pay it. A `PrefixIndex` calls the same kernels with the same types."""
+    from kvmesh.core.index import Holder, PrefixIndex  # noqa: PLC0415 - the index imports this module
+
+    index = PrefixIndex()
+    a, b = Holder("a", 0), Holder("b", 0)
+    index.store(a, [1, 2], None, [3, 4])
+    index.store(b, [5], None, [3])
+    index.store(a, [6], 2, [7])
+    index.match([3, 4])
+    index.holds(a, 1)
+    index.digest()
+    PrefixIndex.from_export(index.export())
+    index.remove(a, [1, 2])
+    index.remove(b, [5])
+    index.clear(a)

@@ -16,6 +16,7 @@ $(UV):
 
 $(STAMP): $(UV) uv.lock pyproject.toml shared/pyproject.toml services/*/pyproject.toml tools/pyproject.toml
 	$(UV_ENV) $(UV) sync --frozen --all-packages
+	$(VENV)/bin/python -c "from kvmesh.core.tables import compile_all; compile_all()"  # the index's kernels, once
 	touch $(STAMP)
 
 install-bench: $(STAMP)

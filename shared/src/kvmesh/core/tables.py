@@ -27,7 +27,6 @@ import mmap
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, cast
 
-import numba
 import numpy as np
 import numpy.typing as npt
 
@@ -77,9 +76,38 @@ REMOVED_SHARED: Final[int] = 2
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_KERNELS: list[str] = []
+"""Names of the kernels, in definition order (`_materialize` compiles them)."""
+
+
+class _Lazy:
+    """A kernel before numba is loaded: the first call of any kernel replaces every one of them in this
+    module by its numba dispatcher (`_materialize`), so a process that never touches an index (``kvmesh
+    status``, an ingest) never imports numba (about a second of start-up)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        _materialize()
+        return globals()[self.fn.__name__](*args)
+
 
 def _jit(fn: F) -> F:
-    return cast("F", numba.njit(cache=True, nogil=True)(fn))
+    _KERNELS.append(fn.__name__)
+    return cast("F", _Lazy(fn))
+
+
+def _materialize() -> None:
+    """Replace every `_Lazy` kernel of this module by ``numba.njit(cache=True, nogil=True)`` of it (compiled
+    on first call, or loaded from numba's cache). Kernels calling kernels resolve to the dispatchers."""
+    import numba  # noqa: PLC0415 - loaded on first use of a kernel
+
+    module = globals()
+    for name in _KERNELS:
+        lazy = module[name]
+        if isinstance(lazy, _Lazy):
+            module[name] = numba.njit(cache=True, nogil=True)(lazy.fn)
 
 
 _C1 = np.uint64(0x9E3779B97F4A7C15)

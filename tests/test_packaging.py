@@ -29,6 +29,8 @@ TOOLS_SRC = ROOT / "tools" / "src" / "kvmesh"
 DISTRIBUTION_OF = {
     "msgspec": "msgspec",
     "xxhash": "xxhash",
+    "numpy": "numpy",
+    "numba": "numba",
     "nats": "nats-py",
     "nkeys": "nkeys",
     "zmq": "pyzmq",

@@ -59,11 +59,12 @@ def test_missing_token_ids_file_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.nats
 @pytest.mark.anyio
 async def test_client_prompt_over_max_payload_is_bad_request(nats_url: str, uid: str) -> None:
-    """A prompt larger than the server's max payload raises BadRequestError naming both sizes."""
+    """A prompt too large for the server's max payload in either form (packed: 4 bytes a token) raises
+    BadRequestError naming both sizes."""
     router = await Router.connect(nats_url, subject=f"t{uid}.route", timeout_s=1.0)
     try:
         with pytest.raises(BadRequestError) as info:
-            await router.route("m", [123456] * 200_000)
+            await router.route("m", [123456] * 300_000)
         assert info.value.code == "bad_request"
         assert "exceeds the NATS server's max payload of 1048576 bytes" in info.value.message
     finally:

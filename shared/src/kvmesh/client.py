@@ -128,6 +128,9 @@ BINARY_MIN_BYTES: Final[int] = 512
 """Smallest packed body (128 tokens, 64 hashes) sent in a binary form: below it the JSON body costs the
 router no more to parse than the two headers of a binary one (a few µs each way, measured)."""
 
+_HEADER_ROOM: Final[int] = 4096
+"""Bytes of a binary request's payload left for its headers (the ``Kvmesh-Route`` fields, trace context)."""
+
 JSON_RETRY_S: Final[float] = 60.0
 """Seconds a `Router` keeps to JSON after a router refused a binary body (one older than the forms)."""
 
@@ -290,7 +293,9 @@ class Router:
             explain=explain,
             policy=policy,
         )
-        if 4 * len(token_ids) >= BINARY_MIN_BYTES and self._binary():
+        # Packed unless too small to gain, or too large for the server where JSON of small ids may still fit.
+        packed_size = 4 * len(token_ids)
+        if BINARY_MIN_BYTES <= packed_size <= self._nc.max_payload - _HEADER_ROOM and self._binary():
             try:
                 packed = pack_tokens(token_ids)
             except RequestError as exc:

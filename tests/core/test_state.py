@@ -283,3 +283,25 @@ def test_match_reports_overlap_per_tier() -> None:
     assert state.counters.removed_blocks == 2
     state.apply(5, _msg("w1", 0, [Cleared()], seq=4))
     assert _candidates(state) == (_hm("w1", 0, 0, 0), _hm("w2", 0, 3, 3))
+
+
+def test_consecutive_removals_of_a_message_apply_as_one_per_tier() -> None:
+    """One BlockRemoved per block (vLLM's wire) applies the same as one event per tier run: a block removed
+    twice is unknown the second time, a CPU removal in between takes only the CPU copy, a stored block twice
+    (two copies) needs two removals."""
+    state = IndexState()
+    state.apply(
+        1, _msg("w1", 0, [Stored([11, 12, 13, 14], None, LOCAL), Stored([11, 12], None, LOCAL[:2], "CPU")])
+    )
+    state.apply(2, _msg("w1", 0, [Stored([14], 13, LOCAL[3:])], seq=2))  # a second copy of block 3
+    removals: list[Event] = [
+        Removed([14]),
+        Removed([13]),
+        Removed([13]),
+        Removed([12], "CPU"),
+        Removed([12]),
+        Removed([14]),
+    ]
+    state.apply(3, _msg("w1", 0, removals, seq=3))
+    assert (state.counters.removed_blocks, state.counters.unknown_removals) == (4, 1)
+    assert _candidates(state) == (_hm("w1", 0, 1, 2),)  # block 0 on GPU and CPU: its fastest tier only

@@ -89,7 +89,7 @@ import bisect
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Final
+from typing import Final, cast
 
 import xxhash
 
@@ -480,7 +480,22 @@ class IndexState:
         info.last_seq[msg.dp_rank] = msg.seq
         info.last_ts = max(info.last_ts, msg.ts)
         c = self.counters
-        for event in msg.events:
+        events = msg.events
+        n = len(events)
+        i = 0
+        while i < n:
+            event = events[i]
+            i += 1
+            if isinstance(event, Removed) and _same_tier_removal(events, i, event.medium):
+                # Consecutive removals on one tier (vLLM sends a BlockRemoved per evicted block): one call.
+                hashes = list(event.engine_hashes)
+                while _same_tier_removal(events, i, event.medium):
+                    hashes.extend(cast("Removed", events[i]).engine_hashes)
+                    i += 1
+                rr = index.remove(holder, hashes, event.medium)
+                c.removed_blocks += rr.removed
+                c.unknown_removals += rr.unknown
+                continue
             if isinstance(event, Stored):
                 r = index.store(holder, event.engine_hashes, event.parent, event.local_hashes, event.medium)
                 c.stored_blocks += r.attached
@@ -861,3 +876,11 @@ def _continues(hs: HolderSeq, msg: EventsMessage) -> bool:
     if msg.seq == hs.seq:
         return msg.part == hs.part + 1
     return _first(msg) == hs.seq + 1 and msg.part == 0
+
+
+def _same_tier_removal(events: Sequence[Stored | Removed | Cleared], i: int, medium: str | None) -> bool:
+    """Whether ``events[i]`` exists and is a removal on tier ``medium``."""
+    if i >= len(events):
+        return False
+    event = events[i]
+    return type(event) is Removed and event.medium == medium

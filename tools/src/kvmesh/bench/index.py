@@ -308,13 +308,26 @@ def run_index(
     events: list[Any] = []
 
     def apply_kvmesh() -> tuple[PrefixIndex, int]:
+        # As `kvmesh.core.state.IndexState.apply` does with a stream message: consecutive removals of one
+        # worker (one engine step's BlockRemoved per block) in one call.
         index = PrefixIndex()
         store, remove = index.store, index.remove
+        pending: list[int] = []
+        who = -1
         for ev in events:
             if len(ev) == 4:
+                if pending:
+                    remove(holders[who], pending)
+                    pending = []
                 store(holders[ev[0]], ev[1], ev[2], ev[3])
             else:
-                remove(holders[ev[0]], ev[1])
+                if pending and ev[0] != who:
+                    remove(holders[who], pending)
+                    pending = []
+                who = ev[0]
+                pending.extend(ev[1])
+        if pending:
+            remove(holders[who], pending)
         return index, 0
 
     def apply_dynamo() -> tuple[Any, int]:

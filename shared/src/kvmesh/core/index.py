@@ -934,30 +934,7 @@ class PrefixIndex:
 
     def _unshare(self, slot: int, cid: int) -> None:
         """One block of cache ``cid`` fewer on a SHARED prefix slot (demoting or freeing the slot)."""
-        if self._pv[slot] != _SHARED:
-            # Demoted to this cache alone by an earlier block of the same removal (two of its blocks had the
-            # key): this block was its last one there.
-            self._pv[slot] = tables.TOMB
-            self._meta[tables.P_LIVE] -= 1
-            self._meta[tables.P_TOMB] += 1
-            return
-        key = int(self._pk[slot])
-        holders = self._shared[key]
-        count = holders[cid] - 1
-        if count:
-            holders[cid] = count
-        else:
-            del holders[cid]
-        if not holders:
-            del self._shared[key]
-            self._pv[slot] = tables.TOMB
-            self._meta[tables.P_LIVE] -= 1
-            self._meta[tables.P_TOMB] += 1
-        elif len(holders) == 1:
-            ((only, count),) = holders.items()
-            if count == 1:
-                del self._shared[key]
-                self._pv[slot] = only
+        self._unshare_many([slot], [int(self._pk[slot])], [int(self._pv[slot])], cid)
 
     def _emptied(self, cache: _Cache) -> None:
         """A cache's last block went: forget an emptied non-default tier, shrink the tables if they are sparse."""

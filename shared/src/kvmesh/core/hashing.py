@@ -219,6 +219,21 @@ def prefix_keys(local_hashes: Sequence[int], parent: int | None = None) -> list[
     return out
 
 
+def iter_prefix_keys(local_hashes: Sequence[int], chunk: int = 16) -> Iterator[int]:
+    """Yield `prefix_keys` ``(local_hashes)``, computed ``chunk`` blocks at a time (each chunk chained from the
+    last key of the one before), so a match that stops early leaves the later chunks unhashed.
+
+    Args:
+        local_hashes: local hashes of a prompt's full blocks, block 0 first (Dynamo's ``LocalBlockHash``).
+        chunk: blocks hashed per call of `prefix_keys`.
+    """
+    parent: int | None = None
+    for i in range(0, len(local_hashes), chunk):
+        keys = prefix_keys(local_hashes[i : i + chunk], parent)
+        yield from keys
+        parent = keys[-1]
+
+
 def prompt_prefix_keys(
     token_ids: Sequence[int],
     block_size: int,

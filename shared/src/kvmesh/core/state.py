@@ -105,8 +105,8 @@ from kvmesh.core.events import (
     decode_message,
     encode_message,
 )
-from kvmesh.core.hashing import SEED, iter_prompt_prefix_keys, pack_tokens
-from kvmesh.core.index import Holder, IndexExport, PrefixIndex
+from kvmesh.core.hashing import SEED, iter_prefix_keys, iter_prompt_prefix_keys, pack_tokens
+from kvmesh.core.index import Holder, IndexExport, Overlap, PrefixIndex
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -655,20 +655,8 @@ class IndexState:
                 keys = iter_prompt_prefix_keys(token_ids, bs, lora_name=lora_name, cache_salt=cache_salt)
                 overlaps = index.match_tiers(keys)  # hashes only as far as some holder matches
                 for h in index.holders():
-                    if h in found or self._is_removed(h.worker_id):
-                        continue
-                    o = overlaps.get(h)
-                    blocks = o.blocks if o is not None else 0
-                    found[h] = HolderMatch(
-                        worker_id=h.worker_id,
-                        dp_rank=h.dp_rank,
-                        overlap_blocks=blocks,
-                        cached_blocks=index.block_count(h),
-                        tiers=o.tiers if o is not None else None,
-                        block_size=bs,
-                        overlap_tokens=blocks * bs,
-                        health=self._holder_health(h),
-                    )
+                    if h not in found and not self._is_removed(h.worker_id):
+                        found[h] = self._holder_match(index, h, overlaps.get(h), bs)
         else:
             pack_tokens(token_ids)  # still validate the token ids
         if unsized is not None:
@@ -686,6 +674,78 @@ class IndexState:
             block_size=block_size,
             prompt_blocks=prompt_blocks,
             candidates=tuple(found[h] for h in sorted(found)),
+        )
+
+    def match_local_hashes(
+        self, model: str, local_hashes: Sequence[int], *, block_size: int | None = None
+    ) -> MatchResult:
+        """Compute every holder's overlap with a prompt given as its local block hashes (a pre-hashed route).
+
+        Args:
+            model: model name as the workers registered it.
+            local_hashes: the local hash of each full block of the prompt, block 0 first (LoRA and cache salt
+                mixed in by the caller: `kvmesh.core.hashing.local_block_hashes`), each in ``[0, 2**64)``.
+            block_size: the tokens per block the hashes were computed with; None: the model's block size with
+                the most holders (as `match` chooses it).
+
+        Returns:
+            every live holder of the model, sorted by (worker, rank): the holders of ``block_size`` with their
+            overlap, the others with none; ``block_size`` of the result is the hashes' (0 when None was given
+            and no holder's size is known), ``prompt_blocks`` is ``len(local_hashes)``.
+
+        Raises:
+            UnknownModelError: no worker of that model is known.
+        """
+        by_size = self._indexes.get(model)
+        live = {
+            bs: ix
+            for bs, ix in (by_size or {}).items()
+            if any(not self._is_removed(h.worker_id) for h in ix.holders())
+        }
+        if not live:
+            raise UnknownModelError(model)
+        sized = {bs: ix for bs, ix in live.items() if bs}
+        if block_size is None:
+            block_size = max(sized.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))[0] if sized else 0
+        found: dict[Holder, HolderMatch] = {}
+        index = sized.get(block_size)
+        if index is not None:
+            overlaps = index.match_tiers(iter_prefix_keys(local_hashes))
+            for h in index.holders():
+                if not self._is_removed(h.worker_id):
+                    found[h] = self._holder_match(index, h, overlaps.get(h), block_size)
+        for bs, other in sorted(live.items()):
+            if other is index:
+                continue
+            for h in other.holders():
+                if h not in found and not self._is_removed(h.worker_id):
+                    found[h] = HolderMatch(
+                        worker_id=h.worker_id,
+                        dp_rank=h.dp_rank,
+                        overlap_blocks=0,
+                        cached_blocks=other.block_count(h) if bs else 0,
+                        block_size=bs,
+                        health=self._holder_health(h),
+                    )
+        return MatchResult(
+            index_seq=self.applied_seq,
+            block_size=block_size,
+            prompt_blocks=len(local_hashes),
+            candidates=tuple(found[h] for h in sorted(found)),
+        )
+
+    def _holder_match(self, index: PrefixIndex, h: Holder, o: Overlap | None, bs: int) -> HolderMatch:
+        """A holder's `HolderMatch` in its block size ``bs`` from its overlap (None: no leading block)."""
+        blocks = o.blocks if o is not None else 0
+        return HolderMatch(
+            worker_id=h.worker_id,
+            dp_rank=h.dp_rank,
+            overlap_blocks=blocks,
+            cached_blocks=index.block_count(h),
+            tiers=o.tiers if o is not None else None,
+            block_size=bs,
+            overlap_tokens=blocks * bs,
+            health=self._holder_health(h),
         )
 
     def _holder_health(self, holder: Holder) -> str | None:

@@ -328,7 +328,10 @@ def as_keys(values: Iterable[int], *, fold: bool = True) -> U64:
         ValueError: a value is negative or not below ``2**64``.
     """
     try:
-        arr = np.array(values if type(values) in _SEQUENCES else list(values), dtype=np.uint64)
+        arr = np.array(
+            values if type(values) in _SEQUENCES or isinstance(values, np.ndarray) else list(values),
+            dtype=np.uint64,
+        )
     except OverflowError:
         raise ValueError("engine hashes must be unsigned 64-bit ints") from None
     if fold:
@@ -547,9 +550,8 @@ class PrefixIndex:
                 keys = np.zeros(cache.n, dtype=np.uint64)
                 got = tables.collect_one(self._bk, self._bc, cache.cid, keys)
                 assert got == cache.n, (got, cache.n)
-                cache.counts.clear()
+                cache.counts.clear()  # every copy goes: no store count to lower first
                 n += self.remove(cache.holder, keys, cache.medium).removed
-            cache.counts.clear()
             if (
                 cache is not state
                 and cache.medium is not None

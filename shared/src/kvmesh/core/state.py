@@ -632,14 +632,7 @@ class IndexState:
             UnknownModelError: no worker of that model is known.
             RequestError: a token id is out of range.
         """
-        by_size = self._indexes.get(model)
-        live = {
-            bs: ix
-            for bs, ix in (by_size or {}).items()
-            if any(not self._is_removed(h.worker_id) for h in ix.holders())
-        }
-        if not live:
-            raise UnknownModelError(model)
+        live = self._live_indexes(model)
         # Block size 0 holds workers that announced themselves before their block size was known: they have
         # nothing cached. They are zero-overlap candidates, but 0 is never the size a prompt is hashed with
         # (hashing needs a positive block size; choosing it used to crash the match).
@@ -649,7 +642,7 @@ class IndexState:
         found: dict[Holder, HolderMatch] = {}
         block_size = prompt_blocks = 0
         if live:
-            block_size = max(live.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))[0]
+            block_size = _majority_size(live)
             prompt_blocks = len(token_ids) // block_size
             for bs, index in sorted(live.items()):
                 keys = iter_prompt_prefix_keys(token_ids, bs, lora_name=lora_name, cache_salt=cache_salt)
@@ -696,17 +689,10 @@ class IndexState:
         Raises:
             UnknownModelError: no worker of that model is known.
         """
-        by_size = self._indexes.get(model)
-        live = {
-            bs: ix
-            for bs, ix in (by_size or {}).items()
-            if any(not self._is_removed(h.worker_id) for h in ix.holders())
-        }
-        if not live:
-            raise UnknownModelError(model)
+        live = self._live_indexes(model)
         sized = {bs: ix for bs, ix in live.items() if bs}
         if block_size is None:
-            block_size = max(sized.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))[0] if sized else 0
+            block_size = _majority_size(sized) if sized else 0
         found: dict[Holder, HolderMatch] = {}
         index = sized.get(block_size)
         if index is not None:
@@ -733,6 +719,21 @@ class IndexState:
             prompt_blocks=len(local_hashes),
             candidates=tuple(found[h] for h in sorted(found)),
         )
+
+    def _live_indexes(self, model: str) -> dict[int, PrefixIndex]:
+        """The model's indexes by block size that hold at least one live worker.
+
+        Raises:
+            UnknownModelError: none does.
+        """
+        live = {
+            bs: ix
+            for bs, ix in self._indexes.get(model, {}).items()
+            if any(not self._is_removed(h.worker_id) for h in ix.holders())
+        }
+        if not live:
+            raise UnknownModelError(model)
+        return live
 
     def _holder_match(self, index: PrefixIndex, h: Holder, o: Overlap | None, bs: int) -> HolderMatch:
         """A holder's `HolderMatch` in its block size ``bs`` from its overlap (None: no leading block)."""
@@ -944,3 +945,8 @@ def _same_tier_removal(events: Sequence[Stored | Removed | Cleared], i: int, med
         return False
     event = events[i]
     return type(event) is Removed and event.medium == medium
+
+
+def _majority_size(indexes: dict[int, PrefixIndex]) -> int:
+    """The block size with the most holders (the smaller one on a tie)."""
+    return max(indexes.items(), key=lambda kv: (len(kv[1].holders()), -kv[0]))[0]

@@ -140,18 +140,24 @@ def _b_home(key: np.uint64, cid: int, cap: int) -> int:
 
 
 @_jit
-def _b_find(b_key: U64, b_cid: I32, cid: int, key: np.uint64) -> int:
+def _b_probe(b_key: U64, b_cid: I32, cid: int, key: np.uint64) -> int:
+    """The slot of cache ``cid``'s block ``key``, or else the empty slot where it would go."""
     cap = b_key.shape[0]
     i = _b_home(key, cid, cap)
     while True:
         c = b_cid[i]
-        if c == -1:
-            return -1
-        if c == cid and b_key[i] == key:
+        if c == -1 or (c == cid and b_key[i] == key):
             return i
         i += 1
         if i == cap:
             i = 0
+
+
+@_jit
+def _b_find(b_key: U64, b_cid: I32, cid: int, key: np.uint64) -> int:
+    """The slot of cache ``cid``'s block ``key``, or -1."""
+    i = _b_probe(b_key, b_cid, cid, key)
+    return -1 if b_cid[i] == -1 else i
 
 
 @_jit
@@ -288,24 +294,12 @@ def store(  # noqa: PLR0917 - compiled kernels take their arrays positionally
         keys[n] = keys[n] % _PRIME
     if mode:
         chain(local, parent, mode == 2, prefixes)
-    bcap = b_key.shape[0]
     pcap = p_key.shape[0]
     special = 0
     for n in range(keys.shape[0]):
         key = keys[n]
-        i = _b_home(key, cid, bcap)
-        dup = False
-        while True:
-            c = b_cid[i]
-            if c == -1:
-                break
-            if c == cid and b_key[i] == key:
-                dup = True
-                break
-            i += 1
-            if i == bcap:
-                i = 0
-        if dup:
+        i = _b_probe(b_key, b_cid, cid, key)
+        if b_cid[i] != -1:
             st[n] = STORED_DUPLICATE
             special += 1
             continue
@@ -423,12 +417,6 @@ def lookup_run(p_key: U64, p_val: I32, keys: U64, out: I32) -> int:
             return n
         out[n] = p_val[j]
     return keys.shape[0]  # type: ignore[no-any-return]  # an int64 in compiled code
-
-
-@_jit
-def find_prefix(p_key: U64, p_val: I32, key: np.uint64) -> int:
-    """The slot of a prefix key, or -1."""
-    return _p_find(p_key, p_val, key)
 
 
 @_jit

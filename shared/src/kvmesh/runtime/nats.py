@@ -455,11 +455,7 @@ async def connect(
             attempt.last = raised
             failure = failure or _definite(raised, shown)
         last = attempt.last or last
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        with contextlib.suppress(Exception):
-            await nc.close()
+        await _abandon(nc, task)
         if failure is not None and deadline is not None:
             raise _with_context(failure, shown, secrets, "") from None
         if deadline is None:
@@ -470,6 +466,29 @@ async def connect(
             await asyncio.sleep(options["reconnect_time_wait"])
     why = await _diagnose(servers, probe_s, last)
     raise _with_context(why, shown, secrets, f" (gave up after {wait_s:g} s)") from None
+
+
+async def _abandon(nc: Client, task: asyncio.Future[None]) -> None:
+    """Stop a failed first-connection attempt and close every socket it opened.
+
+    nats-py goes on to the next server after a failure, so the attempt may hold a fresh socket when it is
+    stopped; a cancellation that lands as a connection completes can be swallowed (Python 3.11's wait_for), so
+    it is repeated until the attempt ends; and `Client.close` does nothing once the client counts as closed,
+    which it does between servers, so the transport is closed here as well.
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+    if not task.cancelled():
+        task.exception()  # retrieved: the attempt's failure is reported by the caller
+    with contextlib.suppress(Exception):
+        await nc.close()
+    transport = getattr(nc, "_transport", None)
+    if transport is not None:
+        # Not awaited: a writer whose TLS upgrade failed never resolves its close waiter.
+        with contextlib.suppress(Exception):
+            transport.close()
+        await asyncio.sleep(0)
 
 
 def _drop_tls_eof_warning(record: logging.LogRecord) -> bool:

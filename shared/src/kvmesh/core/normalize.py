@@ -28,6 +28,11 @@ dropped since the adapter already seeds every block; on block 0 of a sequence th
 the ``cache_salt``; everything else (multimodal identifiers, prompt-embedding digests) is encoded into that
 block's extra bytes. A vLLM < 0.24 multimodal hash on block 0 with no salt is taken as a salt: the key still
 differs from every plain prompt, so the index under-states and never invents.
+
+A ``cache_salt`` (SGLang's map field, or the trailing map of 0.5.18 – 0.5.19) seeds block 0 of a sequence
+only: it is mixed in for an event without a parent, and ignored on a child event's keys (SGLang ≥ 0.5.20
+repeats it on every BlockStored of a salted request). A child whose salt differs from the chain it extends is
+counted (``salt_mismatch``), its keys still following the chain.
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ FULL_ATTENTION_KINDS: Final[frozenset[str | None]] = frozenset({None, "full_atte
 """``kv_cache_spec_kind`` values whose blocks are prefix-cache keys."""
 
 _encode = msgspec.msgpack.Encoder().encode
+
+CHAIN_SALTS_KEPT: Final[int] = 65_536
+"""Per (worker, dp_rank): how many chain ends (the last block of recent BlockStored events) keep the salt
+their chain started with, to tell a child event whose salt differs (`NormalizeStats.salt_mismatch`)."""
 
 
 class BlockSizeMismatchError(EventRejectedError):
@@ -82,6 +91,10 @@ class NormalizeStats:
     """Events that failed to decode (``batch.errors``), rejected alone."""
     malformed_stored: int = 0
     """Of those, BlockStored events: their blocks are not indexed, and the holder is not resynchronised."""
+    salt_mismatch: int = 0
+    """Child BlockStored events (``parent_block_hash`` set) whose ``cache_salt`` differs from the salt of the
+    chain they extend (when that chain's last event is remembered, `CHAIN_SALTS_KEPT`); their keys follow
+    the chain, since the salt seeds block 0 only."""
 
 
 @dataclass(slots=True)
@@ -95,6 +108,8 @@ class Normalizer:
     block_size: int | None = None
     non_full_groups: set[int] = field(default_factory=set)
     stats: NormalizeStats = field(default_factory=NormalizeStats)
+    chain_salts: dict[int, str | None] = field(default_factory=dict)
+    """Engine key of a recent event's last block → its chain's salt (oldest first, `CHAIN_SALTS_KEPT`)."""
 
     def normalize(self, batch: EngineBatch) -> NormalizeResult:
         """Convert one decoded batch.
@@ -154,7 +169,8 @@ class Normalizer:
             st.rejected_alignment += 1
             raise BlockAlignmentError(tokens=len(ev.token_ids), blocks=n, block_size=ev.block_size)
         lora = ev.lora_name or (f"lora-id:{ev.lora_id}" if ev.lora_id is not None else None)
-        salt, extras = _split_extra_keys(ev, first_block=ev.parent_block_hash is None)
+        first_block = ev.parent_block_hash is None
+        salt, extras = _split_extra_keys(ev, first_block=first_block)
         try:
             local = local_block_hashes(
                 ev.token_ids, ev.block_size, lora_name=lora, cache_salt=salt, block_extras=extras
@@ -165,7 +181,27 @@ class Normalizer:
         st.stored_events += 1
         st.stored_blocks += n
         parent = engine_key(ev.parent_block_hash) if ev.parent_block_hash is not None else None
-        return Stored([engine_key(h) for h in ev.block_hashes], parent, local, ev.medium)
+        keys = [engine_key(h) for h in ev.block_hashes]
+        chain_salt = salt if first_block else self._chain_salt(parent, ev.cache_salt)
+        if keys:
+            self._remember(keys[-1], chain_salt)
+        return Stored(keys, parent, local, ev.medium)
+
+    def _chain_salt(self, parent: int | None, salt: str | None) -> str | None:
+        """The salt of the chain a child event extends; counts a child whose own salt differs from it."""
+        if parent is None or parent not in self.chain_salts:
+            return salt  # the chain's start is not remembered: take the event's word for it
+        known = self.chain_salts[parent]
+        if salt is not None and salt != known:
+            self.stats.salt_mismatch += 1
+        return known
+
+    def _remember(self, key: int, salt: str | None) -> None:
+        salts = self.chain_salts
+        salts.pop(key, None)
+        salts[key] = salt
+        if len(salts) > CHAIN_SALTS_KEPT:
+            del salts[next(iter(salts))]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,7 +215,12 @@ class NormalizeResult:
 
 
 def _split_extra_keys(ev: BlockStored, *, first_block: bool) -> tuple[str | None, list[bytes | None] | None]:
-    salt = ev.cache_salt
+    """(the salt that seeds block 0, or None when the event does not start a sequence; per-block extras).
+
+    SGLang ≥ 0.5.20 repeats ``cache_salt`` on every BlockStored of a salted request, children included: only
+    an event that starts the sequence (no parent) mixes it in.
+    """
+    salt = ev.cache_salt if first_block else None
     keys = ev.extra_keys
     if not keys:
         return salt, None

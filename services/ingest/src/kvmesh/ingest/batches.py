@@ -138,7 +138,17 @@ class Batches:
             # in the stream has no gap (the index would flag one).
             self._append(rank, rank.holder, seq, [], batch.ts)
             return
+        salt_mismatches = rank.normalizer.stats.salt_mismatch
         result = rank.normalizer.normalize(batch)
+        if salt_mismatches == 0 and rank.normalizer.stats.salt_mismatch:
+            log.warning(
+                "worker %s rank %d seq %d: a BlockStored extends a chain started under another cache_salt; "
+                "its keys follow the chain (the salt seeds block 0 only); counted as salt_mismatch",
+                s.worker_id,
+                rank.rank,
+                seq,
+                extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "seq": seq, "reason": "salt_mismatch"},
+            )
         for err in batch.errors:
             self.counters.decode_errors += 1
             log.warning(

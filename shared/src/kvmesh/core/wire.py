@@ -328,7 +328,9 @@ def _from_map(ev: dict[Any, Any], index: int) -> KVEvent | None:
             lora_id=_opt_int(get("lora_id"), "lora_id", index, tag),
             medium=_opt_str(get("medium"), "medium", index, tag),
             lora_name=_opt_str(get("lora_name"), "lora_name", index, tag),
-            extra_keys=_extra_keys(get("extra_keys"), index, tag),
+            extra_keys=_extra_keys(get("extra_keys"), index, tag)
+            if get("mm_keys") is None
+            else _mm_keys(get("mm_keys"), get("extra_keys"), index, tag),
             group_idx=_opt_int(get("group_idx"), "group_idx", index, tag),
             kv_cache_spec_kind=_opt_str(get("kv_cache_spec_kind"), "kv_cache_spec_kind", index, tag),
             kv_cache_spec_sliding_window=_opt_int(
@@ -444,6 +446,42 @@ def _extra_keys(v: Any, index: int, tag: str) -> tuple[Any, ...] | None:
             raise InvalidEventError(
                 f"extra_keys entry is a {_kind(entry)}, expected an array or nil", index=index, tag=tag
             )
+    return tuple(out)
+
+
+def _mm_keys(v: Any, extra: Any, index: int, tag: str) -> tuple[Any, ...] | None:
+    """TensorRT-LLM's ``mm_keys`` as `BlockStored.extra_keys` (wire-protocol notes §7).
+
+    ``mm_keys`` holds one array per block of ``{"type": "mm_key", "hash": hex, "start_offset": n, "uuid": s?}``
+    maps (the multimodal segments in that block); each becomes the extra key ``(hash, start_offset)``, the
+    ``(mm_id, offset)`` pair vLLM writes into ``extra_keys``, so an image block never matches a text prompt.
+    Entries are appended to the block's ``extra_keys`` entry when both are sent.
+    """
+    if type(v) is not list:
+        raise InvalidEventError(f"mm_keys is a {_kind(v)}, expected an array or nil", index=index, tag=tag)
+    base = _extra_keys(extra, index, tag)
+    out: list[tuple[Any, ...] | None] = []
+    for i, block in enumerate(v):
+        if block is not None and type(block) is not list:
+            raise InvalidEventError(
+                f"mm_keys entry is a {_kind(block)}, expected an array or nil", index=index, tag=tag
+            )
+        keys: list[Any] = list(base[i] or ()) if base is not None and i < len(base) else []
+        for key in block or ():
+            if (
+                type(key) is not dict
+                or type(key.get("hash")) is not str
+                or type(key.get("start_offset")) is not int
+            ):
+                raise InvalidEventError(
+                    "mm_keys holds an entry that is not a {hash: string, start_offset: int} map",
+                    index=index,
+                    tag=tag,
+                )
+            keys.append((key["hash"], key["start_offset"]))
+        out.append(tuple(keys) if keys else None)
+    if base is not None and len(base) > len(v):
+        out.extend(base[len(v) :])
     return tuple(out)
 
 
@@ -615,6 +653,7 @@ class _Layout:
     salted: _StructFactory | None = None  # SGLang 0.5.18-0.5.19 BlockStoredWithMetadata
     bytes_hashes: bool = False  # may publish hashes as bin (vLLM >= 0.10.2)
     int_from_bytes: bool = False  # converts bytes hashes to ints like maybe_convert_block_hash
+    mm_keys: bool = False  # writes multimodal extra keys as TensorRT-LLM's per-block mm_keys
 
 
 def _struct(
@@ -753,11 +792,65 @@ def _sglang_layouts() -> tuple[tuple[tuple[int, int, int], _Layout], ...]:
     )  # fmt: skip
 
 
+def _trtllm_layout() -> _Layout:
+    """TensorRT-LLM's streaming publisher (``tensorrt_llm/_torch/pyexecutor/kv_cache_events.py``, KV cache
+    manager V2; wire-protocol notes §7): map events whose fields without a default are always written (nil
+    when None), the ``[ts, events, data_parallel_rank]`` envelope, int hashes only."""
+    required = (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    )
+    optional = (
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "mm_keys",
+    )
+    stored = [(f, _R) for f in required] + [(f, None) for f in optional]
+    removed: list[tuple[str, object]] = [
+        ("block_hashes", _R),
+        ("medium", _R),
+        ("group_idx", None),
+        ("locality", None),
+    ]
+    return _Layout(
+        name="TensorRT-LLM streaming",
+        batch=_struct(
+            "KVEventBatch",
+            [("ts", _R), ("events", _R), ("data_parallel_rank", None)],
+            array_like=True,
+            tag=False,
+        ),
+        has_dp_rank=True,
+        stored=_struct(_STORED, stored, array_like=False, tag=True),
+        stored_fields=(*required, "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"),
+        removed=_struct(_REMOVED, removed, array_like=False, tag=True),
+        removed_fields=("block_hashes", "medium", "group_idx"),
+        cleared=_struct(_CLEARED, (), array_like=False, tag=True),
+        mm_keys=True,
+    )
+
+
+_TRTLLM_FIRST: Final = (1, 3, 0)
+_TRTLLM_AFTER_LAST: Final = (1, 4, 0)
+
 _LAYOUTS: Final[dict[str, tuple[tuple[tuple[int, int, int], _Layout], ...]]] = {
     "vllm": tuple((first, _vllm_layout(gen)) for gen, first in _VLLM_GENERATIONS),
     "sglang": _sglang_layouts(),
+    "trtllm": ((_TRTLLM_FIRST, _trtllm_layout()),),
 }
-_AFTER_LAST: Final[dict[str, tuple[int, int, int]]] = {"vllm": _VLLM_AFTER_LAST, "sglang": _SGLANG_AFTER_LAST}
+_AFTER_LAST: Final[dict[str, tuple[int, int, int]]] = {
+    "vllm": _VLLM_AFTER_LAST,
+    "sglang": _SGLANG_AFTER_LAST,
+    "trtllm": _TRTLLM_AFTER_LAST,
+}
 
 _VERSION_RE: Final = re.compile(
     r"v?(\d+)\.(\d+)(?:\.(\d+))?"  # major.minor[.patch]
@@ -771,7 +864,7 @@ _ENCODER: Final = msgspec.msgpack.Encoder()
 def _layout(producer: str, version: str) -> _Layout:
     table = _LAYOUTS.get(producer.lower())
     if table is None:
-        raise ValueError(f"unknown producer {producer!r}; expected 'vllm' or 'sglang'")
+        raise ValueError(f"unknown producer {producer!r}; expected 'vllm', 'sglang' or 'trtllm'")
     m = _VERSION_RE.fullmatch(version.strip())
     if m is None:
         raise ValueError(f"cannot read version {version!r}")
@@ -795,14 +888,16 @@ def encode_batch(
     None) and optional ones only when not None, header sized as msgspec does (``map16`` for vLLM 0.33's
     16-field BlockStored). ``[ts, events]`` for vLLM 0.9.0.x / SGLang 0.4.6.x, else ``[ts, events, dp_rank]``.
     SGLang 0.5.18 – 0.5.19 writes a salted BlockStored as 8 elements ending in ``{"cache_salt": s}``.
+    TensorRT-LLM (1.3, streaming events of KV cache manager V2) writes maps with ``lora_id``, ``medium`` and
+    ``lora_name`` always present and the ``(hash, start_offset)`` pairs of ``extra_keys`` as ``mm_keys``.
     Fields the release does not carry are dropped, as are ``unknown_events`` and ``errors``; ``ts`` is
     written as float64.
 
     Args:
         batch: the batch to encode.
-        producer: ``"vllm"`` or ``"sglang"``.
-        version: a release such as ``"0.10.2"``, ``"0.9.0.1"``, ``"0.4.6.post5"``; any release of a
-            generation maps to that generation.
+        producer: ``"vllm"``, ``"sglang"`` or ``"trtllm"``.
+        version: a release such as ``"0.10.2"``, ``"0.9.0.1"``, ``"0.4.6.post5"``, ``"1.3.0rc21"``; any
+            release of a generation maps to that generation.
         hash_form: ``"int"`` (ints are written as they are; bytes hashes are converted like vLLM's
             ``maybe_convert_block_hash`` on vLLM ≥ 0.10.2 and rejected elsewhere) or ``"bytes"``
             (vLLM ≥ 0.10.2 with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``; every hash must be bytes).
@@ -843,6 +938,11 @@ def encode_batch(
             kw["block_hashes"] = tuple(wire_hash(h) for h in ev.block_hashes)
             parent = ev.parent_block_hash
             kw["parent_block_hash"] = None if parent is None else wire_hash(parent)
+            if layout.mm_keys and ev.extra_keys is not None:
+                kw["mm_keys"] = [
+                    [{"type": "mm_key", "hash": k[0], "start_offset": k[1]} for k in entry or ()]
+                    for entry in ev.extra_keys
+                ]
             if layout.salted is not None and ev.cache_salt is not None:
                 events.append(layout.salted(**kw, metadata={"cache_salt": ev.cache_salt}))
             else:

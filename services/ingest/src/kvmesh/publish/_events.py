@@ -1,0 +1,106 @@
+"""What the publishers share: argument checks and the vLLM wire events they turn into (no I/O)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from kvmesh.core import wire
+from kvmesh.core.errors import KvmeshError
+
+_HASH_MIN: Final[int] = -(1 << 63)
+_HASH_END: Final[int] = 1 << 64
+_TOKEN_END: Final[int] = 1 << 32
+
+
+class PublishError(KvmeshError, ValueError):
+    """An event given to a publisher cannot be published (the message names the argument); nothing was sent.
+
+    Attributes:
+        argument: the offending argument (``block_hashes``, ``token_ids``, ``dp_rank``, …).
+    """
+
+    def __init__(self, message: str, *, argument: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+def check_rank(dp_rank: int, ranks: int) -> None:
+    """Raise `PublishError` unless ``0 <= dp_rank < ranks``."""
+    if type(dp_rank) is not int or not 0 <= dp_rank < ranks:
+        raise PublishError(f"dp_rank {dp_rank!r} is not in [0, {ranks})", argument="dp_rank")
+
+
+def check_hashes(hashes: Sequence[int], argument: str) -> tuple[int, ...]:
+    """The hashes as a tuple; each must be an int in ``[-2**63, 2**64)`` (signed or unsigned 64-bit)."""
+    out = tuple(hashes)
+    for h in out:
+        if type(h) is not int or not _HASH_MIN <= h < _HASH_END:
+            raise PublishError(
+                f"{argument} holds {h!r}; a block hash is an int in [-2**63, 2**64)", argument=argument
+            )
+    return out
+
+
+def stored_event(
+    block_hashes: Sequence[int],
+    token_ids: Sequence[int],
+    *,
+    block_size: int,
+    parent_block_hash: int | None,
+    medium: str | None,
+    lora_name: str | None,
+) -> wire.BlockStored:
+    """A checked BlockStored: one hash per full block of ``token_ids``.
+
+    Raises:
+        PublishError: no blocks, a hash that is not a 64-bit int, a token id outside ``[0, 2**32)``, or
+            ``len(token_ids) != len(block_hashes) * block_size``.
+    """
+    hashes = check_hashes(block_hashes, "block_hashes")
+    if not hashes:
+        raise PublishError(
+            "block_hashes is empty: a stored event names at least one block", argument="block_hashes"
+        )
+    tokens = tuple(token_ids)
+    if len(tokens) != len(hashes) * block_size:
+        raise PublishError(
+            f"{len(tokens)} token ids for {len(hashes)} block(s) of {block_size} tokens (expected "
+            f"{len(hashes) * block_size}; publish full blocks only)",
+            argument="token_ids",
+        )
+    for t in tokens:
+        if type(t) is not int or not 0 <= t < _TOKEN_END:
+            raise PublishError(
+                f"token_ids holds {t!r}; a token id is an int in [0, 2**32)", argument="token_ids"
+            )
+    parent = None if parent_block_hash is None else check_hashes((parent_block_hash,), "parent_block_hash")[0]
+    return wire.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=block_size,
+        medium=medium,
+        lora_name=lora_name,
+    )
+
+
+def removed_event(block_hashes: Sequence[int], *, medium: str | None) -> wire.BlockRemoved:
+    """A checked BlockRemoved.
+
+    Raises:
+        PublishError: no hashes, or a hash that is not a 64-bit int.
+    """
+    hashes = check_hashes(block_hashes, "block_hashes")
+    if not hashes:
+        raise PublishError(
+            "block_hashes is empty: a removed event names at least one block", argument="block_hashes"
+        )
+    return wire.BlockRemoved(block_hashes=hashes, medium=medium)
+
+
+def check_block_size(block_size: int) -> int:
+    """Raise `PublishError` unless ``block_size`` is a positive int."""
+    if type(block_size) is not int or block_size < 1:
+        raise PublishError(f"block_size {block_size!r} is not a positive int", argument="block_size")
+    return block_size

@@ -224,6 +224,32 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         assert result.duplicates == 0
         assert result.dropped_orphans == dropped
 
+    @precondition(lambda self: any(any(t.values()) for t in self.model.values()))
+    @rule(data=st.data())
+    def place_copies(self, data: st.DataObject) -> None:
+        """Copy a few of a holder's blocks (and an unknown hash) onto one tier (a tokenless BlockStored): each
+        copy takes its block's prefix key; a copy already on that tier raises its count."""
+        holder = data.draw(st.sampled_from(sorted(h for h in self.model if self._blocks(h))), label="holder")
+        medium = data.draw(st.sampled_from(MEDIA), label="medium")
+        blocks = self._blocks(holder)
+        choices = st.sampled_from([*sorted(blocks), UNKNOWN_ENGINE_HASH])
+        hashes = data.draw(st.lists(choices, min_size=1, max_size=4), label="hashes")
+
+        result = self.index.place(holder, hashes, medium)
+
+        tier_blocks = self.model[holder].setdefault(tier_name(medium), {})
+        placed = duplicates = unknown = 0
+        for h in hashes:
+            if h not in blocks:
+                unknown += 1
+            elif h in tier_blocks:
+                tier_blocks[h][1] += 1
+                duplicates += 1
+            else:
+                tier_blocks[h] = [blocks[h], 1]
+                placed += 1
+        assert (result.placed, result.duplicates, result.unknown) == (placed, duplicates, unknown)
+
     @rule(data=st.data())
     def remove_blocks(self, data: st.DataObject) -> None:
         """Remove one copy each of a few engine hashes, known or not, from one tier of one holder."""

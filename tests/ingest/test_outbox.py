@@ -9,7 +9,16 @@ from typing import Any
 
 import pytest
 
-from kvmesh.core.events import Cleared, Event, EventsMessage, Removed, Stored, decode_message, encode_message
+from kvmesh.core.events import (
+    Cleared,
+    Event,
+    EventsMessage,
+    Placed,
+    Removed,
+    Stored,
+    decode_message,
+    encode_message,
+)
 from kvmesh.core.index import Holder
 from kvmesh.core.sequencing import Inversion
 from kvmesh.ingest.outbox import (
@@ -139,6 +148,15 @@ def test_a_message_that_fits_is_encoded_whole_under_its_id() -> None:
     """A 3-block Stored under a 1 MiB payload is one part, id unchanged, not split."""
     m = msg([Stored([1, 2, 3], None, [4, 5, 6])])
     assert encode_under(m, "id", 1 << 20) == ([("id", encode_message(m))], False)
+
+
+def test_split_cuts_long_placements_on_their_tier() -> None:
+    """A 30,000-hash Placed (CPU copies) splits into Placed pieces of 3,000 on the CPU tier, in order."""
+    parts = split_events([Placed(list(range(30_000)), "CPU")], 10)
+    flat = [e for part in parts for e in part if isinstance(e, Placed)]
+    assert len(flat) == sum(len(part) for part in parts) and all(e.medium == "CPU" for e in flat)
+    assert [len(e.engine_hashes) for e in flat] == [3000] * 10
+    assert [h for e in flat for h in e.engine_hashes] == list(range(30_000))
 
 
 def test_an_oversized_message_is_split_into_parts_that_fit_with_the_chain_intact() -> None:

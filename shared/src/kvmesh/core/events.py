@@ -37,6 +37,21 @@ class Removed(msgspec.Struct, tag="removed", array_like=True, frozen=True):
     medium: str | None = None
 
 
+class Placed(msgspec.Struct, tag="placed", array_like=True, frozen=True):
+    """Known blocks of a worker now also live on another tier (a tokenless BlockStored).
+
+    vLLM < 0.24 with the OffloadingConnector reports each CPU copy as a BlockStored carrying the GPU blocks'
+    hashes, ``token_ids: []`` and ``block_size: 0``: the copy has the chain position of the block it copies,
+    which the index already knows (on another tier of the same holder). Readers built before this event kind
+    refuse the message: upgrade indexers and routers before ingests.
+    """
+
+    engine_hashes: list[int]
+    """The copied blocks' engine hashes as unsigned 64-bit keys, in the event's order."""
+    medium: str | None = None
+    """The tier the copies live on ("CPU", …)."""
+
+
 class Cleared(msgspec.Struct, tag="cleared", array_like=True, frozen=True):
     """Every block of the (worker, dp_rank) is gone: AllBlocksCleared, or a resynchronisation by ingest."""
 
@@ -44,7 +59,7 @@ class Cleared(msgspec.Struct, tag="cleared", array_like=True, frozen=True):
     """"engine" (AllBlocksCleared), "gap", "restart", "malformed", "overflow" (ingest resynchronised)."""
 
 
-Event = Stored | Removed | Cleared
+Event = Stored | Removed | Placed | Cleared
 
 
 class EventsMessage(msgspec.Struct, tag="events", kw_only=True, frozen=True):

@@ -222,6 +222,20 @@ class RemoveResult(NamedTuple):
     unknown: int
 
 
+class PlaceResult(NamedTuple):
+    """What one `PrefixIndex.place` did.
+
+    Attributes:
+        placed: blocks newly indexed on the tier.
+        duplicates: blocks already on that tier (store count raised, as for a repeated BlockStored).
+        unknown: hashes the holder has on no tier (ignored: their chain position is unknown).
+    """
+
+    placed: int
+    duplicates: int
+    unknown: int
+
+
 _REMOVED_NONE: Final[RemoveResult] = RemoveResult(0, 0, 0)
 _REMOVED_ONE: Final[RemoveResult] = RemoveResult(1, 0, 0)
 _UNKNOWN_ONE: Final[RemoveResult] = RemoveResult(0, 0, 1)
@@ -347,7 +361,7 @@ class PrefixIndex:
 
     Args:
         max_orphans: bound on held BlockStored events per holder (oldest dropped first).
-        orphan_ttl_ops: a held event expires after this many later `store` calls on the index.
+        orphan_ttl_ops: a held event expires after this many later `store` (or `place`) calls on the index.
         track_digest: accepted for compatibility; the digest is computed on demand (`digest`).
     """
 
@@ -444,6 +458,57 @@ class PrefixIndex:
             attached += more
             dups += more_dups
         return StoreResult(attached, dups, False, dropped)
+
+    def place(self, holder: Holder, engine_hashes: Iterable[int], medium: str | None) -> PlaceResult:
+        """Index copies of a holder's known blocks on tier ``medium`` (a tokenless BlockStored, `Placed`).
+
+        Each copy takes the chain position (prefix key) of the block it copies, found on the holder's other
+        tiers, fastest first; a block the holder has on no tier is counted as unknown and skipped. Held
+        events waiting for one of the blocks as their parent attach afterwards, as after a store.
+
+        Args:
+            holder: the (worker, dp_rank) whose blocks were copied.
+            engine_hashes: the blocks' engine hashes (unsigned 64-bit ints), in order.
+            medium: the tier of the copies (None or "GPU": the default tier).
+
+        Raises:
+            ValueError: an engine hash is not an unsigned 64-bit int.
+        """
+        keys = as_keys(engine_hashes).tolist()
+        state = self._holders.get(holder)
+        if state is None:
+            return PlaceResult(0, 0, len(keys))
+        self._ops += 1
+        name = tier_name(medium)
+        target: _Cache | None = state if name is None else (state.tiers or {}).get(name)
+        found: list[int] = []
+        prefixes: list[int] = []
+        for key in keys:
+            prefix = None
+            for _tier, cache in state.caches():
+                if cache is not target:
+                    prefix = self._prefix_of(cache, key)
+                    if prefix is not None:
+                        break
+            if prefix is None and target is not None:
+                prefix = self._prefix_of(target, key)  # on the target tier only: a repeated copy
+            if prefix is not None:
+                found.append(key)
+                prefixes.append(prefix)
+        unknown = len(keys) - len(found)
+        if not found:
+            return PlaceResult(0, 0, unknown)
+        if target is None:
+            assert name is not None
+            target = self._tier(state, name)
+        placed, dups = self._attach(
+            target, np.array(found, dtype=np.uint64), np.array(prefixes, dtype=np.uint64)
+        )
+        if state.orphans:
+            more, more_dups = self._attach_held(state, found)
+            placed += more
+            dups += more_dups
+        return PlaceResult(placed, dups, unknown)
 
     def remove(self, holder: Holder, engine_hashes: Iterable[int], medium: str | None = None) -> RemoveResult:
         """Remove one copy of each block (a BlockRemoved) from one tier; unknown hashes are counted and skipped.

@@ -9,6 +9,9 @@ For each event of a `kvmesh.core.wire.EngineBatch` this module checks, keys and 
   block_size`` (hybrid models skip null blocks, vLLM PR #44488). Events of KV-cache groups that are not
   full attention (``kv_cache_spec_kind`` sliding_window, mamba, …; vLLM ≥ 0.22) are skipped, and the group
   is remembered so that its BlockRemoved events (which carry only ``group_idx``) are skipped too.
+* A **tokenless BlockStored** (``token_ids: []``, ``block_size: 0``, hashes of blocks the engine already
+  reported: vLLM < 0.24's OffloadingConnector announcing CPU copies) → `Placed`: the index adds the tier to
+  those blocks of the holder. It neither sets nor is checked against the block size.
 * **BlockRemoved** → `Removed`; **AllBlocksCleared** → `Cleared("engine")`.
 
 An event that fails to decode (`wire.EngineBatch.errors`: a field of the wrong type, such as a non-string
@@ -43,7 +46,7 @@ from typing import Any, Final
 import msgspec
 
 from kvmesh.core.errors import BlockAlignmentError, EventRejectedError, RequestError
-from kvmesh.core.events import Cleared, Event, Removed, Stored
+from kvmesh.core.events import Cleared, Event, Placed, Removed, Stored
 from kvmesh.core.hashing import local_block_hashes
 from kvmesh.core.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch, engine_key
 
@@ -91,6 +94,10 @@ class NormalizeStats:
     """Events that failed to decode (``batch.errors``), rejected alone."""
     malformed_stored: int = 0
     """Of those, BlockStored events: their blocks are not indexed, and the holder is not resynchronised."""
+    placed_events: int = 0
+    """Tokenless BlockStored events (``token_ids: []``, ``block_size: 0``: copies of known blocks on another
+    tier, vLLM < 0.24's OffloadingConnector), published as `Placed`."""
+    placed_blocks: int = 0
     salt_mismatch: int = 0
     """Child BlockStored events (``parent_block_hash`` set) whose ``cache_salt`` differs from the salt of the
     chain they extend (when that chain's last event is remembered, `CHAIN_SALTS_KEPT`); their keys follow
@@ -152,8 +159,18 @@ class Normalizer:
                 lost = True
         return NormalizeResult(events=out, rejections=rejections, lost=lost)
 
-    def _stored(self, ev: BlockStored) -> Stored | None:
+    def _stored(self, ev: BlockStored) -> Stored | Placed | None:
         st = self.stats
+        if ev.block_size == 0:
+            if ev.token_ids:
+                st.rejected_alignment += 1
+                raise BlockAlignmentError(tokens=len(ev.token_ids), blocks=len(ev.block_hashes), block_size=0)
+            if not ev.block_hashes:
+                return None
+            # A copy of known blocks on another tier (vLLM < 0.24's OffloadingConnector): no tokens to key.
+            st.placed_events += 1
+            st.placed_blocks += len(ev.block_hashes)
+            return Placed([engine_key(h) for h in ev.block_hashes], ev.medium)
         if ev.kv_cache_spec_kind not in FULL_ATTENTION_KINDS:
             if ev.group_idx is not None:
                 self.non_full_groups.add(ev.group_idx)

@@ -27,7 +27,7 @@ Engine order per holder
 
 Per (worker, dp_rank) and epoch, stream order must equal engine order. A message's position is its engine
 sequence range ``first_seq..seq`` (``first_seq`` None: ``seq..seq``) and its ``part`` (parts 0..n of one
-split batch share ``seq``). A message is an **engine message** when it carries a Stored or Removed event or
+split batch share ``seq``). A message is an **engine message** when it carries a Stored, Placed or Removed event or
 an engine ``Cleared("engine")``; the holder's *cursor* is the position of the last engine message applied.
 
 * The first engine message of an epoch is applied whatever its sequence (an ingest may attach to an engine
@@ -96,9 +96,11 @@ import xxhash
 from kvmesh.core.errors import UnknownModelError
 from kvmesh.core.events import (
     Cleared,
+    Event,
     EventsMessage,
     IndexReset,
     Message,
+    Placed,
     Removed,
     Stored,
     WorkerRemoved,
@@ -177,6 +179,10 @@ class _Counters:
     """Workers seen again under another model (a new incarnation)."""
     malformed_messages: int = 0
     """Messages refused as impossible for an ingest to make (``first_seq`` above ``seq``)."""
+    placed_blocks: int = 0
+    """Copies of known blocks indexed on another tier (`Placed`: tokenless BlockStored events)."""
+    unknown_placements: int = 0
+    """Copies of blocks their holder had on no tier (ignored)."""
 
 
 @dataclass(slots=True)
@@ -502,6 +508,11 @@ class IndexState:
                 c.duplicate_stores += r.duplicates
                 c.held_events += int(r.held)
                 c.dropped_orphans += r.dropped_orphans
+            elif isinstance(event, Placed):
+                pr = index.place(holder, event.engine_hashes, event.medium)
+                c.placed_blocks += pr.placed
+                c.duplicate_stores += pr.duplicates
+                c.unknown_placements += pr.unknown
             elif isinstance(event, Removed):
                 rr = index.remove(holder, event.engine_hashes, event.medium)
                 c.removed_blocks += rr.removed
@@ -880,7 +891,8 @@ class IndexState:
         state._track_digest = track_digest
         state.applied_seq = export.applied_seq
         state.reset_epoch = export.reset_epoch
-        state.counters = _Counters(**export.counters)
+        known = _Counters.__dataclass_fields__
+        state.counters = _Counters(**{k: v for k, v in export.counters.items() if k in known})
         for w in export.workers:
             state._workers[w.worker_id] = _WorkerInfo(
                 w.model,
@@ -939,7 +951,7 @@ def _continues(hs: HolderSeq, msg: EventsMessage) -> bool:
     return _first(msg) == hs.seq + 1 and msg.part == 0
 
 
-def _same_tier_removal(events: Sequence[Stored | Removed | Cleared], i: int, medium: str | None) -> bool:
+def _same_tier_removal(events: Sequence[Event], i: int, medium: str | None) -> bool:
     """Whether ``events[i]`` exists and is a removal on tier ``medium``."""
     if i >= len(events):
         return False

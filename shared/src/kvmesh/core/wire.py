@@ -258,7 +258,7 @@ def _from_array(ev: list[Any], index: int) -> KVEvent | None:
         hashes = _hashes(ev[1], "block_hashes", index, tag)
         parent = _opt_hash(ev[2], index, tag)
         tokens = _tokens(ev[3], index, tag)
-        block_size = _block_size(ev[4], index, tag)
+        block_size = _block_size(ev[4], index, tag, tokens)
         lora_id = _opt_int(ev[5], "lora_id", index, tag) if n > 5 else None
         medium = _opt_str(ev[6], "medium", index, tag) if n > 6 else None
         lora_name = extra_keys = group_idx = kind = window = cache_salt = None
@@ -324,7 +324,7 @@ def _from_map(ev: dict[Any, Any], index: int) -> KVEvent | None:
             block_hashes=_hashes(hashes, "block_hashes", index, tag),
             parent_block_hash=_opt_hash(get("parent_block_hash"), index, tag),
             token_ids=_tokens(tokens, index, tag),
-            block_size=_block_size(block_size, index, tag),
+            block_size=_block_size(block_size, index, tag, tokens),
             lora_id=_opt_int(get("lora_id"), "lora_id", index, tag),
             medium=_opt_str(get("medium"), "medium", index, tag),
             lora_name=_opt_str(get("lora_name"), "lora_name", index, tag),
@@ -410,10 +410,12 @@ def _tokens(v: Any, index: int, tag: str) -> tuple[int, ...]:
     raise InvalidEventError(f"token_ids is a {_kind(v)}, expected an array", index=index, tag=tag)
 
 
-def _block_size(v: Any, index: int, tag: str) -> int:
+def _block_size(v: Any, index: int, tag: str, tokens: Any) -> int:
+    """A BlockStored's block size: positive, or 0 with no token ids (a tokenless copy of known blocks, as
+    vLLM < 0.24's OffloadingConnector reports CPU copies)."""
     if type(v) is not int:
         raise InvalidEventError(f"block_size is a {_kind(v)}, expected an int", index=index, tag=tag)
-    if v < 1:
+    if v < 0 or (v == 0 and tokens):
         raise InvalidEventError(f"block_size is {v}, expected a positive int", index=index, tag=tag)
     return v
 

@@ -27,7 +27,7 @@ from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
-from kvmesh.core.events import Event, EventsMessage, Removed, Stored, encode_message
+from kvmesh.core.events import Event, EventsMessage, Placed, Removed, Stored, encode_message
 from kvmesh.core.index import Holder
 from kvmesh.core.sequencing import Inversion, StreamOrder
 
@@ -149,14 +149,14 @@ def split_events(events: list[Event], parts: int) -> list[list[Event]]:
     """Split events into about ``parts`` lists of similar encoded size.
 
     Long Stored runs are cut without breaking the parent chain (each piece's parent is the previous piece's
-    last block); long Removed lists are cut into several removals. A stored block weighs two hashes (engine
-    and local), a removed block one.
+    last block); long Removed and Placed lists are cut into several. A stored block weighs two hashes (engine
+    and local), a removed or placed block one.
     """
 
     def weight(e: Event) -> int:
         if isinstance(e, Stored):
             return 2 * len(e.engine_hashes)
-        if isinstance(e, Removed):
+        if isinstance(e, Removed | Placed):
             return len(e.engine_hashes)
         return 1
 
@@ -181,9 +181,9 @@ def split_events(events: list[Event], parts: int) -> list[list[Event]]:
                 chunk = Stored(e.engine_hashes[i : i + step], parent, e.local_hashes[i : i + step], e.medium)
                 parent = chunk.engine_hashes[-1]
                 add(chunk)
-        elif isinstance(e, Removed) and weight(e) > per_part:
+        elif isinstance(e, Removed | Placed) and weight(e) > per_part:
             for i in range(0, len(e.engine_hashes), per_part):
-                add(Removed(e.engine_hashes[i : i + per_part], e.medium))
+                add(type(e)(e.engine_hashes[i : i + per_part], e.medium))
         else:
             add(e)
     return out

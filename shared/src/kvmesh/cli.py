@@ -58,6 +58,7 @@ PROVIDED_BY: dict[str, tuple[str, str]] = {
     "ingest": ("kvmesh-ingest", "services/ingest"),
     "vllm": ("kvmesh-ingest", "services/ingest"),
     "sglang": ("kvmesh-ingest", "services/ingest"),
+    "trtllm": ("kvmesh-ingest", "services/ingest"),
     "indexer": ("kvmesh-indexer", "services/indexer"),
     "router": ("kvmesh-router", "services/router"),
 }
@@ -73,6 +74,7 @@ commands:
   ingest    read one engine's KV events (ZMQ) and publish them to the events stream
   vllm      start vLLM with KV events on and an ingest attached (kvmesh vllm --worker-id W -- serve M)
   sglang    start SGLang with KV events on and an ingest attached (kvmesh sglang --worker-id W -- ...)
+  trtllm    start trtllm-serve with KV events on and an ingest attached (kvmesh trtllm --worker-id W -- serve M)
   indexer   rebuild the prefix index from the stream and answer match queries
   router    answer kvmesh.route requests: which worker holds the longest cached prefix
   route     send one route request and print the reply

@@ -31,6 +31,7 @@ from tests.test_ingest_outage import (
 )
 from tests.test_ingest_outage import expect as expect_within
 
+import kvmesh.ops
 import kvmesh.publish
 from kvmesh.core.events import Cleared, EventsMessage, decode_message
 from kvmesh.publish import JetStreamPublisher, PublishError, ZmqPublisher
@@ -139,6 +140,12 @@ async def test_jetstream_publisher_end_to_end(nats_url: str, uid: str) -> None:
             assert await pub.flush(5.0)
             assert (pub.counters.dropped_batches, pub.counters.rejected_events) == (0, 0)
             assert pub.status().worker_id == W
+            nc = await connect(nats_url, name="test-status")
+            try:
+                report = await kvmesh.ops.status(nc, stream=p.stream)
+            finally:
+                await nc.close()
+            assert [(i.worker_id, i.outbox) for i in report.ingests if i.model == p.model] == [(W, 0)]
             last = await last_message(nats_url, p, 1)
             # rank 1's two calls share one stream message (made in one turn of the loop)
             assert (last.epoch, last.first_seq, last.seq, last.events[-1]) == (0, 0, 1, Cleared("engine"))
@@ -214,6 +221,7 @@ def _free_ports(n: int) -> int:
 
 CRASHING = """
 import asyncio, json, sys
+import kvmesh.ops
 import kvmesh.publish
 
 async def main():

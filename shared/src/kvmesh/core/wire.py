@@ -1,10 +1,11 @@
-"""Decode and encode the KV-cache event wire protocol of vLLM v1 and SGLang (ZeroMQ + msgpack).
+"""Decode and encode the KV-cache event wire protocol of vLLM v1, SGLang and TensorRT-LLM (ZeroMQ + msgpack).
 
 Handles every wire generation published by vLLM 0.9.0 – 0.33.0 (generations A–L) and SGLang
-0.4.6.post5 – 0.5.23. The rules come from the project's protocol notes (``wire-protocol.md``: §1 message
-classes and layouts, §2 transport and replay, §5 SGLang, §6 consumer guidance), which were checked against
-each release's own ``ZmqEventPublisher``; the captured frames in ``tests/data/frames`` are the regression
-reference.
+0.4.6.post5 – 0.5.23, and TensorRT-LLM's streaming events (KV cache manager V2: vLLM's map layout with
+per-block ``mm_keys``; ``docs/wire-trtllm.md``). The rules come from the project's protocol notes
+(``wire-protocol.md``: §1 message classes and layouts, §2 transport and replay, §5 SGLang, §6 consumer
+guidance, and §7 TensorRT-LLM in ``docs/wire-trtllm.md``), which were checked against each release's own
+``ZmqEventPublisher``; the captured frames in ``tests/data/frames`` are the regression reference.
 
 Live messages are three ZMQ frames ``[topic, seq (8-byte big-endian unsigned), payload]``. The payload is one
 msgpack ``KVEventBatch``: an array ``[ts, events]`` (vLLM 0.9.0.x, SGLang 0.4.6.x) or
@@ -452,7 +453,7 @@ def _extra_keys(v: Any, index: int, tag: str) -> tuple[Any, ...] | None:
 
 
 def _mm_keys(v: Any, extra: Any, index: int, tag: str) -> tuple[Any, ...] | None:
-    """TensorRT-LLM's ``mm_keys`` as `BlockStored.extra_keys` (wire-protocol notes §7).
+    """TensorRT-LLM's ``mm_keys`` as `BlockStored.extra_keys` (``docs/wire-trtllm.md`` §7.3).
 
     ``mm_keys`` holds one array per block of ``{"type": "mm_key", "hash": hex, "start_offset": n, "uuid": s?}``
     maps (the multimodal segments in that block); each becomes the extra key ``(hash, start_offset)``, the
@@ -796,7 +797,7 @@ def _sglang_layouts() -> tuple[tuple[tuple[int, int, int], _Layout], ...]:
 
 def _trtllm_layout() -> _Layout:
     """TensorRT-LLM's streaming publisher (``tensorrt_llm/_torch/pyexecutor/kv_cache_events.py``, KV cache
-    manager V2; wire-protocol notes §7): map events whose fields without a default are always written (nil
+    manager V2; ``docs/wire-trtllm.md``): map events whose fields without a default are always written (nil
     when None), the ``[ts, events, data_parallel_rank]`` envelope, int hashes only."""
     required = (
         "block_hashes",

@@ -10,7 +10,7 @@
 ```
 
 TensorRT-LLM's KV cache manager V2 publishes vLLM-compatible batches over ZMQ
-(``tensorrt_llm/_torch/pyexecutor/kv_cache_events.py``; the payload is in the wire-protocol notes §7): one
+(``tensorrt_llm/_torch/pyexecutor/kv_cache_events.py``; the payload is in ``docs/wire-trtllm.md``): one
 PUB and one replay ROUTER per attention-DP rank on base port + rank. Its options live in the LLM-API options
 file (``--extra_llm_api_options``, ``--config`` in newer releases): the user's file, when given, is read
 (JSON, or YAML when PyYAML is installed), completed, and written next to it as JSON (which YAML reads).

@@ -305,6 +305,7 @@ def test_the_error_table_is_the_error_classes() -> None:
         "bad_request": 400,
         "unknown_model": 404,
         "no_workers": 404,
+        "context_length_exceeded": 400,
         "unavailable": 503,
         "internal": 500,
     }

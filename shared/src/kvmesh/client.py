@@ -4,6 +4,8 @@
     ├── BadRequestError              code "bad_request" (``field`` names the culprit when known)
     ├── UnknownModelError            code "unknown_model"
     ├── NoWorkersError               code "no_workers"
+    │   └── ContextLengthExceededError code "context_length_exceeded": the prompt is longer than every
+    │                                  worker's context length
     ├── UnavailableError             code "unavailable", or no router answered in time
     └── InternalError                code "internal"
 
@@ -63,6 +65,7 @@ from nats.aio.client import Client
 
 from kvmesh.core.errors import (
     BadRequestError,
+    ContextLengthExceededError,
     InternalError,
     NoWorkersError,
     ProtocolError,
@@ -109,6 +112,7 @@ __all__ = [
     "ConnectError",
     "ConnectRefusedError",
     "ConnectTimeoutError",
+    "ContextLengthExceededError",
     "InternalError",
     "NatsAuth",
     "NoWorkersError",

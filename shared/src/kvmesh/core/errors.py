@@ -21,6 +21,8 @@ those modules import the tree from here.
     │   ├── BadRequestError (ValueError)   ``bad_request``
     │   ├── UnknownModelError (KeyError)   ``unknown_model``: no worker of the model is indexed or registered
     │   ├── NoWorkersError (LookupError)   ``no_workers``: no candidate worker is left
+    │   │   └── ContextLengthExceededError ``context_length_exceeded``: the prompt is longer than every
+    │   │                                  candidate's context length
     │   ├── UnavailableError               ``unavailable``: no router or indexer answered in time
     │   └── InternalError                  ``internal``: the router or indexer failed
     ├── SnapshotNotFoundError (LookupError)  no usable snapshot where one was asked for (``kvmesh replay``)
@@ -151,8 +153,8 @@ class RouteError(KvmeshError):
     """An error answer of the route (or match) API.
 
     Attributes:
-        code: the wire code (``"bad_request"``, ``"unknown_model"``, ``"no_workers"``, ``"unavailable"``,
-            ``"internal"``).
+        code: the wire code (``"bad_request"``, ``"unknown_model"``, ``"no_workers"``,
+            ``"context_length_exceeded"``, ``"unavailable"``, ``"internal"``).
         status: the numeric NATS service-error code the answer is sent with (400, 404, 503, 500).
         message: the human-readable text.
     """
@@ -192,6 +194,19 @@ class NoWorkersError(RouteError, LookupError):
     status = 404
 
 
+class ContextLengthExceededError(NoWorkersError):
+    """The prompt is longer than the context length of every worker that could take it
+    (``context_length_exceeded``, sent with 400: the request, not the fleet, has to change).
+
+    A `NoWorkersError`, so callers that handle "no worker left" handle it too; the code is OpenAI's for the
+    same refusal. Workers register their context length (`kvmesh.core.protocol.WorkerRecord.context_length`);
+    one that registers none takes any prompt.
+    """
+
+    code = "context_length_exceeded"
+    status = 400
+
+
 class UnavailableError(RouteError):
     """No router or indexer could answer in time (``unavailable``)."""
 
@@ -210,6 +225,7 @@ ROUTE_ERRORS: tuple[type[RouteError], ...] = (
     BadRequestError,
     UnknownModelError,
     NoWorkersError,
+    ContextLengthExceededError,
     UnavailableError,
     InternalError,
 )

@@ -155,7 +155,8 @@ FORMS_METADATA_KEY: Final[str] = "route_forms"
 
 ERROR_STATUS: Final[dict[str, int]] = {cls.code: cls.status for cls in ROUTE_ERRORS}
 """Error code → the numeric ``Nats-Service-Error-Code`` it is sent with (from `kvmesh.core.errors`'s classes:
-``bad_request`` 400, ``unknown_model`` 404, ``no_workers`` 404, ``unavailable`` 503, ``internal`` 500)."""
+``bad_request`` 400, ``unknown_model`` 404, ``no_workers`` 404, ``context_length_exceeded`` 400,
+``unavailable`` 503, ``internal`` 500)."""
 
 
 class Message(msgspec.Struct, kw_only=True, frozen=True):
@@ -680,6 +681,17 @@ class WorkerRecord(Message, kw_only=True, frozen=True):
     stale_ranks: dict[int, str] = msgspec.field(default_factory=dict)
     """dp_rank → why its engine is stale (silent and not answering liveness probes; `kvmesh.core.liveness`).
     Routers do not route to a stale rank; empty when every rank is live."""
+    dp_rank_start: int = 0
+    """First data-parallel rank this record's node reads (multi-node data parallelism; 0 on one node)."""
+    dp_ranks_local: int | None = None
+    """Ranks this node reads, ``[dp_rank_start, dp_rank_start + dp_ranks_local)``; None: all ``dp_ranks``
+    (one node, the record of every ingest before multi-node support)."""
+    context_length: int | None = None
+    """Longest prompt plus output the engine accepts, in tokens (vLLM ``--max-model-len``, SGLang
+    ``--context-length``); None: not known (routes do not check it)."""
+    kv_capacity_blocks: int | None = None
+    """KV-cache blocks of one rank's engine (vLLM ``--num-gpu-blocks-override``, SGLang
+    ``--max-total-tokens`` / page size); None: not known."""
 
 
 # ---------------------------------------------------------------------------------------- codec

@@ -598,6 +598,8 @@ class RegisteredWorker:
     """Ranks 0 … dp_ranks − 1 are registered."""
     stale: Mapping[int, str]
     """dp_rank → why its engine is stale (those ranks are not candidates)."""
+    context_length: int | None = None
+    """Longest prompt its engine accepts, in tokens (None: not known, any prompt is offered to it)."""
 
 
 class RankSet:
@@ -613,6 +615,7 @@ class RankSet:
     __slots__ = (
         "_by_id",
         "_live",
+        "_shortest",
         "_starts",
         "_total",
         "live_count",
@@ -648,6 +651,8 @@ class RankSet:
         """Registered ranks whose engine is stale."""
         self.live_count: int = total - stale
         """Registered ranks that are candidates (not stale)."""
+        lengths = [w.context_length for w in self.workers if w.context_length is not None]
+        self._shortest: int | None = min(lengths) if lengths else None
 
     @classmethod
     def from_pairs(cls, live: Sequence[Holder]) -> RankSet:
@@ -664,6 +669,24 @@ class RankSet:
     def only(self, worker_ids: Sequence[str]) -> RankSet:
         """Return the registered ranks of ``worker_ids`` only (a request's ``candidates``); O(len(worker_ids))."""
         return RankSet([w for w in (self._by_id.get(i) for i in set(worker_ids)) if w is not None])
+
+    def within_context(self, prompt_tokens: int) -> RankSet:
+        """Return the ranks of the workers whose context length admits a ``prompt_tokens``-token prompt.
+
+        A worker with no registered context length admits any prompt; one whose length is below the prompt's
+        is left out (vLLM refuses a prompt longer than ``--max-model-len``). Returns this set itself when
+        every worker admits it (the common case: O(1)); else O(workers).
+        """
+        if self._shortest is None or prompt_tokens <= self._shortest:
+            return self
+        return RankSet(
+            [w for w in self.workers if w.context_length is None or prompt_tokens <= w.context_length]
+        )
+
+    def longest_context(self) -> int | None:
+        """Return the longest context length a worker of the set registered (None: none did)."""
+        lengths = [w.context_length for w in self.workers if w.context_length is not None]
+        return max(lengths) if lengths else None
 
     def worker(self, worker_id: str) -> RegisteredWorker | None:
         """Return a registered worker of the model, or None."""

@@ -1,14 +1,29 @@
-"""The worker registry: one KV key per worker, kept alive by its ingest's heartbeats.
+"""The worker registry: one KV key per worker (per node of a multi-node worker), kept alive by heartbeats.
 
 Bucket `kvmesh.runtime.subjects.registry_bucket(stream)`, max age = the worker TTL, with server-placed
-delete markers on expiry (nats-server ≥ 2.11) so watchers see a worker go. Key `subjects.kv_key(worker_id)`,
-value JSON `WorkerRecord`.
+delete markers on expiry (nats-server ≥ 2.11) so watchers see a worker go. Value JSON `WorkerRecord`.
 
-When a key expires or is deleted, whoever notices first (every indexer replica watches) publishes
-`WorkerRemoved` into the events stream on `subjects.control_subject(prefix)` with
+Keys (`registry_key`, `parse_registry_key`):
+
+* ``subjects.kv_key(worker_id)``: a worker whose one ingest reads every data-parallel rank (the only form
+  before multi-node support; still read and written as it was);
+* ``subjects.kv_key(worker_id) + ".dp<start>-<stop>"``: one node of a multi-node worker, whose ingest reads
+  ranks ``[start, stop)`` (vLLM ``--data-parallel-start-rank`` / ``--data-parallel-size-local``). Two
+  nodes of one worker never share a key, so they never overwrite each other. `kv_key` escapes ``.``, so a
+  worker key never holds one.
+
+Readers merge a worker's records into one (`merge_records`): its ranks are the union of its nodes' (a rank no
+live node reads counts as stale with reason `NO_NODE`, so routes skip it), its heartbeat the oldest, its
+context length the smallest.
+
+Departures. When a worker's last key expires or is deleted, whoever notices first (every indexer replica
+watches) publishes `WorkerRemoved` into the events stream on `subjects.control_subject(prefix)` with
 ``Nats-Msg-Id: removed:<worker>:<incarnation>``, so the copies published by other noticers within the
 stream's duplicate window are dropped by the server, and every replica removes the worker at the same
-stream sequence.
+stream sequence. When a node's key goes while other nodes of the worker stay (`node_departure`), its ranks
+alone leave: one ingest-style ``Cleared("node_departed")`` per rank the index holds, at that rank's epoch,
+on the same control subject (``Nats-Msg-Id: departed:<worker>:<rank>:<epoch>``; `publish_node_departure`),
+so every replica empties those holders at one stream point while the worker's other ranks stay.
 """
 
 from __future__ import annotations
@@ -16,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -26,7 +41,7 @@ from nats.js import JetStreamContext
 
 from kvmesh.core import protocol
 from kvmesh.core.errors import ProtocolError
-from kvmesh.core.events import WorkerRemoved, encode_message
+from kvmesh.core.events import Cleared, EventsMessage, WorkerRemoved, encode_message
 from kvmesh.core.index import Holder
 from kvmesh.core.protocol import WorkerRecord
 from kvmesh.core.route import RankSet, RegisteredWorker
@@ -59,14 +74,121 @@ async def open_registry(js: JetStreamContext, settings: RegistrySettings) -> Any
     )
 
 
+NODE_TAG: Final[str] = ".dp"
+"""What separates a worker's key from a node's rank range in a node record's key."""
+NO_NODE: Final[str] = "no_node: no live node of the worker reads this rank"
+"""Stale reason of a rank of a multi-node worker that none of its registered nodes reads."""
+NODE_DEPARTED: Final[str] = "node_departed"
+"""Reason of the Cleared that takes a departed node's ranks out of the index."""
+
+
+def registry_key(worker_id: str, ranks: range | None = None) -> str:
+    """Return the registry key of a worker (``ranks`` None) or of one node reading ``ranks`` of it."""
+    key = subjects.kv_key(worker_id)
+    return key if ranks is None else f"{key}{NODE_TAG}{ranks.start}-{ranks.stop}"
+
+
+def parse_registry_key(key: str) -> tuple[str, range | None]:
+    """Return ``(worker id, node ranks)`` of a registry key (ranks None for a whole-worker key).
+
+    A key whose node part does not parse (``.dp`` not followed by ``start-stop``) is read as a whole-worker
+    key of the unescaped text, as a reader before node keys did.
+    """
+    base, sep, node = key.partition(NODE_TAG)
+    if sep:
+        start, dash, stop = node.partition("-")
+        if dash and start.isdecimal() and stop.isdecimal() and int(start) < int(stop):
+            return subjects.from_kv_key(base), range(int(start), int(stop))
+    return subjects.from_kv_key(key), None
+
+
+def worker_of_key(key: str) -> str:
+    """Return the worker id a registry key belongs to (its node's or its own)."""
+    return parse_registry_key(key)[0]
+
+
+def record_ranks(record: WorkerRecord) -> range:
+    """Return the data-parallel ranks a record's ingest reads: ``[dp_rank_start, + dp_ranks_local)``, or
+    every rank of the worker for a whole-worker record."""
+    start = record.dp_rank_start
+    local = record.dp_ranks_local if record.dp_ranks_local is not None else record.dp_ranks - start
+    return range(start, start + max(local, 0))
+
+
+def record_key(record: WorkerRecord) -> str:
+    """Return the key a record is put under: a node key when it names its local ranks, else the worker's."""
+    return registry_key(record.worker_id, record_ranks(record) if record.dp_ranks_local is not None else None)
+
+
+def record_problem(key: str, record: WorkerRecord) -> str | None:
+    """Why a record read under ``key`` cannot be used (None when it can): ranks outside [1, `MAX_DP_RANKS`],
+    node ranks outside the worker's, or a node key whose ranks are not the record's."""
+    if not 1 <= record.dp_ranks <= MAX_DP_RANKS:
+        return f"dp_ranks {record.dp_ranks} outside [1, {MAX_DP_RANKS}]"
+    ranks = record_ranks(record)
+    if not (ranks.start >= 0 and len(ranks) >= 1 and ranks.stop <= record.dp_ranks):
+        return f"node ranks [{ranks.start}, {ranks.stop}) outside the worker's [0, {record.dp_ranks})"
+    _, key_ranks = parse_registry_key(key)
+    if key_ranks is not None and key_ranks != ranks:
+        return (
+            f"key names ranks [{key_ranks.start}, {key_ranks.stop}), the record [{ranks.start}, {ranks.stop})"
+        )
+    return None
+
+
+def merge_records(records: Sequence[WorkerRecord]) -> WorkerRecord:
+    """Return one record for a worker from the records of its nodes (a whole-worker record as it is).
+
+    The merged record covers every rank ``[0, dp_ranks)`` (the largest size any node names); a rank no node
+    reads is stale with reason `NO_NODE`, as are the nodes' own stale ranks with theirs. Its heartbeat is the
+    oldest node's, its incarnation the highest, its context length and KV capacity the smallest any node
+    reports, its block size the first node's that knows one.
+
+    Raises:
+        ValueError: ``records`` is empty.
+    """
+    if not records:
+        raise ValueError("merge_records needs at least one record")
+    if len(records) == 1 and records[0].dp_ranks_local is None and records[0].dp_rank_start == 0:
+        return records[0]
+    ordered = sorted(records, key=lambda r: (r.dp_rank_start, r.dp_ranks_local or 0))
+    size = max(r.dp_ranks for r in ordered)
+    covered: set[int] = set()
+    stale: dict[int, str] = {}
+    for rec in ordered:
+        own = record_ranks(rec)
+        covered.update(own)
+        stale.update((r, why) for r, why in rec.stale_ranks.items() if r in own)
+    for r in range(size):
+        if r not in covered:
+            stale[r] = NO_NODE
+
+    def smallest(values: Iterable[int | None]) -> int | None:
+        known = [v for v in values if v is not None]
+        return min(known) if known else None
+
+    first = ordered[0]
+    return WorkerRecord(
+        worker_id=first.worker_id,
+        model=first.model,
+        dp_ranks=size,
+        block_size=next((r.block_size for r in ordered if r.block_size is not None), None),
+        incarnation=max(r.incarnation for r in ordered),
+        heartbeat_ts=min(r.heartbeat_ts for r in ordered),
+        stale_ranks=dict(sorted(stale.items())),
+        context_length=smallest(r.context_length for r in ordered),
+        kv_capacity_blocks=smallest(r.kv_capacity_blocks for r in ordered),
+    )
+
+
 async def heartbeat(kv: Any, record: WorkerRecord) -> int:
-    """Put one heartbeat (restarting the key's TTL); returns the revision."""
-    return int(await kv.put(subjects.kv_key(record.worker_id), protocol.encode(record)))
+    """Put one heartbeat (restarting the key's TTL) under `record_key`; returns the revision."""
+    return int(await kv.put(record_key(record), protocol.encode(record)))
 
 
-async def deregister(kv: Any, worker_id: str) -> None:
-    """Delete a worker's key (a clean departure: watchers publish its removal)."""
-    await kv.delete(subjects.kv_key(worker_id))
+async def deregister(kv: Any, worker_id: str, ranks: range | None = None) -> None:
+    """Delete a worker's key, or one node's (``ranks``): a clean departure, watchers publish its removal."""
+    await kv.delete(registry_key(worker_id, ranks))
 
 
 def removal_msg_id(worker_id: str, incarnation: int | None) -> str:
@@ -95,12 +217,13 @@ async def publish_removal(
 
 
 async def list_workers(kv: Any) -> dict[str, WorkerRecord]:
-    """Return every registered (live) worker: worker id → its last heartbeat record.
+    """Return every registered (live) worker: worker id → its last heartbeat record (its nodes' records
+    merged, `merge_records`).
 
     Creates no server state (no consumer): the keys come from the bucket's stream info and each record from
     a direct get. Keys deleted, purged or aged out (a server marker) and undecodable records are skipped.
     """
-    out: dict[str, WorkerRecord] = {}
+    by_worker: dict[str, list[WorkerRecord]] = {}
     for key in sorted(await registry_keys(kv)):
         try:
             entry = await kv.get(key)
@@ -111,10 +234,12 @@ async def list_workers(kv: Any) -> dict[str, WorkerRecord]:
         if not entry.value:  # an age-out marker
             continue
         try:
-            out[subjects.from_kv_key(key)] = protocol.decode(entry.value, WorkerRecord)
+            record = protocol.decode(entry.value, WorkerRecord)
         except ProtocolError:
             continue
-    return out
+        if record_problem(key, record) is None:
+            by_worker.setdefault(worker_of_key(key), []).append(record)
+    return {w: merge_records(recs) for w, recs in by_worker.items()}
 
 
 async def registry_keys(kv: Any) -> set[str]:
@@ -131,8 +256,9 @@ async def registry_keys(kv: Any) -> set[str]:
     return {subject[len(prefix) :] for subject in (info.state.subjects or {}) if subject.startswith(prefix)}
 
 
-async def key_present(kv: Any, worker_id: str) -> bool:
-    """Whether ``worker_id``'s registry key exists, by a direct get of that key (creates no server state).
+async def key_present(kv: Any, worker_id: str, ranks: range | None = None) -> bool:
+    """Whether ``worker_id``'s registry key (one node's, with ``ranks``) exists, by a direct get of that key
+    (creates no server state).
 
     Returns False only on a definite answer: no message for the key, or its last one is a delete, a purge
     or an age-out marker. True when the key holds a record.
@@ -142,7 +268,7 @@ async def key_present(kv: Any, worker_id: str) -> bool:
             callers must not treat the worker as gone.
     """
     try:
-        entry = await kv.get(subjects.kv_key(worker_id))
+        entry = await kv.get(registry_key(worker_id, ranks))
     except nats.js.errors.KeyNotFoundError as exc:
         if isinstance(exc, nats.js.errors.KeyDeletedError) or getattr(exc, "op", None) is not None:
             return False
@@ -152,6 +278,92 @@ async def key_present(kv: Any, worker_id: str) -> bool:
         await js.stream_info(stream)  # raises NotFoundError if the bucket itself is gone
         return False
     return bool(entry.value)  # an empty value is a server marker (the key aged out)
+
+
+async def worker_present(kv: Any, worker_id: str) -> bool:
+    """Whether any registry key of ``worker_id`` exists: its own or one of its nodes' (`key_present` each).
+
+    Raises:
+        nats.errors.Error, TimeoutError: no definite answer; callers must not treat the worker as gone.
+    """
+    if await key_present(kv, worker_id):
+        return True
+    js, stream, prefix = bucket_stream(kv)
+    node_prefix = f"{prefix}{subjects.kv_key(worker_id)}{NODE_TAG}"
+    info = await js.stream_info(stream, subjects_filter=f"{prefix}{subjects.kv_key(worker_id)}.>")
+    for subject in sorted(info.state.subjects or {}):
+        if not subject.startswith(node_prefix):
+            continue
+        worker, ranks = parse_registry_key(subject[len(prefix) :])
+        if worker == worker_id and ranks is not None and await key_present(kv, worker_id, ranks):
+            return True
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class NodeDeparture:
+    """One node of a multi-node worker left while others stay: its ranks leave, the worker does not."""
+
+    worker_id: str
+    ranks: range
+    model: str | None
+    """The model its last record named (None: not seen; the index's then)."""
+
+
+def node_departure(key: str, record: WorkerRecord | None, remaining: Iterable[str]) -> NodeDeparture | None:
+    """Return the departure of the node whose key ``key`` went, or None when the key is a whole worker's or
+    the worker has no other key in ``remaining`` (its last node: the worker itself leaves).
+
+    Args:
+        key: the registry key deleted or aged out.
+        record: its last record seen, or None.
+        remaining: the registry keys that still exist.
+    """
+    worker, ranks = parse_registry_key(key)
+    if ranks is None or not any(worker_of_key(k) == worker for k in remaining if k != key):
+        return None
+    return NodeDeparture(worker, ranks, record.model if record is not None else None)
+
+
+def departure_msg_id(worker_id: str, dp_rank: int, epoch: int) -> str:
+    """The ``Nats-Msg-Id`` of one rank's node-departure Cleared: equal for every noticer of one departure."""
+    return f"departed:{worker_id}:{dp_rank}:{epoch}"
+
+
+async def publish_node_departure(
+    js: JetStreamContext,
+    *,
+    stream: str,
+    events_prefix: str,
+    departure: NodeDeparture,
+    model: str,
+    epochs: Mapping[int, int],
+) -> list[int]:
+    """Take a departed node's ranks out of the index: one ``Cleared(NODE_DEPARTED)`` per rank of it that the
+    index holds (``epochs``: dp_rank → its epoch in the index), at that epoch, so it empties the holder
+    without starting an epoch (a node that rejoins starts a higher one). Returns their stream sequences."""
+    seqs = []
+    for r in departure.ranks:
+        epoch = epochs.get(r)
+        if epoch is None:
+            continue
+        msg = EventsMessage(
+            worker_id=departure.worker_id,
+            dp_rank=r,
+            model=model,
+            block_size=0,  # says nothing about the worker's block size
+            epoch=epoch,
+            seq=-1,
+            events=[Cleared(NODE_DEPARTED)],
+        )
+        ack = await js.publish(
+            subjects.control_subject(events_prefix),
+            encode_message(msg),
+            stream=stream,
+            headers={"Nats-Msg-Id": departure_msg_id(departure.worker_id, r, epoch)},
+        )
+        seqs.append(int(ack.seq))
+    return seqs
 
 
 WATCH_INACTIVE_S: Final[float] = 30.0
@@ -185,7 +397,12 @@ class RegistryWatcher:
         members: Callable[[], Awaitable[dict[str, str]]] | None = None,
     ) -> None:
         self.workers: dict[str, WorkerRecord] = {}
-        """Worker id → its last heartbeat record, for every worker whose key exists."""
+        """Worker id → its last heartbeat record (its nodes' merged, `merge_records`), for every worker with
+        a key."""
+        self.records: dict[str, WorkerRecord] = {}
+        """Registry key → its last record (one per node of a multi-node worker)."""
+        self._keys: dict[str, set[str]] = {}
+        """Worker id → its keys in `records`."""
         self.known: dict[str, str] = {}
         """Worker id → model of every worker known to heartbeat (key seen here, or a recorded member)."""
         self._members = members
@@ -233,6 +450,7 @@ class RegistryWatcher:
             for w, rec in self.workers.items()
             if rec.model == model
             for r in range(max(rec.dp_ranks, 1))
+            if rec.stale_ranks.get(r) != NO_NODE
         ]
         if out:
             return sorted(out)
@@ -253,7 +471,7 @@ class RegistryWatcher:
         if model in self._ranks:
             return self._ranks[model]
         workers = [
-            RegisteredWorker(w, max(rec.dp_ranks, 1), dict(rec.stale_ranks))
+            RegisteredWorker(w, max(rec.dp_ranks, 1), dict(rec.stale_ranks), rec.context_length)
             for w, rec in self.workers.items()
             if rec.model == model
         ]
@@ -263,36 +481,46 @@ class RegistryWatcher:
         return out
 
     def apply(self, key: str, operation: str | None, value: bytes | None) -> None:
-        """Apply one KV entry: a put (``operation`` None) records the worker, a delete or purge drops it."""
-        worker = subjects.from_kv_key(key)
-        before = self.workers.get(worker)
+        """Apply one KV entry: a put (``operation`` None) records the worker's (or its node's) record, a delete
+        or purge drops it; the worker's merged record follows (it goes with its last key)."""
+        worker = worker_of_key(key)
         self.changes += 1
         if operation is not None:
-            self.workers.pop(worker, None)
+            self.records.pop(key, None)
+            self._merge(worker)
             return
         try:
             record = protocol.decode(value or b"", WorkerRecord)
         except ProtocolError as exc:
             log.warning("registry: undecodable record for worker %s ignored: %s", worker, exc)
-            self.workers.pop(worker, None)
+            self.records.pop(key, None)
+            self._merge(worker)
             return
-        if not 1 <= record.dp_ranks <= MAX_DP_RANKS:
-            log.warning(
-                "registry: record for worker %s ignored: dp_ranks %d outside [1, %d]",
-                worker,
-                record.dp_ranks,
-                MAX_DP_RANKS,
-            )
-            self.workers.pop(worker, None)
+        problem = record_problem(key, record)
+        if problem is not None:
+            log.warning("registry: record for worker %s ignored: %s", worker, problem)
+            self.records.pop(key, None)
+            self._merge(worker)
             return
-        if before is not None and (before.model, before.dp_ranks, before.stale_ranks) == (
-            record.model,
-            record.dp_ranks,
-            record.stale_ranks,
-        ):
+        before = self.workers.get(worker)
+        self.records[key] = record
+        self._keys.setdefault(worker, set()).add(key)
+        self._merge(worker)
+        after = self.workers[worker]
+        if before is not None and _routing_view(before) == _routing_view(after):
             self.changes -= 1  # a plain heartbeat: the per-model views stay valid
-        self.workers[worker] = record
         self.known[worker] = record.model
+
+    def _merge(self, worker: str) -> None:
+        """Rebuild ``worker``'s merged record from its keys' records (drop it when none is left)."""
+        keys = self._keys.setdefault(worker, set())
+        keys.intersection_update(self.records)
+        own = [self.records[k] for k in sorted(keys)]
+        if own:
+            self.workers[worker] = merge_records(own)
+        else:
+            self.workers.pop(worker, None)
+            del self._keys[worker]
 
     async def _load_members(self) -> None:
         """Add the indexers' recorded registry members to `known` (kept as they are when unreadable)."""
@@ -322,6 +550,8 @@ class RegistryWatcher:
                 self.ttl_s = info.config.max_age or None
                 watcher = await kv.watchall(inactive_threshold=WATCH_INACTIVE_S)
                 self.workers.clear()
+                self.records.clear()
+                self._keys.clear()
                 self.changes += 1
                 check = asyncio.create_task(self._until_bucket_gone(created))
                 try:
@@ -338,6 +568,8 @@ class RegistryWatcher:
                 # The bucket was deleted: what it said is void (its workers are not known to be live).
                 log.warning("registry: bucket %s was deleted; watching it again once it exists", self._bucket)
                 self.workers.clear()
+                self.records.clear()
+                self._keys.clear()
                 self.changes += 1
                 self.synced = False
             except asyncio.CancelledError:
@@ -346,6 +578,11 @@ class RegistryWatcher:
                 log.warning("registry: watch of %s failed (%r); watching again", self._bucket, exc)
                 self.synced = False
                 await asyncio.sleep(self._retry_s)
+
+
+def _routing_view(record: WorkerRecord) -> tuple[object, ...]:
+    """What routes read of a merged record: a heartbeat that changes none of it changes no route."""
+    return (record.model, record.dp_ranks, record.stale_ranks, record.context_length)
 
 
 async def _next_entry(watcher: Any) -> tuple[bool, Any]:

@@ -19,8 +19,14 @@ from kvmesh.core.errors import ProtocolError
 from kvmesh.core.protocol import WorkerRecord
 from kvmesh.indexer import policy
 from kvmesh.indexer.config import IndexerSettings
-from kvmesh.runtime import subjects
-from kvmesh.runtime.registry import WATCH_INACTIVE_S, key_present, publish_removal
+from kvmesh.runtime.registry import (
+    WATCH_INACTIVE_S,
+    node_departure,
+    publish_node_departure,
+    publish_removal,
+    worker_of_key,
+    worker_present,
+)
 from kvmesh.runtime.replica import StreamReplica
 from kvmesh.runtime.snapshots import SnapshotStore
 
@@ -79,9 +85,7 @@ class RegistryWatch:
                         if sync.end_of_initial():
                             await self._reconcile(sync.registered)
                         continue
-                    sync.seen(
-                        subjects.from_kv_key(entry.key), present=entry.operation is None and bool(entry.value)
-                    )
+                    sync.seen(worker_of_key(entry.key), present=entry.operation is None and bool(entry.value))
                     await self._on_entry(entry)
             except asyncio.CancelledError:
                 raise
@@ -112,7 +116,7 @@ class RegistryWatch:
                 # Without a definite "gone" the worker stays: routes take candidates from the registry anyway,
                 # and a wrong removal would drop a live worker's whole cache from the index.
                 try:
-                    present = await key_present(self._kv, worker)
+                    present = await worker_present(self._kv, worker)
                 except Exception as exc:
                     log.warning(
                         "indexer %s: worker %s: cannot read its registry key (%r): not removed now",
@@ -147,16 +151,40 @@ class RegistryWatch:
                 )
 
     async def _on_entry(self, entry: Any) -> None:
-        worker = subjects.from_kv_key(entry.key)
+        worker = worker_of_key(entry.key)
         if entry.operation is None:
             with contextlib.suppress(ProtocolError):  # not a record this build reads: ignored
                 put = protocol.decode(entry.value or b"", WorkerRecord)
-                self._registry[worker] = put
+                self._registry[entry.key] = put
                 if worker not in self._members:
                     await self._store.put_member(worker, put.model)
                     self._members[worker] = put.model
             return
-        record = self._registry.pop(worker, None)
+        record = self._registry.pop(entry.key, None)
+        departure = node_departure(entry.key, record, self._registry)
+        if departure is not None:  # one node of a multi-node worker left; the others stay
+            info = self._stream.state.workers().get(worker)
+            if info is None or info["removed"]:
+                return
+            epochs: dict[int, int] = info["epochs"]  # type: ignore[assignment]
+            seqs = await publish_node_departure(
+                self._js,
+                stream=self.settings.stream,
+                events_prefix=self.settings.events_prefix,
+                departure=departure,
+                model=departure.model or str(info["model"]),
+                epochs=epochs,
+            )
+            log.warning(
+                "indexer %s: worker %s: node of ranks [%d, %d) left the registry: its ranks cleared at seqs %s",
+                self.replica,
+                worker,
+                departure.ranks.start,
+                departure.ranks.stop,
+                seqs,
+                extra={"replica": self.replica, "worker_id": worker},
+            )
+            return
         removal = policy.removal_on_delete(worker, entry.operation, record, self._stream.state.live_worker)
         if removal is None:
             return

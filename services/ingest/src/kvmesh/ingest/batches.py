@@ -112,19 +112,21 @@ class Batches:
             self.enqueue_clear(rank, "malformed")
             return
         dp_rank = batch.dp_rank if batch.dp_rank is not None else rank.rank
-        if not 0 <= dp_rank < s.data_parallel_size:
+        ranks = s.local_ranks()
+        if dp_rank not in ranks:
             # Not a rank this ingest reads (vLLM and SGLang stamp rank r on the publisher of port + r): a
             # new holder and subject per bad value would be invented. The events go, nothing else does.
             self.counters.bad_dp_rank_batches += 1
             self.counters.rejected_events += len(batch.events)
             log.error(
-                "worker %s endpoint rank %d seq %d: batch carries dp_rank %d outside [0, %d); its %d "
+                "worker %s endpoint rank %d seq %d: batch carries dp_rank %d outside [%d, %d); its %d "
                 "event(s) rejected",
                 s.worker_id,
                 rank.rank,
                 seq,
                 dp_rank,
-                s.data_parallel_size,
+                ranks.start,
+                ranks.stop,
                 len(batch.events),
                 extra={
                     "worker_id": s.worker_id,

@@ -45,15 +45,37 @@ class IngestSettings(NatsAuth):
     model: str = setting("", "model name the engine serves, as route requests name it (required)")
     zmq_endpoint: str = setting(
         "tcp://127.0.0.1:5557",
-        "engine's KV-event PUB endpoint to connect to (vLLM's tcp://*:5557 on its host)",
+        "engine's KV-event PUB endpoint to connect to (vLLM's tcp://*:5557 on its host); rank r, on whichever "
+        "node, is read on its port + r, as vLLM and SGLang bind it",
     )
     replay_endpoint: str | None = setting(
         None, "engine's replay ROUTER endpoint; used to fill sequence gaps (none: gaps resynchronise)"
     )
-    data_parallel_size: int = setting(1, "data-parallel ranks; rank r is read on port + r (vLLM's rule)")
+    data_parallel_size: int = setting(
+        1, "data-parallel ranks of the worker (all nodes); rank r is read on port + r (vLLM's rule)"
+    )
+    data_parallel_start_rank: int = setting(
+        0,
+        "first rank this ingest reads: one ingest per node of a multi-node worker "
+        "(vLLM --data-parallel-start-rank); its ranks are [start, start + local)",
+    )
+    data_parallel_size_local: int | None = setting(
+        None,
+        "ranks this ingest reads from the start rank (vLLM --data-parallel-size-local; none: every rank "
+        "from the start rank on)",
+    )
     topic: str = setting("", "ZMQ topic prefix to subscribe to (vLLM's kv-events-config topic)")
     block_size: int | None = setting(
         None, "expected block size in tokens; events with another size are rejected (none: first event's)"
+    )
+    context_length: int | None = setting(
+        None,
+        "engine's context length in tokens (vLLM --max-model-len), registered so routers send it no longer "
+        "prompt (none: not checked)",
+    )
+    kv_capacity_blocks: int | None = setting(
+        None,
+        "KV-cache blocks of one rank's engine (vLLM --num-gpu-blocks-override), registered (none: unknown)",
     )
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
     stream: str = setting(subjects.STREAM, "JetStream stream name")
@@ -111,6 +133,19 @@ class IngestSettings(NatsAuth):
         None, "port of the Prometheus /metrics endpoint on every interface (0: a free one, logged; none: off)"
     )
 
+    def local_ranks(self) -> range:
+        """The data-parallel ranks this ingest reads: ``[start, start + local)`` (every rank on one node)."""
+        start = self.data_parallel_start_rank
+        local = self.data_parallel_size_local
+        if local is None:
+            local = self.data_parallel_size - start
+        return range(start, start + max(local, 0))
+
+    def multi_node(self) -> bool:
+        """Whether this ingest reads only some of the worker's ranks (one node of several): its registry
+        record is then a node record (`kvmesh.runtime.registry.registry_key`)."""
+        return len(self.local_ranks()) != self.data_parallel_size
+
     def liveness_policy(self) -> LivenessPolicy:
         """The engine liveness bounds these settings give."""
         return LivenessPolicy(
@@ -132,12 +167,27 @@ class IngestSettings(NatsAuth):
                 f"--data-parallel-size must be in [1, {MAX_DP_RANKS}] (got {self.data_parallel_size}): "
                 "one per engine DP rank, read on port + rank"
             )
-        ranks = max(1, min(self.data_parallel_size, MAX_DP_RANKS))
-        problems += endpoint_problems("--zmq-endpoint", self.zmq_endpoint, ranks)
+        size = max(1, min(self.data_parallel_size, MAX_DP_RANKS))
+        start, local = self.data_parallel_start_rank, self.data_parallel_size_local
+        if not 0 <= start < size:
+            problems.append(
+                f"--data-parallel-start-rank must be in [0, --data-parallel-size) = [0, {size}) (got {start})"
+            )
+        elif local is not None and not 1 <= local <= size - start:
+            problems.append(
+                f"--data-parallel-size-local must be in [1, {size - start}] with start rank {start} and "
+                f"--data-parallel-size {size} (got {local})"
+            )
+        ranks = self.local_ranks() if not problems else range(size)
+        problems += endpoint_problems("--zmq-endpoint", self.zmq_endpoint, ranks.stop)
         if self.replay_endpoint is not None:
-            problems += endpoint_problems("--replay-endpoint", self.replay_endpoint, ranks)
+            problems += endpoint_problems("--replay-endpoint", self.replay_endpoint, ranks.stop)
         if self.block_size is not None and self.block_size < 1:
             problems.append("--block-size must be ≥ 1")
+        if self.context_length is not None and self.context_length < 1:
+            problems.append("--context-length must be ≥ 1")
+        if self.kv_capacity_blocks is not None and self.kv_capacity_blocks < 1:
+            problems.append("--kv-capacity-blocks must be ≥ 1")
         if self.max_pending_acks < 1:
             problems.append("--max-pending-acks must be ≥ 1")
         if self.replay_timeout_s <= 0:

@@ -72,6 +72,15 @@ class EngineCommand:
     """ZMQ topic of the events."""
     block_size: int | None
     """Block size the engine was given (``--block-size`` / ``--page-size``), None when left to the engine."""
+    data_parallel_start_rank: int = 0
+    """First rank this node runs (vLLM ``--data-parallel-start-rank``; SGLang from ``--node-rank``)."""
+    data_parallel_size_local: int | None = None
+    """Ranks this node runs from the start rank (vLLM ``--data-parallel-size-local``); None: all of them."""
+    context_length: int | None = None
+    """Context length the engine was given (vLLM ``--max-model-len``, SGLang ``--context-length``)."""
+    kv_capacity_blocks: int | None = None
+    """KV blocks per rank the engine was given (vLLM ``--num-gpu-blocks-override``, SGLang
+    ``--max-total-tokens`` / page size)."""
 
 
 def _find(args: Sequence[str], names: Sequence[str]) -> tuple[int, str | None] | None:
@@ -97,6 +106,82 @@ def _int_flag(args: Sequence[str], names: Sequence[str], default: int | None) ->
     if value < 1:
         raise EngineArgsError(f"{names[0]} must be ≥ 1, got {value}")
     return value
+
+
+def _rank_flag(args: Sequence[str], names: Sequence[str], default: int) -> int:
+    """An integer ≥ 0 flag (a start rank or a node rank)."""
+    hit = _find(args, names)
+    if hit is None:
+        return default
+    try:
+        value = int(hit[1] or "")
+    except ValueError:
+        raise EngineArgsError(f"{names[0]} needs an integer, got {hit[1]!r}") from None
+    if value < 0:
+        raise EngineArgsError(f"{names[0]} must be ≥ 0, got {value}")
+    return value
+
+
+def _vllm_node(args: Sequence[str], dp: int) -> tuple[int, int | None]:
+    """The ranks of this vLLM node: ``(start, local)`` (local None: every rank, one node).
+
+    vLLM runs ranks ``[--data-parallel-start-rank, + --data-parallel-size-local)`` on a node of a multi-node
+    deployment, or the one rank ``--data-parallel-rank`` (external load balancing); each binds its KV-event
+    sockets on the configured port + its global rank (``ZmqEventPublisher.offset_endpoint_port`` with
+    ``data_parallel_rank``), wherever it runs.
+    """
+    local = _int_flag(args, ["--data-parallel-size-local", "-dpl"], None)
+    start = _rank_flag(args, ["--data-parallel-start-rank", "-dpr"], 0)
+    one = _find(args, ["--data-parallel-rank", "-dpn"])
+    if one is not None:
+        start, local = _rank_flag(args, ["--data-parallel-rank", "-dpn"], 0), 1
+    if local is None and start == 0:
+        return 0, None
+    if local is None:
+        local = dp - start
+    if not (start < dp and 1 <= local <= dp - start):
+        raise EngineArgsError(
+            f"this node's data-parallel ranks [{start}, {start + local}) are not within "
+            f"--data-parallel-size {dp}"
+        )
+    return start, (None if local == dp else local)
+
+
+def _sglang_node(args: Sequence[str], dp: int) -> tuple[int, int | None]:
+    """The DP ranks whose KV events this SGLang node publishes: ``(start, local)`` (local None: all).
+
+    SGLang lays tensor-parallel ranks out node by node (node k holds tp ranks ``[k·tp/nnodes, (k+1)·tp/nnodes)``)
+    and numbers a scheduler's KV-event publisher by its attention-DP rank ``tp_rank // (tp/dp)`` (its DP rank
+    without DP attention; ``select_kv_publisher_dp_rank``), offsetting the port by it. So node k of n
+    publishes ranks ``[k·dp/n, (k+1)·dp/n)`` when n divides dp, and when a DP group spans n/dp nodes only its
+    first node (the one with attention-TP rank 0) publishes it.
+
+    Raises:
+        EngineArgsError: a node rank outside ``--nnodes``, DP size and node count that do not divide, or a
+            node that publishes no events (a DP group's later node).
+    """
+    nnodes = _int_flag(args, ["--nnodes"], 1)
+    assert nnodes is not None
+    node = _rank_flag(args, ["--node-rank"], 0)
+    if nnodes == 1:
+        return 0, None
+    if node >= nnodes:
+        raise EngineArgsError(f"--node-rank {node} is not below --nnodes {nnodes}")
+    if dp % nnodes == 0:
+        local = dp // nnodes
+        return node * local, local
+    if nnodes % dp == 0:
+        per_rank = nnodes // dp
+        if node % per_rank:
+            raise EngineArgsError(
+                f"node {node} of {nnodes} publishes no KV events: each of the {dp} DP rank(s) spans {per_rank} "
+                f"nodes and only its first node (node rank a multiple of {per_rank}) publishes them; run the "
+                "engine here without kvmesh"
+            )
+        return node // per_rank, 1
+    raise EngineArgsError(
+        f"--dp-size {dp} and --nnodes {nnodes}: one must divide the other to tell which DP ranks a node runs"
+    )
 
 
 def _events_config(args: Sequence[str], *, vllm: bool) -> tuple[dict[str, Any], list[str]]:
@@ -147,8 +232,15 @@ def _finish(
     replay_port: int | None,
     topic: str | None,
     block_size: int | None,
+    node: tuple[int, int | None] = (0, None),
+    context_length: int | None = None,
+    kv_capacity_blocks: int | None = None,
 ) -> EngineCommand:
-    """Fill in the endpoints and topic, check the port ranges, and append the config to ``argv``."""
+    """Fill in the endpoints and topic, check the port ranges, and append the config to ``argv``.
+
+    Every node of a multi-node engine is given the same base ports: its rank r binds port + r (its global
+    rank), so the ranges of all ``dp`` ranks are checked.
+    """
     if "endpoint" in config:
         events_port = _port_of(str(config["endpoint"]))
     if config.get("replay_endpoint"):
@@ -175,6 +267,10 @@ def _finish(
         replay_endpoint=f"tcp://{host}:{replay_port}",
         topic=str(config.get("topic", "")),
         block_size=block_size,
+        data_parallel_start_rank=node[0],
+        data_parallel_size_local=node[1],
+        context_length=context_length,
+        kv_capacity_blocks=kv_capacity_blocks,
     )
 
 
@@ -224,6 +320,7 @@ def build_vllm_command(
     dp = _int_flag(args, ["--data-parallel-size", "-dp"], 1)
     assert dp is not None
     block_size = _int_flag(args, ["--block-size"], None)
+    node = _vllm_node(args, dp)
     if _find(args, ["--enable-prefix-caching"]) is None:
         args.append("--enable-prefix-caching")
     config["enable_kv_cache_events"] = True
@@ -238,7 +335,27 @@ def build_vllm_command(
         replay_port=replay_port,
         topic=topic,
         block_size=block_size,
+        node=node,
+        context_length=_context_flag(args, ["--max-model-len"]),
+        kv_capacity_blocks=_int_flag(args, ["--num-gpu-blocks-override"], None),
     )
+
+
+def _context_flag(args: Sequence[str], names: Sequence[str]) -> int | None:
+    """A context length flag: an integer, or vLLM's human form (``32k``, ``1M``: ×1000 / ×1,000,000;
+    ``32K``, ``1m``… binary ×1024 as vLLM reads them); ``-1``/``auto`` (the model's own): None."""
+    hit = _find(args, names)
+    if hit is None or hit[1] in (None, "-1", "auto"):
+        return None
+    text = hit[1]
+    factors = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2, "G": 1024**3}
+    try:
+        value = int(float(text[:-1]) * factors[text[-1]]) if text[-1:] in factors else int(text)
+    except ValueError:
+        raise EngineArgsError(f"{names[0]} needs a token count, got {text!r}") from None
+    if value < 1:
+        raise EngineArgsError(f"{names[0]} must be ≥ 1, got {value}")
+    return value
 
 
 def build_sglang_command(
@@ -276,6 +393,9 @@ def build_sglang_command(
     served = _find(args, ["--served-model-name"])
     dp = _int_flag(args, ["--dp-size", "--dp"], 1)
     assert dp is not None
+    node = _sglang_node(args, dp)
+    page = _int_flag(args, ["--page-size"], None)
+    total_tokens = _int_flag(args, ["--max-total-tokens"], None)
     config["publisher"] = "zmq"
     return _finish(
         [*shlex.split(sglang_bin), *args],
@@ -286,7 +406,10 @@ def build_sglang_command(
         events_port=events_port,
         replay_port=replay_port,
         topic=topic,
-        block_size=_int_flag(args, ["--page-size"], None),
+        block_size=page,
+        node=node,
+        context_length=_int_flag(args, ["--context-length"], None),
+        kv_capacity_blocks=total_tokens // (page or 1) if total_tokens is not None else None,
     )
 
 
@@ -430,6 +553,12 @@ def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
         help="start the engine after this long even if the ingest cannot reach NATS yet (default %(default)s)",
     )
     parser.add_argument("--log-level", default=environ.get("KVMESH_LOG_LEVEL", "INFO"), help="log level")
+    parser.add_argument(
+        "--metrics-url",
+        default=environ.get("KVMESH_INGEST_METRICS_URL"),
+        help="the engine's Prometheus /metrics URL: its load is published for the routers, and a sleep it "
+        "reports there clears the worker (default: off) [env KVMESH_INGEST_METRICS_URL]",
+    )
     a = parser.parse_args(ours)
     if not engine_args:
         parser.error("give the engine's arguments after `--`")
@@ -462,12 +591,17 @@ def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
         zmq_endpoint=cmd.endpoint,
         replay_endpoint=cmd.replay_endpoint,
         data_parallel_size=cmd.data_parallel_size,
+        data_parallel_start_rank=cmd.data_parallel_start_rank,
+        data_parallel_size_local=cmd.data_parallel_size_local,
         topic=cmd.topic,
         block_size=cmd.block_size,
+        context_length=cmd.context_length,
+        kv_capacity_blocks=cmd.kv_capacity_blocks,
         nats_url=a.nats_url,
         stream=a.stream,
         events_prefix=a.events_prefix,
         log_level=a.log_level,
+        metrics_url=a.metrics_url,
     )
     problems = settings.validate()
     if problems:

@@ -1,6 +1,10 @@
 """The ingest's registry side: its worker's heartbeat, its start-up check, its clean-stop removal.
 
-The worker's registry key is kept alive every TTL/3 with a `WorkerRecord` (ranks, incarnation, stale ranks).
+The worker's registry key is kept alive every TTL/3 with a `WorkerRecord` (ranks, incarnation, stale ranks,
+block size, context length, KV capacity). An ingest that reads only some of its worker's ranks (one node of
+a multi-node worker: ``--data-parallel-start-rank``, ``--data-parallel-size-local``) keeps its node's key
+instead (`kvmesh.runtime.registry.registry_key` with its ranks), so the nodes of one worker never overwrite
+each other; everything below applies to that key.
 A key that vanished while the ingest was away (TTL expired: the worker was removed from the index) starts a
 new incarnation on every rank. When every engine rank is gone the ingest leaves the registry and rejoins,
 as a new incarnation, once the engine answers again.
@@ -58,6 +62,8 @@ class Registration:
         """True while every engine rank is gone and this ingest took the worker out of the registry."""
         self._rejoined_live = False
         """The engine came back and this ingest rejoined: the next heartbeat puts the key it had deleted."""
+        self.node: range | None = settings.local_ranks() if settings.multi_node() else None
+        """The ranks of this ingest's node key, or None: it reads every rank and keeps the worker's key."""
 
     async def _open(self) -> Any:
         """Open (creating when missing, with the stream's replica count) the registry bucket."""
@@ -97,7 +103,7 @@ class Registration:
                             s.worker_id,
                             extra={"worker_id": s.worker_id},
                         )
-                        await deregister(kv, s.worker_id)
+                        await deregister(kv, s.worker_id, self.node)
                     await self._wait_beat()
                     continue
                 if self._rejoined_live:
@@ -110,18 +116,7 @@ class Registration:
                     )
                     self.rejoin("rejoin")
                 epochs = [r.tracker.epoch for r in self.ranks.values()]
-                await heartbeat(
-                    kv,
-                    WorkerRecord(
-                        worker_id=s.worker_id,
-                        model=s.model,
-                        dp_ranks=s.data_parallel_size,
-                        block_size=s.block_size,
-                        incarnation=max(epochs, default=0),
-                        heartbeat_ts=time.time(),
-                        stale_ranks=self.stale_ranks(),
-                    ),
-                )
+                await heartbeat(kv, self.record(incarnation=max(epochs, default=0), now=time.time()))
                 registered = True
             except asyncio.CancelledError:
                 raise
@@ -135,6 +130,25 @@ class Registration:
                     extra={"worker_id": s.worker_id},
                 )
             await self._wait_beat()
+
+    def record(self, *, incarnation: int, now: float) -> WorkerRecord:
+        """This ingest's registry record: its worker's (or its node's) ranks, incarnation, stale ranks and
+        the engine's block size, context length and KV capacity as configured."""
+        s = self.settings
+        ranks = s.local_ranks()
+        return WorkerRecord(
+            worker_id=s.worker_id,
+            model=s.model,
+            dp_ranks=s.data_parallel_size,
+            block_size=s.block_size,
+            incarnation=incarnation,
+            heartbeat_ts=now,
+            stale_ranks=self.stale_ranks(),
+            dp_rank_start=ranks.start,
+            dp_ranks_local=len(ranks) if self.node is not None else None,
+            context_length=s.context_length,
+            kv_capacity_blocks=s.kv_capacity_blocks,
+        )
 
     def on_engine_change(self, _rank: int, change: LivenessChange) -> None:
         """An engine rank changed liveness: heartbeat at once. A worker that had left rejoins right away, as a
@@ -169,7 +183,7 @@ class Registration:
     async def _key_present_or_unknown(self, kv: Any) -> bool:
         """`key_present`, but True when there is no definite answer (the heartbeat is put regardless)."""
         try:
-            return await key_present(kv, self.settings.worker_id)
+            return await key_present(kv, self.settings.worker_id, self.node)
         except Exception as exc:
             log.info(
                 "worker %s: registry check gave no answer (%r); heartbeating on",
@@ -187,7 +201,7 @@ class Registration:
         """
         try:
             self._kv = await self._open()
-            return await key_present(self._kv, self.settings.worker_id)
+            return await key_present(self._kv, self.settings.worker_id, self.node)
         except Exception as exc:
             self._kv = None
             log.warning(
@@ -203,7 +217,7 @@ class Registration:
         s = self.settings
         try:
             kv = self._kv or await asyncio.wait_for(self._open(), STOP_S)
-            await asyncio.wait_for(deregister(kv, s.worker_id), STOP_S)
+            await asyncio.wait_for(deregister(kv, s.worker_id, self.node), STOP_S)
             log.info("worker %s: deregistered", s.worker_id, extra={"worker_id": s.worker_id})
         except Exception as exc:
             log.warning(

@@ -148,7 +148,7 @@ class IngestService:
             "ingest %s: model %s, %d rank(s) from %s, replay %s, publishing to %s",
             s.worker_id,
             s.model,
-            s.data_parallel_size,
+            len(s.local_ranks()),
             s.zmq_endpoint,
             s.replay_endpoint or "off",
             s.stream,
@@ -164,7 +164,7 @@ class IngestService:
         """Recover every rank's cursor, decide the incarnation, and announce each rank."""
         s = self.settings
         has_replay = s.replay_endpoint is not None
-        recovered = {r: await self._recover(r, has_replay) for r in range(s.data_parallel_size)}
+        recovered = {r: await self._recover(r, has_replay) for r in s.local_ranks()}
         trackers = {r: c.tracker for r, c in recovered.items()}
         resync = {r for r, c in recovered.items() if c.resync}
         if any(c.found for c in recovered.values()) and not await self.registration.still_registered():

@@ -22,7 +22,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvmesh.core.errors import BadRequestError, InternalError, NoWorkersError, RouteError
+from kvmesh.core.errors import (
+    BadRequestError,
+    ContextLengthExceededError,
+    InternalError,
+    NoWorkersError,
+    RouteError,
+)
 from kvmesh.core.hashing import pack_tokens
 from kvmesh.core.index import Holder
 from kvmesh.core.load import ActiveLoad, EngineLoads, LoadLedger
@@ -198,6 +204,14 @@ def refuse_without_live_ranks(parsed: RouteRequest, ranks: RankSet | None) -> Ro
     )
 
 
+def _context_refusal(parsed: RouteRequest, prompt_tokens: int, ranks: RankSet) -> ContextLengthExceededError:
+    """The refusal of a prompt longer than the context length of every live worker of its model."""
+    return ContextLengthExceededError(
+        f"the prompt ({prompt_tokens} tokens) exceeds the context length of every worker of model "
+        f"{parsed.model!r} (the longest is {ranks.longest_context()} tokens)"
+    )
+
+
 # ---------------------------------------------------------------------------------------- decision
 
 
@@ -259,6 +273,17 @@ def route_answer(
             for c in indexed
         ]
     seed = route_seed(parsed.request_id, body)
+    block_size = match.block_size
+    prompt_tokens = prompt_tokens_of(parsed, block_size)
+    too_short: frozenset[str] = frozenset()
+    if ranks is not None:  # workers whose context length the prompt exceeds are no candidates
+        fitting = ranks.within_context(prompt_tokens)
+        if fitting is not ranks:
+            too_short = frozenset(w.worker_id for w in ranks.workers) - {w.worker_id for w in fitting.workers}
+            if fitting.live_count == 0 and ranks.live_count > 0:
+                return RouteOutcome(error=_context_refusal(parsed, prompt_tokens, ranks))
+            indexed = [c for c in indexed if c.worker_id not in too_short]
+            ranks = fitting
     available = available_tokens(indexed, ranks, block_size=match.block_size)
 
     def loaded(worker_id: str, dp_rank: int) -> bool:
@@ -292,8 +317,6 @@ def route_answer(
         e = engine_loads.get(c.worker_id, c.dp_rank, now)
         if e is not None:
             engine[holder] = e
-    block_size = match.block_size
-    prompt_tokens = prompt_tokens_of(parsed, block_size)
     decision = decide(
         candidates,
         prompt_tokens=prompt_tokens,
@@ -305,6 +328,15 @@ def route_answer(
         allowed=parsed.candidates,
     )
     if decision is None:
+        if parsed.candidates is not None and too_short.intersection(parsed.candidates):
+            shorter = sorted(too_short.intersection(parsed.candidates))
+            return RouteOutcome(
+                selection=selection,
+                error=ContextLengthExceededError(
+                    f"the prompt ({prompt_tokens} tokens) exceeds the context length of the candidates "
+                    f"{shorter}, and no other candidate of {parsed.candidates} serves {parsed.model!r}"
+                ),
+            )
         if parsed.candidates is not None and offered:
             message = f"none of the candidates {parsed.candidates} serves {parsed.model!r}"
         else:

@@ -334,3 +334,88 @@ async def test_bad_events_raise_and_publish_nothing(nats_url: str, uid: str) -> 
         assert pub.stored([1], T[:4]) == 0
         with ZmqPublisher("tcp://127.0.0.1:*", block_size=BS) as zpub, pytest.raises(PublishError):
             zpub.stored([1, 2], T[:5])
+
+
+# ---------------------------------------------------------------------------------------------- TensorRT-LLM
+
+
+def _block(h: int, tokens: list[int], mm: str | None = None) -> dict[str, Any]:
+    """A ``stored_block`` as ``KVCacheEventSerializer`` writes it."""
+    out: dict[str, Any] = {
+        "type": "stored_block",
+        "block_hash": h,
+        "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens],
+        "cache_level": 0,
+        "priority": 35,
+    }
+    if mm is not None:
+        out["mm_keys"] = [{"type": "mm_key", "hash": mm, "start_offset": 0}]
+    return out
+
+
+async def test_trtllm_polled_events_publish_through_the_api(nats_url: str, uid: str) -> None:
+    """`LLM.get_kv_cache_events()` dicts: the largest window's stored/removed events publish (a trailing
+    partial block and its removal left out, an image block kept apart from text), created / updated / other
+    windows are counted, attention_dp_rank picks the rank."""
+    window = {"window_size": 64}
+    events: list[dict[str, Any]] = [
+        {"event_id": 0, "data": {"type": "created", "num_blocks_per_cache_level": [64, 256]}, **window},
+        {
+            "event_id": 1,
+            "data": {"type": "created", "num_blocks_per_cache_level": [64, 256]},
+            "window_size": 16,
+        },
+        {
+            "event_id": 2,
+            "data": {
+                "type": "stored",
+                "parent_hash": None,
+                "blocks": [*(_block(1 + i, T[i * BS : (i + 1) * BS]) for i in range(4)), _block(99, [1, 2])],
+            },
+            **window,
+            "attention_dp_rank": 0,
+        },
+        {
+            "event_id": 3,
+            "data": {"type": "stored", "parent_hash": None, "blocks": [_block(7, T[:BS])]},
+            "window_size": 16,
+        },
+        {
+            "event_id": 4,
+            "data": {
+                "type": "updated",
+                "block_hash": 1,
+                "cache_level": {"type": "event_diff", "old_value": 0, "new_value": 1},
+            },
+            **window,
+        },
+        {"event_id": 5, "data": {"type": "removed", "block_hashes": [99, 4]}, **window},
+        {
+            "event_id": 6,
+            "data": {"type": "stored", "parent_hash": None, "blocks": [_block(8, U[:BS], mm="ab" * 16)]},
+            **window,
+        },
+        {
+            "event_id": 7,
+            "data": {
+                "type": "stored",
+                "parent_hash": None,
+                "blocks": [_block(20, V[:BS]), _block(21, V[BS:])],
+            },
+            **window,
+            "attention_dp_rank": 1,
+        },
+    ]
+    async with clean_pipeline(nats_url, uid) as p:
+        await p.start_indexer()
+        await p.start_router()
+        async with jetstream(p) as pub:
+            adapter = kvmesh.publish.TrtllmEvents(pub, block_size=BS)
+            adapter.publish_all(events)
+            assert adapter.stats == kvmesh.publish.TrtllmEventStats(
+                stored_blocks=7, removed_blocks=1, partial_blocks=1, created_ignored=2, updated_ignored=1,
+                other_window_ignored=1,
+            )  # fmt: skip
+            await expect_within(
+                p, [T, U[:BS], V], [{"w/0": 3, "w/1": 0}, {"w/0": 0, "w/1": 0}, {"w/0": 0, "w/1": 2}]
+            )

@@ -9,6 +9,8 @@ block hash, the medium, the LoRA name, the data-parallel rank), like Dynamo's
   overflow clears the rank instead of leaving the index wrong) through the ingest's own publishing code;
 * `ZmqPublisher`: vLLM-format PUB and replay ROUTER sockets, so ``kvmesh ingest`` attaches to it unchanged.
 
+`TrtllmEvents` feeds either from TensorRT-LLM's polled ``LLM.get_kv_cache_events()`` dicts.
+
 ```python
 pub = await kvmesh.publish.open_jetstream(worker_id="w0", model="my-model", block_size=16,
                                           nats_url="nats://nats:4222")
@@ -23,6 +25,14 @@ from __future__ import annotations
 
 from kvmesh.publish._events import PublishError
 from kvmesh.publish._jetstream import JetStreamPublisher, open_jetstream
+from kvmesh.publish._trtllm import TrtllmEvents, TrtllmEventStats
 from kvmesh.publish._zmq import ZmqPublisher
 
-__all__ = ["JetStreamPublisher", "PublishError", "ZmqPublisher", "open_jetstream"]
+__all__ = [
+    "JetStreamPublisher",
+    "PublishError",
+    "TrtllmEventStats",
+    "TrtllmEvents",
+    "ZmqPublisher",
+    "open_jetstream",
+]

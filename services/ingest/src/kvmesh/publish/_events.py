@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from kvmesh.core import wire
 from kvmesh.core.errors import KvmeshError
@@ -50,12 +50,13 @@ def stored_event(
     parent_block_hash: int | None,
     medium: str | None,
     lora_name: str | None,
+    extra_keys: Sequence[Sequence[Any] | None] | None = None,
 ) -> wire.BlockStored:
     """A checked BlockStored: one hash per full block of ``token_ids``.
 
     Raises:
-        PublishError: no blocks, a hash that is not a 64-bit int, a token id outside ``[0, 2**32)``, or
-            ``len(token_ids) != len(block_hashes) * block_size``.
+        PublishError: no blocks, a hash that is not a 64-bit int, a token id outside ``[0, 2**32)``,
+            ``len(token_ids) != len(block_hashes) * block_size``, or ``extra_keys`` not one entry per block.
     """
     hashes = check_hashes(block_hashes, "block_hashes")
     if not hashes:
@@ -75,6 +76,14 @@ def stored_event(
                 f"token_ids holds {t!r}; a token id is an int in [0, 2**32)", argument="token_ids"
             )
     parent = None if parent_block_hash is None else check_hashes((parent_block_hash,), "parent_block_hash")[0]
+    keys = None
+    if extra_keys is not None:
+        keys = tuple(None if k is None else tuple(k) for k in extra_keys)
+        if len(keys) != len(hashes):
+            raise PublishError(
+                f"{len(keys)} extra_keys entries for {len(hashes)} block(s) (one per block, None for none)",
+                argument="extra_keys",
+            )
     return wire.BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
@@ -82,6 +91,7 @@ def stored_event(
         block_size=block_size,
         medium=medium,
         lora_name=lora_name,
+        extra_keys=keys,
     )
 
 

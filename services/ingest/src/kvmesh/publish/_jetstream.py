@@ -231,6 +231,7 @@ class JetStreamPublisher:
         parent_block_hash: int | None = None,
         medium: str | None = None,
         lora_name: str | None = None,
+        extra_keys: Sequence[Sequence[Any] | None] | None = None,
         dp_rank: int = 0,
     ) -> int:
         """Report full blocks that entered the cache (vLLM's BlockStored).
@@ -242,6 +243,9 @@ class JetStreamPublisher:
             parent_block_hash: hash of the block before the first one, None when the first is block 0.
             medium: the tier the blocks live on (``"GPU"``, ``"CPU"``, …; None: the default tier).
             lora_name: the LoRA adapter the blocks were computed with (None: the base model).
+            extra_keys: per block, None or that block's extra hash keys (vLLM's ``extra_keys``: a
+                multimodal segment as ``(hash, start_offset)``, …): blocks with keys never match prompts
+                without them. None: no block has any.
             dp_rank: the data-parallel rank whose cache this is.
 
         Returns:
@@ -259,6 +263,7 @@ class JetStreamPublisher:
             parent_block_hash=parent_block_hash,
             medium=medium,
             lora_name=lora_name,
+            extra_keys=extra_keys,
         )
         return self._deliver(dp_rank, ev)
 

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Final
+from typing import Any, Final
 
 import zmq
 
@@ -150,6 +150,7 @@ class ZmqPublisher:
         parent_block_hash: int | None = None,
         medium: str | None = None,
         lora_name: str | None = None,
+        extra_keys: Sequence[Sequence[Any] | None] | None = None,
         dp_rank: int = 0,
     ) -> int:
         """Publish full blocks that entered the cache (arguments as `JetStreamPublisher.stored`).
@@ -169,6 +170,7 @@ class ZmqPublisher:
             parent_block_hash=parent_block_hash,
             medium=medium,
             lora_name=lora_name,
+            extra_keys=extra_keys,
         )
         return self._send(dp_rank, ev)
 

@@ -11,6 +11,11 @@ the SUB socket and replayed ones from the engine's replay ROUTER — into an ord
 * `NewEpoch(epoch)`: the engine restarted (its sequence went backwards); clear, then deliver under the new
   incarnation number.
 * `ReplayDone(healed)`: the replay is over; ``healed`` is False when it ended in a resync.
+* `StartSnapshot(token)`: a gap or a restart, with a snapshot socket (vLLM PR #57789,
+  `kvmesh.core.engine_snapshot`): ask it for the engine's whole state; answer with `SeqTracker.on_snapshot`
+  or `SeqTracker.on_snapshot_failed` under the same ``token``.
+* `Rebuild(cut, after_seq)`: the snapshot is good: clear the holder, publish the snapshot's events as engine
+  seq ``cut``, then the deliveries that follow (live batches after the cut).
 
 `StreamOrder` checks the other end: that the stream stored each holder's messages in engine order (from the
 publish acks' stream sequences).
@@ -28,6 +33,16 @@ Rules (from vLLM's publisher, ``vllm/distributed/kv_events.py``, see docs/wire-p
 * A gap is healed once every missing sequence has arrived, even if the end marker never comes. If the replay
   ends (end marker, timeout) with sequences still missing, or the first replayed sequence is past the one
   asked for (the engine's buffer no longer reaches back), the tracker resynchronises.
+* A live frame may carry a publisher epoch (vLLM's 24-byte frame): an epoch other than the last one seen is a
+  new incarnation even when the sequence goes on rising. The first epoch seen after a start is adopted (the
+  stream does not record it).
+* With a snapshot socket (``snapshot=True``), a gap, or a restart first seen past seq 0 (the new
+  incarnation's first batches were missed), asks for a snapshot instead of a replay or a clear; live batches
+  wait as during a replay. A snapshot whose cut reaches the first held batch (``cut ≥ gap_end - 1``) rebuilds
+  the holder (`Rebuild`) and the held batches after the cut follow. An unavailable snapshot (cut ≤ -2), one
+  that does not reach the held batches, or a failed request falls back to a replay (from the cursor, or from
+  0 after a restart) when there is a replay socket, else to a resync. A restart seen at seq 0 needs no
+  snapshot: the new incarnation's state is its batches from 0.
 """
 
 from __future__ import annotations
@@ -79,7 +94,23 @@ class ReplayDone:
     healed: bool
 
 
-Action = Deliver | StartReplay | Resync | NewEpoch | ReplayDone
+@dataclass(frozen=True, slots=True)
+class StartSnapshot:
+    """Ask the engine's snapshot socket for its whole state; answer under ``token``."""
+
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuild:
+    """Clear the holder (recording ``after_seq``, the last batch delivered before, or None) and publish the
+    snapshot's events as engine seq ``cut``; later deliveries continue after it."""
+
+    cut: int
+    after_seq: int | None
+
+
+Action = Deliver | StartReplay | Resync | NewEpoch | ReplayDone | StartSnapshot | Rebuild
 
 
 @dataclass(slots=True)
@@ -95,6 +126,15 @@ class TrackerStats:
     resyncs: int = 0
     restarts: int = 0
     duplicates: int = 0
+    snapshots: int = 0
+    """Snapshots asked for (a gap or a restart with a snapshot socket)."""
+    rebuilds: int = 0
+    """Snapshots applied: the holder rebuilt from the engine's state."""
+    snapshot_failures: int = 0
+    """Snapshots unavailable (cut ≤ -2), short of the live stream, or failed; a replay or a resync followed."""
+    heartbeats: int = 0
+    """Delivered batches without events (vLLM's idle heartbeats; counted by the ingest, which publishes no
+    message for them alone)."""
 
 
 @dataclass(slots=True)
@@ -106,6 +146,7 @@ class SeqTracker:
         last_seq: last sequence delivered in this epoch, or None before the first.
         replay: whether the engine has a replay socket; without one a gap resynchronises at once.
         max_pending: live batches buffered during a replay before giving up.
+        snapshot: whether the engine has a snapshot socket (gaps and restarts past seq 0 rebuild from it).
     """
 
     epoch: int = 0
@@ -118,6 +159,14 @@ class SeqTracker:
     """First live sequence after the gap (the gap is ``[last_seq + 1, gap_end)``)."""
     pending: dict[int, bytes] = field(default_factory=dict)
     stats: TrackerStats = field(default_factory=TrackerStats)
+    snapshot: bool = False
+    snapshotting: bool = False
+    """A snapshot was asked for and not answered yet (live batches wait in ``pending``)."""
+    snapshot_token: int = 0
+    """Token of the last snapshot asked for; answers under another token are stale and ignored."""
+    publisher: bytes | None = None
+    """Publisher epoch of the last live frame (None: an 8-byte frame, or none seen yet)."""
+    publisher_seen: bool = False
 
     def __post_init__(self) -> None:
         if self.live_high is None:
@@ -125,24 +174,29 @@ class SeqTracker:
 
     # ------------------------------------------------------------------ live
 
-    def on_live(self, seq: int, payload: bytes) -> list[Action]:
-        """Take one live message from the SUB socket."""
+    def on_live(self, seq: int, payload: bytes, publisher: bytes | None = None) -> list[Action]:
+        """Take one live message from the SUB socket (``publisher``: the frame's publisher epoch, if any)."""
         actions: list[Action] = []
-        if self.live_high is not None and seq <= self.live_high:
-            if self.replaying:
+        new_publisher = self.publisher_seen and publisher != self.publisher
+        self.publisher, self.publisher_seen = publisher, True
+        if new_publisher or (self.live_high is not None and seq <= self.live_high):
+            if self.replaying or self.snapshotting:
                 self._abandon_replay(actions, "restart")
             self.epoch += 1
             self.stats.restarts += 1
             self.last_seq = None
             self.live_high = seq
             actions.append(NewEpoch(self.epoch, seq))
-            self._deliver(seq, payload, actions)
+            if self.snapshot and seq > 0:
+                self._start_snapshot(seq, payload, actions)
+            else:
+                self._deliver(seq, payload, actions)
             return actions
         self.live_high = seq
         if self.last_seq is not None and seq <= self.last_seq:
             self.stats.duplicates += 1  # already delivered by a replay
             return actions
-        if self.replaying:
+        if self.replaying or self.snapshotting:
             self.pending[seq] = payload
             if len(self.pending) > self.max_pending:
                 self._abandon_replay(actions, "replay_overflow")
@@ -154,6 +208,9 @@ class SeqTracker:
         missing = seq - self.last_seq - 1
         self.stats.gaps += 1
         self.stats.missing_batches += missing
+        if self.snapshot:
+            self._start_snapshot(seq, payload, actions)
+            return actions
         if not self.replay:
             self.stats.resyncs += 1
             actions.append(Resync("gap", self.last_seq))
@@ -188,6 +245,60 @@ class SeqTracker:
         self._flush_contiguous(actions)
         if self.last_seq is not None and self.last_seq >= self.gap_end:
             self._finish(actions, healed=not any(isinstance(a, Resync) for a in actions))
+        return actions
+
+    # ------------------------------------------------------------------ snapshot
+
+    def on_snapshot(self, token: int, cut: int) -> list[Action]:
+        """The snapshot asked for under ``token`` answered with ``cut`` (its state decoded and ready).
+
+        A cut that reaches the first held live batch rebuilds the holder and delivers the held batches after
+        it; an unavailable one (≤ -2) or one short of the held batches falls back (`on_snapshot_failed`).
+        """
+        if not self.snapshotting or token != self.snapshot_token:
+            return []
+        if cut < -1:
+            return self._snapshot_fallback("snapshot_unavailable")
+        if cut < self.gap_end - 1:
+            return self._snapshot_fallback("snapshot_behind")
+        actions: list[Action] = [Rebuild(cut, self.last_seq)]
+        self.snapshotting = False
+        self.stats.rebuilds += 1
+        self.last_seq = cut
+        for seq in [s for s in self.pending if s <= cut]:
+            del self.pending[seq]  # in the snapshot's state already
+        self._flush_contiguous(actions)
+        if self.pending:  # live batches lost again while the snapshot was taken
+            self._abandon_replay(actions, "gap_after_snapshot")
+        return actions
+
+    def on_snapshot_failed(self, token: int, reason: str) -> list[Action]:
+        """The snapshot asked for under ``token`` could not be had (timeout, bad reply, another publisher)."""
+        if not self.snapshotting or token != self.snapshot_token:
+            return []
+        return self._snapshot_fallback(reason)
+
+    def _start_snapshot(self, seq: int, payload: bytes, actions: list[Action]) -> None:
+        self.snapshotting = True
+        self.snapshot_token += 1
+        self.gap_end = seq
+        self.pending[seq] = payload
+        self.stats.snapshots += 1
+        actions.append(StartSnapshot(self.snapshot_token))
+
+    def _snapshot_fallback(self, reason: str) -> list[Action]:
+        """No usable snapshot: replay what is missing (from 0 after a restart) or resynchronise."""
+        actions: list[Action] = []
+        self.snapshotting = False
+        self.stats.snapshot_failures += 1
+        if self.replay:
+            if self.last_seq is None:  # a restart: the new incarnation's batches from 0
+                self.last_seq = -1
+            self.replaying = True
+            self.stats.replays += 1
+            actions.append(StartReplay(self.last_seq + 1))
+            return actions
+        self._abandon_replay(actions, reason)
         return actions
 
     def on_engine_restarted(self) -> list[Action]:
@@ -233,6 +344,7 @@ class SeqTracker:
             self._deliver(nxt, self.pending.pop(nxt), actions)
 
     def _abandon_replay(self, actions: list[Action], reason: str) -> None:
+        self.snapshotting = False
         self._flush_contiguous(actions)
         if self.pending:
             self.stats.resyncs += 1

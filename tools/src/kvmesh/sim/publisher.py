@@ -21,6 +21,14 @@ Differences from vLLM, on purpose: the endpoints are always bound (vLLM *connect
 peer sees no difference), batches are sent synchronously rather than through a queue, and fault-injection
 hooks exist: `drop_next`, `restart`, `replay_enabled`, `replay_truncate`, `publish_raw`.
 
+vLLM's coming snapshot protocol (open pull request #57789, `kvmesh.core.engine_snapshot`): with
+``publisher_epoch=True`` (implied by ``snapshot_endpoint``) every live sequence frame is 24 bytes, the seq
+followed by a 16-byte publisher epoch drawn anew by `restart`; `heartbeat` sends the empty batch an idle
+publisher sends every second; a snapshot ROUTER (``snapshot_endpoint``) answers any request with ``[cut,
+epoch, chunk…]`` from a `kvmesh.sim.snapshot.SnapshotRecorder` that folds every batch taken (dropped ones
+too, as vLLM records before it sends), chunks of ``snapshot_chunk_events`` events. Faults:
+`snapshot_available` (False: cut -2, no chunks), `snapshot_enabled` (False: requests get no reply).
+
 Recording (``record_path``): every batch the publisher takes (sent live or dropped by `drop_next`) is appended
 to a file as ``seq`` (8 bytes big-endian), payload length (4 bytes big-endian) and the payload, one unbuffered
 write per batch, so the file survives a kill -9 of the process and holds exactly what the engine published;
@@ -41,8 +49,10 @@ from typing import BinaryIO, Final, Literal
 
 import zmq
 
+from kvmesh.core.engine_snapshot import encode_snapshot_reply
 from kvmesh.core.wire import SEQ_END, EngineBatch, KVEvent, encode_batch, encode_seq
 from kvmesh.sim.blockpool import HashForm
+from kvmesh.sim.snapshot import Key, SnapshotRecorder
 
 __all__ = ["EventPublisher", "read_record", "replay_includes_topic"]
 
@@ -143,6 +153,9 @@ class EventPublisher:
         clock: returns the batch timestamp ``ts`` in seconds since the epoch.
         context: ZMQ context; default the process-global ``zmq.Context.instance()`` (as vLLM).
         record_path: append every batch to this file (see the module docstring), or None.
+        publisher_epoch: send 24-byte sequence frames with a publisher epoch (vLLM PR #57789).
+        snapshot_endpoint: snapshot endpoint to bind (implies ``publisher_epoch``), or None.
+        snapshot_chunk_events: events per snapshot chunk (vLLM's recorder: 256).
 
     Raises:
         OSError: ``record_path`` cannot be opened for appending.
@@ -166,6 +179,9 @@ class EventPublisher:
         clock: Callable[[], float] = time.time,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         record_path: str | os.PathLike[str] | None = None,
+        publisher_epoch: bool = False,
+        snapshot_endpoint: str | None = None,
+        snapshot_chunk_events: int = 256,
     ) -> None:
         if buffer_steps <= 0:
             raise ValueError(f"buffer_steps must be > 0, got {buffer_steps}")
@@ -194,6 +210,16 @@ class EventPublisher:
         """When False, replay requests are read and ignored: no batch, no END (the client times out)."""
         self.replay_truncate: int | None = None
         """When set, a replay sends at most this many batches before its END marker (0: only END)."""
+        self.snapshot_available: bool = True
+        """When False, a snapshot request is answered as unavailable: cut -2 and no chunks."""
+        self.snapshot_enabled: bool = True
+        """When False, snapshot requests are read and ignored (the client times out)."""
+        self.snapshot_requests: int = 0
+        """Snapshot requests answered so far."""
+        self._epoch_frames = publisher_epoch or snapshot_endpoint is not None
+        self._epoch = uuid.uuid4().bytes if self._epoch_frames else b""
+        self._recorder = SnapshotRecorder()
+        self._chunk_events = max(1, snapshot_chunk_events)
 
         self._record: BinaryIO | None = None
         self._pub: zmq.Socket[bytes] = self._ctx.socket(zmq.XPUB)
@@ -209,10 +235,15 @@ class EventPublisher:
         self._endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
 
         self._replay_endpoint: str | None = None
+        self._snapshot_endpoint: str | None = None
         self._ctl: zmq.Socket[bytes] | None = None
         self._thread: threading.Thread | None = None
+        self._snap_ctl: zmq.Socket[bytes] | None = None
+        self._snap_thread: threading.Thread | None = None
         if replay_endpoint is not None:
             self._start_replay(replay_endpoint, buffer_steps)
+        if snapshot_endpoint is not None:
+            self._start_snapshot(snapshot_endpoint)
         if record_path is not None:
             self._record = open(record_path, "ab", buffering=0)  # noqa: SIM115 (closed by close())
 
@@ -227,6 +258,16 @@ class EventPublisher:
     def replay_endpoint(self) -> str | None:
         """The bound replay endpoint, or None without a replay socket."""
         return self._replay_endpoint
+
+    @property
+    def snapshot_endpoint(self) -> str | None:
+        """The bound snapshot endpoint, or None without a snapshot socket."""
+        return self._snapshot_endpoint
+
+    @property
+    def publisher_epoch(self) -> bytes | None:
+        """The 16-byte epoch of the live frames (None: 8-byte frames)."""
+        return self._epoch if self._epoch_frames else None
 
     @property
     def topic(self) -> str:
@@ -292,13 +333,14 @@ class EventPublisher:
             seq = self._next_seq
             self._next_seq += 1
             self._buffer.append((seq, payload))
+            self._recorder.fold(seq, payload)  # recorded before it is sent, as vLLM's recorder
             if self._record is not None:
                 self._record.write(seq.to_bytes(8, "big") + len(payload).to_bytes(4, "big") + payload)
             drop = self._drop_remaining > 0
             if drop:
                 self._drop_remaining -= 1
         if not drop:
-            self._pub.send_multipart((self._topic, encode_seq(seq), payload), copy=False)
+            self._pub.send_multipart((self._topic, encode_seq(seq) + self._epoch, payload), copy=False)
         self._drain_subscriptions()
         return seq
 
@@ -320,16 +362,25 @@ class EventPublisher:
         with self._lock:
             self._drop_remaining += n
 
-    def restart(self) -> None:
+    def heartbeat(self) -> int:
+        """Send the empty batch an idle vLLM publisher with snapshots sends every second; return its seq."""
+        return self.publish(())
+
+    def restart(self, *, keep_seq: bool = False) -> None:
         """Simulate an engine restart: seq starts again at 0 and the replay buffer is emptied.
 
         The sockets stay bound (a subscriber sees only the seq going backwards, as after a real restart);
-        pending drops are cancelled.
+        pending drops are cancelled. With epoch frames a new publisher epoch is drawn and the snapshot state
+        starts empty; ``keep_seq`` keeps the seq counting on (a restart only the epoch shows).
         """
         with self._lock:
-            self._next_seq = 0
+            if not keep_seq:
+                self._next_seq = 0
             self._buffer.clear()
             self._drop_remaining = 0
+            self._recorder.reset()
+            if self._epoch_frames:
+                self._epoch = uuid.uuid4().bytes
 
     # ------------------------------------------------------------------ subscribers
 
@@ -435,6 +486,80 @@ class EventPublisher:
         else:
             router.send_multipart((identity, b"", END_SEQ_BYTES, b""))
 
+    # ------------------------------------------------------------------ snapshot
+
+    def _start_snapshot(self, endpoint: str) -> None:
+        router: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        try:
+            router.bind(endpoint)
+        except zmq.ZMQError:
+            router.close(linger=0)
+            self.close()
+            raise
+        self._snapshot_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        ctl_address = f"inproc://kvmesh-sim-snapshot-{uuid.uuid4().hex}"
+        ctl_rx: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
+        ctl_rx.setsockopt(zmq.LINGER, 0)
+        ctl_rx.bind(ctl_address)
+        self._snap_ctl = self._ctx.socket(zmq.PAIR)
+        self._snap_ctl.setsockopt(zmq.LINGER, 0)
+        self._snap_ctl.connect(ctl_address)
+        self._snap_thread = threading.Thread(
+            target=self._snapshot_loop, args=(router, ctl_rx), name="kvmesh-sim-snapshot", daemon=True
+        )
+        self._snap_thread.start()
+
+    def _snapshot_loop(self, router: zmq.Socket[bytes], ctl_rx: zmq.Socket[bytes]) -> None:
+        """Answer snapshot requests until told to stop; owns ``router`` and ``ctl_rx`` (closes them)."""
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(ctl_rx, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if ctl_rx in ready:
+                    return
+                if router in ready:
+                    frames = router.recv_multipart()
+                    if self.snapshot_enabled:
+                        envelope = frames[: frames.index(b"") + 1] if b"" in frames else frames[:1]
+                        router.send_multipart([*envelope, *self.snapshot_reply()])
+        except zmq.ContextTerminated:
+            return
+        finally:
+            router.close(linger=0)
+            ctl_rx.close(linger=0)
+
+    def snapshot_reply(self) -> list[bytes]:
+        """The frames a snapshot request gets now: ``[cut, epoch, chunk…]`` (cut -2 and no chunk when
+        unavailable)."""
+        with self._lock:
+            self.snapshot_requests += 1
+            cut = self._recorder.reply_cut() if self.snapshot_available else -2
+            if cut < -1:
+                return encode_snapshot_reply(cut, self._epoch)
+            events = self._recorder.program()
+            chunks = [
+                encode_batch(
+                    EngineBatch(
+                        ts=self._clock(),
+                        events=tuple(events[i : i + self._chunk_events]),
+                        dp_rank=self._dp_rank,
+                    ),
+                    producer=self._producer,
+                    version=self._version,
+                    hash_form=self._wire_hash_form,
+                )
+                for i in range(0, len(events), self._chunk_events)
+            ]
+            return encode_snapshot_reply(cut, self._epoch, chunks)
+
+    def live_blocks(self) -> dict[Key, int]:
+        """Resident copies per (medium, group, hash) as the snapshot state has them (the engine's truth)."""
+        with self._lock:
+            return dict(self._recorder.live)
+
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
@@ -445,11 +570,12 @@ class EventPublisher:
         if self._closed:
             return
         self._closed = True
-        if self._ctl is not None:
-            self._ctl.send(b"stop")
-            if self._thread is not None:
-                self._thread.join(_THREAD_JOIN_TIMEOUT_S)
-            self._ctl.close(linger=0)
+        for ctl, thread in ((self._ctl, self._thread), (self._snap_ctl, self._snap_thread)):
+            if ctl is not None:
+                ctl.send(b"stop")
+                if thread is not None:
+                    thread.join(_THREAD_JOIN_TIMEOUT_S)
+                ctl.close(linger=0)
         self._pub.close(linger=0)
         if self._record is not None:
             self._record.close()

@@ -5,13 +5,19 @@ index keys (`kvmesh.core.normalize`), coalesces it with the rank's other batches
 (`kvmesh.ingest.outbox.Coalescer`) and, when the burst ends, encodes the message under the server's max
 payload (`encode_under`) and hands it to the publisher. Clears (resync, restart, malformed, rejoin) go out
 after what is pending, under the rank's holder dp_rank.
+
+A batch without events (vLLM's idle heartbeat, `kvmesh.core.engine_snapshot`) is no event and makes no
+message of its own: at the end of a burst a pending message without events stays pending, so the next
+message's engine range (``first_seq..seq``) covers it; only ``--max-coalesced-batches`` of them in a row
+make an empty message, which keeps the stream's cursor of an idle engine recent. A snapshot rebuild
+(`Batches.rebuild`) is a Cleared("snapshot") and then the snapshot's events as one message at the cut.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.core import wire
@@ -48,6 +54,11 @@ class Rank:
     replay_task: asyncio.Task[None] | None = None
     replay_seconds: float = 0.0
     """Seconds spent in replays (each from its request to its end, healed or not)."""
+    snapshot_endpoint: str | None = None
+    """The engine's snapshot ROUTER for this rank (vLLM PR #57789), or None."""
+    snapshot_task: asyncio.Task[None] | None = None
+    snapshot_events: list[Event] | None = None
+    """The decoded events of the snapshot being applied (set just before its `Rebuild` is carried out)."""
 
     @property
     def holder(self) -> int:
@@ -96,7 +107,6 @@ class Batches:
     def deliver(self, rank: Rank, seq: int, payload: bytes) -> None:
         """Take the engine batch ``seq`` the rank's tracker delivered."""
         s = self.settings
-        self.counters.batches += 1
         try:
             batch = wire.decode_batch(payload)
         except WireError as exc:
@@ -109,8 +119,13 @@ class Batches:
                 exc,
                 extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "seq": seq},
             )
+            self.counters.batches += 1
             self.enqueue_clear(rank, "malformed")
             return
+        if not batch.events and not batch.errors and not batch.unknown_events:
+            rank.tracker.stats.heartbeats += 1  # an idle heartbeat: covered by the next message's range
+        else:
+            self.counters.batches += 1
         dp_rank = batch.dp_rank if batch.dp_rank is not None else rank.rank
         ranks = s.local_ranks()
         if dp_rank not in ranks:
@@ -238,6 +253,40 @@ class Batches:
         batch = rank.coalescer.take()
         if batch is not None:
             self._enqueue_coalesced(batch)
+
+    def end_burst(self, rank: Rank) -> None:
+        """A burst of the rank's batches ended: flush, unless what is pending has no events (heartbeats, or
+        batches whose events were all skipped), which the next message's engine range will cover."""
+        if rank.coalescer.events:
+            self.flush(rank)
+
+    def snapshot_events(self, rank: Rank, chunks: Sequence[bytes]) -> list[Event]:
+        """Decode and normalise a snapshot's chunks (each a ``KVEventBatch``) into the rank's stream events.
+
+        Raises:
+            WireError: a chunk does not decode, or one of its events may have removed blocks and failed to
+                decode (the rebuilt holder could over-state): the snapshot is not to be used.
+        """
+        events: list[Event] = []
+        for i, chunk in enumerate(chunks):
+            batch = wire.decode_batch(chunk)
+            result = rank.normalizer.normalize(batch)
+            if result.lost:
+                raise WireError(f"snapshot chunk {i}: an event that may remove blocks failed to decode")
+            self.counters.decode_errors += len(batch.errors)
+            self.counters.rejected_events += len(result.rejections)
+            events.extend(result.events)
+        return events
+
+    def rebuild(self, rank: Rank, cut: int, after_seq: int | None, events: list[Event]) -> None:
+        """Clear the rank's holder, then publish a snapshot's ``events`` as engine seq ``cut`` (nothing for an
+        empty cut, -1) in one message, split under the max payload."""
+        self.enqueue_clear(rank, "snapshot", seq=-1 if after_seq is None else after_seq)
+        if cut < 0:
+            return
+        t = rank.tracker
+        msg_id = self.ids.unique(self.settings.worker_id, rank.holder, t.epoch, cut, "snapshot")
+        self.enqueue(rank.holder, t.epoch, cut, events, msg_id=msg_id)
 
     def _enqueue_coalesced(self, batch: Coalesced) -> None:
         self.enqueue(

@@ -51,6 +51,11 @@ class IngestSettings(NatsAuth):
     replay_endpoint: str | None = setting(
         None, "engine's replay ROUTER endpoint; used to fill sequence gaps (none: gaps resynchronise)"
     )
+    snapshot_endpoint: str | None = setting(
+        None,
+        "engine's KV-event snapshot ROUTER endpoint (vLLM PR #57789; rank r on port + r): a gap or an engine "
+        "restart rebuilds the rank from the engine's state, falling back to replay, then to a resync (none: off)",
+    )
     data_parallel_size: int = setting(
         1, "data-parallel ranks of the worker (all nodes); rank r is read on port + r (vLLM's rule)"
     )
@@ -182,6 +187,8 @@ class IngestSettings(NatsAuth):
         problems += endpoint_problems("--zmq-endpoint", self.zmq_endpoint, ranks.stop)
         if self.replay_endpoint is not None:
             problems += endpoint_problems("--replay-endpoint", self.replay_endpoint, ranks.stop)
+        if self.snapshot_endpoint is not None:
+            problems += endpoint_problems("--snapshot-endpoint", self.snapshot_endpoint, ranks.stop)
         if self.block_size is not None and self.block_size < 1:
             problems.append("--block-size must be ≥ 1")
         if self.context_length is not None and self.context_length < 1:

@@ -1,7 +1,9 @@
-"""The ingest's ZMQ side: each rank's SUB socket, and its replay DEALER on a gap.
+"""The ingest's ZMQ side: each rank's SUB socket, and its replay DEALER (or snapshot REQ) on a gap.
 
-Frames go to the rank's `SeqTracker`; its actions are carried out here (a replay task, a clear, a delivery
-to `kvmesh.ingest.batches.Batches`). What one burst of the SUB socket delivered becomes one stream message.
+Frames go to the rank's `SeqTracker`; its actions are carried out here (a replay task, a snapshot task of
+`kvmesh.ingest.resync`, a clear, a rebuild, a delivery to `kvmesh.ingest.batches.Batches`). What one burst
+of the SUB socket delivered becomes one stream message. A sequence frame of 8 bytes, or of 24 with vLLM's
+publisher epoch (`kvmesh.core.engine_snapshot.decode_seq_frame`), is accepted; a new epoch is a restart.
 """
 
 from __future__ import annotations
@@ -13,11 +15,22 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.core import wire
+from kvmesh.core.engine_snapshot import decode_seq_frame
 from kvmesh.core.errors import WireError
-from kvmesh.core.sequencing import Action, Deliver, NewEpoch, ReplayDone, Resync, StartReplay
+from kvmesh.core.sequencing import (
+    Action,
+    Deliver,
+    NewEpoch,
+    Rebuild,
+    ReplayDone,
+    Resync,
+    StartReplay,
+    StartSnapshot,
+)
 from kvmesh.ingest.batches import Batches, Rank
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.liveness import EngineWatch
+from kvmesh.ingest.resync import SnapshotFetcher
 from kvmesh.ingest.status import IngestCounters
 
 log = logging.getLogger("kvmesh.ingest")
@@ -58,6 +71,7 @@ class RankReader:
         self.counters = counters
         self.batches = batches
         self.watch = watch
+        self.snapshots = SnapshotFetcher(ctx, settings, batches, watch, self.act)
 
     async def read(self, rank: Rank) -> None:
         """Read the rank's SUB socket until cancelled."""
@@ -82,7 +96,7 @@ class RankReader:
                         break
                     self.on_frames(rank, frames)
                 # What one burst delivered for this rank becomes one stream message.
-                self.batches.flush(rank)
+                self.batches.end_burst(rank)
         finally:
             sock.close(linger=0)
 
@@ -99,7 +113,7 @@ class RankReader:
             )
             return
         try:
-            seq = wire.decode_seq(frames[1])
+            seq, publisher = decode_seq_frame(frames[1])
         except WireError as exc:
             self.counters.decode_errors += 1
             log.warning(
@@ -111,7 +125,7 @@ class RankReader:
             )
             return
         try:
-            self.act(rank, rank.tracker.on_live(seq, frames[2]), flush=False)
+            self.act(rank, rank.tracker.on_live(seq, frames[2], publisher), flush=False)
         except Exception:
             # Never let one message stop the reader (the engine would go unread for good).
             self.counters.decode_errors += 1
@@ -182,6 +196,29 @@ class RankReader:
                     },
                 )
                 self.batches.enqueue_clear(rank, "restart", seq=a.first_seq - 1)
+            elif isinstance(a, StartSnapshot):
+                log.warning(
+                    "worker %s rank %d: sequence gap or restart before seq %d (last %s); asking for a snapshot",
+                    s.worker_id,
+                    rank.rank,
+                    rank.tracker.gap_end,
+                    rank.tracker.last_seq,
+                    extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "seq": rank.tracker.gap_end},
+                )
+                if rank.snapshot_task is not None and not rank.snapshot_task.done():
+                    rank.snapshot_task.cancel()  # its answer would be stale (another token) anyway
+                rank.snapshot_task = asyncio.create_task(self.snapshots.fetch(rank, a.token))
+            elif isinstance(a, Rebuild):
+                events, rank.snapshot_events = rank.snapshot_events or [], None
+                log.warning(
+                    "worker %s rank %d: rebuilding from the engine's snapshot at seq %d (%d event(s))",
+                    s.worker_id,
+                    rank.rank,
+                    a.cut,
+                    len(events),
+                    extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "seq": a.cut},
+                )
+                self.batches.rebuild(rank, a.cut, a.after_seq, events)
             elif isinstance(a, ReplayDone):
                 log.info(
                     "worker %s rank %d: replay done (healed=%s)",
@@ -191,7 +228,7 @@ class RankReader:
                     extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "healed": a.healed},
                 )
         if flush:
-            self.batches.flush(rank)
+            self.batches.end_burst(rank)
 
     async def replay(self, rank: Rank, from_seq: int) -> None:
         """Ask the engine's replay ROUTER for batches from ``from_seq`` and feed them to the tracker.

@@ -58,21 +58,27 @@ class RankCursor:
     verify: tuple[int, float] | None = None
 
 
-def fresh_tracker(has_replay: bool, epoch: int = 0) -> SeqTracker:
-    """A tracker with no stored cursor: with a replay socket the next batch due is the engine's seq 0, so a
-    first live sequence above 0 replays what the engine still holds before going live."""
-    return SeqTracker(epoch=epoch, last_seq=-1 if has_replay else None, replay=has_replay)
+def fresh_tracker(has_replay: bool, epoch: int = 0, *, has_snapshot: bool = False) -> SeqTracker:
+    """A tracker with no stored cursor: with a replay (or snapshot) socket the next batch due is the engine's
+    seq 0, so a first live sequence above 0 replays what the engine still holds (or rebuilds the rank from the
+    engine's snapshot) before going live."""
+    recoverable = has_replay or has_snapshot
+    return SeqTracker(
+        epoch=epoch, last_seq=-1 if recoverable else None, replay=has_replay, snapshot=has_snapshot
+    )
 
 
-def cursor_from(last: Message, has_replay: bool) -> RankCursor:
+def cursor_from(last: Message, has_replay: bool, *, has_snapshot: bool = False) -> RankCursor:
     """The cursor a decoded last message gives: resume after an `EventsMessage`, else start fresh."""
     if not isinstance(last, EventsMessage):
-        return RankCursor(fresh_tracker(has_replay), False)
+        return RankCursor(fresh_tracker(has_replay, has_snapshot=has_snapshot), False)
     # seq -1: the ingest announced the rank but saw no batch of the epoch; the next one due is 0. The
     # engine's batch `last.seq` carried `last.ts`: a replay handing back that seq with another ts comes from
     # a restarted engine.
     verify = (last.seq, last.ts) if has_replay and last.seq >= 0 and last.ts > 0 else None
-    tracker = SeqTracker(epoch=last.epoch, last_seq=max(last.seq, -1), replay=has_replay)
+    tracker = SeqTracker(
+        epoch=last.epoch, last_seq=max(last.seq, -1), replay=has_replay, snapshot=has_snapshot
+    )
     return RankCursor(tracker, True, verify=verify)
 
 
@@ -124,6 +130,7 @@ async def recover_rank(
     has_replay: bool,
     stop: asyncio.Event,
     on_undecodable: Callable[[int, MessageDecodeError], None],
+    has_snapshot: bool = False,
 ) -> RankCursor:
     """Read the rank's cursor from the last message on ``subject`` (see the module docstring).
 
@@ -138,9 +145,9 @@ async def recover_rank(
             stop=stop,
         )
     except nats.js.errors.NotFoundError:
-        return RankCursor(fresh_tracker(has_replay), False)
+        return RankCursor(fresh_tracker(has_replay, has_snapshot=has_snapshot), False)
     if raw is None:  # stopping
-        return RankCursor(fresh_tracker(has_replay), False)
+        return RankCursor(fresh_tracker(has_replay, has_snapshot=has_snapshot), False)
     at: int = raw.seq
     try:
         last: Message = decode_message(raw.data or b"")
@@ -164,9 +171,10 @@ async def recover_rank(
                 RESYNC_EPOCH,
                 extra={**subject_fields(subject), "epoch": RESYNC_EPOCH},
             )
-            return RankCursor(fresh_tracker(has_replay, RESYNC_EPOCH), False, resync=True)
+            tracker = fresh_tracker(has_replay, RESYNC_EPOCH, has_snapshot=has_snapshot)
+            return RankCursor(tracker, False, resync=True)
         at, last = prev
-    cursor = cursor_from(last, has_replay)
+    cursor = cursor_from(last, has_replay, has_snapshot=has_snapshot)
     if cursor.found:
         log.info(
             "%s: resuming %s after epoch %d seq %d (from stream seq %d)",

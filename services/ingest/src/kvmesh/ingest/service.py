@@ -145,12 +145,13 @@ class IngestService:
             loops["engine metrics"] = scraper.run()
         self.ready.set()
         log.info(
-            "ingest %s: model %s, %d rank(s) from %s, replay %s, publishing to %s",
+            "ingest %s: model %s, %d rank(s) from %s, replay %s, snapshot %s, publishing to %s",
             s.worker_id,
             s.model,
             len(s.local_ranks()),
             s.zmq_endpoint,
             s.replay_endpoint or "off",
+            s.snapshot_endpoint or "off",
             s.stream,
         )
         try:
@@ -178,7 +179,8 @@ class IngestService:
                 s.worker_id,
                 epoch,
             )
-            trackers = {r: fresh_tracker(has_replay, epoch) for r in trackers}
+            snap = s.snapshot_endpoint is not None
+            trackers = {r: fresh_tracker(has_replay, epoch, has_snapshot=snap) for r in trackers}
             self._rank_verify.clear()
             resync.clear()
             self._rejoined = True
@@ -202,6 +204,8 @@ class IngestService:
             Coalescer(s.max_coalesced_batches),
         )
         rank.verify = self._rank_verify.get(r)
+        if s.snapshot_endpoint:
+            rank.snapshot_endpoint = offset_endpoint(s.snapshot_endpoint, r)
         return rank
 
     def _engine_watch(self) -> EngineWatch | None:
@@ -224,7 +228,7 @@ class IngestService:
     async def _shut_down(self, status_sub: Any) -> None:
         """Stop replays, publish what is buffered for a few seconds, leave the registry on a clean stop (the
         loops have ended: `supervise` cancelled them)."""
-        replays = [r.replay_task for r in self._ranks.values() if r.replay_task is not None]
+        replays = [t for r in self._ranks.values() for t in (r.replay_task, r.snapshot_task) if t is not None]
         for t in replays:
             t.cancel()
         await asyncio.gather(*replays, return_exceptions=True)
@@ -282,6 +286,7 @@ class IngestService:
             subject=subject,
             who=f"ingest {s.worker_id} rank {rank}",
             has_replay=has_replay,
+            has_snapshot=s.snapshot_endpoint is not None,
             stop=self._stop,
             on_undecodable=undecodable,
         )

@@ -419,3 +419,30 @@ async def test_trtllm_polled_events_publish_through_the_api(nats_url: str, uid: 
             await expect_within(
                 p, [T, U[:BS], V], [{"w/0": 3, "w/1": 0}, {"w/0": 0, "w/1": 0}, {"w/0": 0, "w/1": 2}]
             )
+
+
+async def test_restarted_zmq_publisher_is_a_new_epoch_for_the_ingest(nats_url: str, uid: str) -> None:
+    """A ZmqPublisher closed and started again on the same ports numbers from 0: the ingest starts a new epoch,
+    clears what the old one reported (T) and indexes what the new one does (U)."""
+    events = _free_ports(2)
+    endpoints = (f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{events + 1}")
+    async with clean_pipeline(nats_url, uid) as p:
+        await p.start_indexer()
+        await p.start_router()
+        pub = ZmqPublisher(*endpoints, block_size=BS)
+        try:
+            ing = await p.start_ingest(W, *endpoints, block_size=BS)
+            await eventually(lambda: asyncio.sleep(0, pub.subscribers()), bool)
+            for i in range(3):
+                pub.stored([1 + i], T[i * BS : (i + 1) * BS], parent_block_hash=i or None)
+            await expect_within(p, [T, U], [{"w/0": 3}, {"w/0": 0}])
+        finally:
+            pub.close()
+        pub = ZmqPublisher(*endpoints, block_size=BS)
+        try:
+            await eventually(lambda: asyncio.sleep(0, pub.subscribers()), bool, timeout_s=20)
+            assert pub.stored([10, 11], U) == 0
+            await expect_within(p, [T, U], [{"w/0": 0}, {"w/0": 2}])
+            assert ing.status().ranks["0"].epoch == 1
+        finally:
+            pub.close()

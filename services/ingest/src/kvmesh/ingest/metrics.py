@@ -113,3 +113,26 @@ def ingest_samples(status: IngestStatus, *, reconnects: int) -> dict[str, list[S
     out["kvmesh_ingest_nats_reconnects"] = [(worker, float(reconnects))]
     out["kvmesh_ingest_outbox_messages"] = [(worker, float(status.outbox))]
     return out
+
+
+SLEEP_CLEARS = "kvmesh_ingest_engine_sleep_clears"
+"""Counter: worker ranks cleared because the engine's metrics showed it asleep (`kvmesh.ingest.engine_sleep`)."""
+
+SLEEP_INSTRUMENTS: tuple[Row, ...] = (
+    (
+        SLEEP_CLEARS,
+        "counter",
+        "{clear}",
+        "ranks cleared because the engine's /metrics showed it asleep (its cache dropped, no AllBlocksCleared yet)",
+    ),
+)
+"""The ingest's metrics of `kvmesh.ingest.engine_sleep` (observed only with ``--metrics-url``)."""
+
+
+def sleep_samples(worker_id: str, clears: dict[int, int]) -> dict[str, list[Sample]]:
+    """The values of `SLEEP_INSTRUMENTS`: ``clears`` is `SleepWatch.clears` (holder dp_rank → count)."""
+    return {
+        SLEEP_CLEARS: [
+            ({"worker_id": worker_id, "dp_rank": str(r)}, float(n)) for r, n in sorted(clears.items())
+        ]
+    }

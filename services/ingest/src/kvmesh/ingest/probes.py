@@ -3,7 +3,8 @@
 `probe_replay` asks a rank's replay ROUTER for batches from a sequence no engine reaches (2⁶³): a live
 publisher answers with its end marker alone (vLLM ≥ 0.9 and SGLang ≥ 0.4.6: "a start seq past the newest
 gets only END", ../wire-protocol §2.4), a dead one answers nothing. `probe_http` GETs a URL (the engine's
-``/health`` or ``/metrics`` page) for engines without a replay socket.
+``/health`` or ``/metrics`` page) for engines without a replay socket. `fetch_metrics` reads the engine's
+Prometheus page (`kvmesh.ingest.engine_sleep` looks for a sleep there).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import zmq.asyncio
 
 from kvmesh.core import wire
 from kvmesh.core.errors import WireError
+from kvmesh.runtime.vllm_metrics import fetch_text
 
 PROBE_SEQ: Final[int] = 2**63
 """The start sequence a replay probe asks for: past any engine's newest batch, so only END comes back."""
@@ -87,3 +89,13 @@ async def probe_http(url: str, *, timeout_s: float) -> tuple[bool, str]:
     except http.client.HTTPException as exc:
         return False, f"{url}: not an HTTP answer ({exc!r})"
     return (True, "") if status < 500 else (False, f"{url} answered HTTP {status}")
+
+
+async def fetch_metrics(url: str, timeout_s: float) -> str:
+    """GET the engine's Prometheus page and return its text (in a worker thread; at most ``timeout_s`` + 1 s).
+
+    Raises:
+        OSError: connection or HTTP failure (also `TimeoutError`).
+        http.client.HTTPException: an answer that is not HTTP, or one cut off.
+    """
+    return await asyncio.wait_for(asyncio.to_thread(fetch_text, url, timeout_s), timeout_s + 1.0)

@@ -37,8 +37,15 @@ from kvmesh.core.protocol import IngestStatus
 from kvmesh.core.sequencing import SeqTracker
 from kvmesh.ingest.batches import Batches, Rank
 from kvmesh.ingest.config import IngestSettings
+from kvmesh.ingest.engine_sleep import SleepWatch
 from kvmesh.ingest.liveness import EngineWatch, ProbeTarget
-from kvmesh.ingest.metrics import INSTRUMENTS, PUBLISH_LATENCY, ingest_samples
+from kvmesh.ingest.metrics import (
+    INSTRUMENTS,
+    PUBLISH_LATENCY,
+    SLEEP_INSTRUMENTS,
+    ingest_samples,
+    sleep_samples,
+)
 from kvmesh.ingest.outbox import Coalescer, MessageIds, Outgoing
 from kvmesh.ingest.publish import Publisher
 from kvmesh.ingest.reader import RankReader
@@ -81,6 +88,10 @@ class IngestService:
         """Engine liveness per rank (None with probing off)."""
         self.metrics: ServiceMetrics | None = None
         """The Prometheus endpoint (None with ``--metrics-port`` unset)."""
+        self.sleep_watch = SleepWatch(
+            worker_id=settings.worker_id, ranks=self._ranks, clear=self.batches.enqueue_clear
+        )
+        """Clears a rank whose engine's ``--metrics-url`` page shows it asleep (`kvmesh.ingest.engine_sleep`)."""
         self.ready = asyncio.Event()
 
     def _push(self, out: Outgoing) -> None:
@@ -141,7 +152,9 @@ class IngestService:
         if self._watch is not None:
             loops["engine liveness"] = self._watch.run()
         if s.metrics_url:  # engine load for the routers (vLLM's Prometheus page)
-            scraper = MetricsLoadPublisher(self._nc, url=s.metrics_url, worker_id=s.worker_id)
+            scraper = MetricsLoadPublisher(
+                self._nc, url=s.metrics_url, worker_id=s.worker_id, fetch=self.sleep_watch.fetch
+            )
             loops["engine metrics"] = scraper.run()
         self.ready.set()
         log.info(
@@ -316,6 +329,8 @@ class IngestService:
     def _declare_metrics(self, metrics: ServiceMetrics) -> None:
         """The ingest's metrics (`kvmesh.ingest.metrics`): its status counters and the publish latency."""
         metrics.observe(lambda: ingest_samples(self.status(), reconnects=self._reconnects()), INSTRUMENTS)
+        worker = self.settings.worker_id
+        metrics.observe(lambda: sleep_samples(worker, self.sleep_watch.clears), SLEEP_INSTRUMENTS)
         self.publisher.latency = metrics.histogram(PUBLISH_LATENCY, "seconds from publish to JetStream ack")
 
     def _reconnects(self) -> int:

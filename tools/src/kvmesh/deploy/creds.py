@@ -206,6 +206,7 @@ def role_permissions(
                 own,  # its worker's events (JetStream publish)
                 subjects.load_subject(subjects.LOAD_PREFIX, worker),  # --metrics-url: its engine's load
                 f"$KV.{workers_kv}.{key}",  # registry heartbeat: KV put of its own key
+                f"$KV.{workers_kv}.{key}.*",  # a multi-node worker's node keys (<worker>.dp<start>-<stop>)
                 _js("STREAM.INFO", stream),  # wait for the events stream
                 _js("STREAM.INFO", kv_workers),  # KV bind of the registry
                 # KV get of its registry record (liveness, incarnation): the bucket has no allow_direct, so

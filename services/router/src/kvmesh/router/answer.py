@@ -10,7 +10,8 @@ One route, in order:
 2. the match answer (`MatchAnswer`), built by `match_answer` from the local replica's `MatchResult`, from an
    indexer's reply (`parse_match_reply`), or empty for a registered model the index lacks
    (`serves_unindexed`);
-3. `route_answer` — ``load_only`` zeroes the overlaps, the available reuse is taken over every live holder
+3. `route_answer` — ``load_only`` zeroes the overlaps, workers whose registered context length the prompt
+   exceeds leave the candidates (none left: ``context_length_exceeded``), the available reuse is taken over every live holder
    (`kvmesh.core.route.available_tokens`), the request's ``candidates`` narrow them, the bound chooses (`kvmesh.core.route.select_candidates`), `kvmesh.core.route.decide` picks, each scored holder's
    health (`kvmesh.router.health.holder_state`) may turn ``exact`` into ``degraded``, and the reply (with
    explain when asked) is shaped.

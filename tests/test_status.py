@@ -113,6 +113,10 @@ async def test_status_shows_exact_ingest_cursors_and_counters(
                 "resyncs": 1,
                 "restarts": 1,
                 "duplicates": 0,
+                "snapshots": 0,
+                "rebuilds": 0,
+                "snapshot_failures": 0,
+                "heartbeats": 0,
             }
             assert r["events"]["rejected_alignment"] == 1
     finally:

@@ -7,7 +7,7 @@ payload (`encode_under`) and hands it to the publisher. Clears (resync, restart,
 after what is pending, under the rank's holder dp_rank.
 
 A batch without events (vLLM's idle heartbeat, `kvmesh.core.engine_snapshot`) is no event and makes no
-message of its own: at the end of a burst a pending message without events stays pending, so the next
+message of its own: at the end of a burst a pending message of heartbeats only stays pending, so the next
 message's engine range (``first_seq..seq``) covers it; only ``--max-coalesced-batches`` of them in a row
 make an empty message, which keeps the stream's cursor of an idle engine recent. A snapshot rebuild
 (`Batches.rebuild`) is a Cleared("snapshot") and then the snapshot's events as one message at the cut.
@@ -59,6 +59,8 @@ class Rank:
     snapshot_task: asyncio.Task[None] | None = None
     snapshot_events: list[Event] | None = None
     """The decoded events of the snapshot being applied (set just before its `Rebuild` is carried out)."""
+    heartbeats_only: bool = False
+    """The batches pending in ``coalescer`` are all heartbeats (empty batches): left pending at a burst's end."""
 
     @property
     def holder(self) -> int:
@@ -122,7 +124,8 @@ class Batches:
             self.counters.batches += 1
             self.enqueue_clear(rank, "malformed")
             return
-        if not batch.events and not batch.errors and not batch.unknown_events:
+        heartbeat = not batch.events and not batch.errors and not batch.unknown_events
+        if heartbeat:
             rank.tracker.stats.heartbeats += 1  # an idle heartbeat: covered by the next message's range
         else:
             self.counters.batches += 1
@@ -238,15 +241,19 @@ class Batches:
                 },
             )
         rank.holder_rank = dp_rank
-        self._append(rank, dp_rank, seq, result.events, batch.ts)
+        self._append(rank, dp_rank, seq, result.events, batch.ts, heartbeat=heartbeat)
         if result.lost:
             self.enqueue_clear(rank, "malformed")
 
-    def _append(self, rank: Rank, dp_rank: int, seq: int, events: list[Event], ts: float) -> None:
+    def _append(
+        self, rank: Rank, dp_rank: int, seq: int, events: list[Event], ts: float, *, heartbeat: bool = False
+    ) -> None:
         """Add one delivered batch's events to the rank's coalesced message (enqueueing it first when cut)."""
+        alone = rank.coalescer.key is None
         cut = rank.coalescer.add(dp_rank, rank.tracker.epoch, seq, events, ts)
         if cut is not None:  # most batches join the pending message: no call for them
             self._enqueue_coalesced(cut)
+        rank.heartbeats_only = heartbeat and (rank.heartbeats_only or alone or cut is not None)
 
     def flush(self, rank: Rank) -> None:
         """Enqueue the coalesced batches of a rank as one stream message (in order, before anything newer)."""
@@ -255,9 +262,9 @@ class Batches:
             self._enqueue_coalesced(batch)
 
     def end_burst(self, rank: Rank) -> None:
-        """A burst of the rank's batches ended: flush, unless what is pending has no events (heartbeats, or
-        batches whose events were all skipped), which the next message's engine range will cover."""
-        if rank.coalescer.events:
+        """A burst of the rank's batches ended: flush, unless what is pending is heartbeats only, which the
+        next message's engine range will cover."""
+        if not (rank.heartbeats_only and rank.coalescer.key is not None):
             self.flush(rank)
 
     def snapshot_events(self, rank: Rank, chunks: Sequence[bytes]) -> list[Event]:

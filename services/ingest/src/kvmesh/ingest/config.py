@@ -106,7 +106,9 @@ class IngestSettings(NatsAuth):
         15.0, "registry TTL: the worker is removed this long after its last heartbeat"
     )
     metrics_url: str | None = setting(
-        None, "engine's Prometheus /metrics URL: its load is published on kvmesh.load.<worker> every second"
+        None,
+        "engine's Prometheus /metrics URL: its load is published on kvmesh.load.<worker> every second, and a "
+        "rank the page shows asleep (vLLM's vllm:engine_sleep_state) is cleared",
     )
     engine_probe_after_s: float = setting(
         DEFAULT_PROBE_AFTER_S,

@@ -245,3 +245,27 @@ async def test_unavailable_snapshot_falls_back_to_replay_then_to_clear(
                 (2, [("Stored", 1)]),
                 (3, [("Stored", 2)]),
             ]
+
+
+async def test_unanswered_snapshot_request_falls_back_to_replay(nats_url: str, uid: str) -> None:
+    """A snapshot socket that never answers: after --replay-timeout-s the ingest replays the gap instead (T 4,
+    healed, no resync) and its REQ socket does not block the rank's next gap."""
+    pub = EventPublisher(ANY, ANY, snapshot_endpoint=ANY)
+    pub.snapshot_enabled = False
+    async with started(
+        nats_url, uid, {W: pub}, snapshot_endpoint=pub.snapshot_endpoint, replay_timeout_s=0.5
+    ) as p:
+        pub.publish([stored([1, 2], blk(T, 0, 2))])
+        await expect(p, [T], [{"w/0": 2}])
+        pub.drop_next(1)
+        pub.publish([stored([3], blk(T, 2), parent=2)])
+        pub.publish([stored([4], blk(T, 3), parent=3)])
+        await expect(p, [T], [{"w/0": 4}])
+        pub.snapshot_enabled = True
+        pub.drop_next(1)
+        pub.publish([stored([11, 12], U)])
+        pub.publish([stored([13], blk(U, 0), parent=None)])  # seq 4, live: a second gap, answered this time
+        await expect(p, [T, U], [{"w/0": 4}, {"w/0": 2}])
+        seq = sequence(p)
+        assert (seq["gaps"], seq["snapshots"], seq["snapshot_failures"], seq["rebuilds"]) == (2, 2, 1, 1)
+        assert (seq["replays"], seq["healed"], seq["resyncs"], pub.snapshot_requests) == (1, 1, 0, 1)

@@ -26,6 +26,15 @@ _PER_RANK: tuple[tuple[str, str, str, str], ...] = (
     ("kvmesh_ingest_resyncs", "resyncs", "{resync}", "holder resynchronisations (gap not replayable)"),
     ("kvmesh_ingest_engine_restarts", "restarts", "{restart}", "engine restarts seen (new epochs)"),
     ("kvmesh_ingest_duplicate_batches", "duplicates", "{batch}", "engine batches seen twice (ignored)"),
+    ("kvmesh_ingest_snapshots", "snapshots", "{snapshot}", "snapshots asked of the engine's snapshot socket"),
+    ("kvmesh_ingest_snapshot_rebuilds", "rebuilds", "{snapshot}", "holders rebuilt from an engine snapshot"),
+    (
+        "kvmesh_ingest_snapshot_failures",
+        "snapshot_failures",
+        "{snapshot}",
+        "snapshots unavailable, short of the live stream or failed (replay or resync instead)",
+    ),
+    ("kvmesh_ingest_heartbeats", "heartbeats", "{batch}", "engine heartbeats (batches without events)"),
 )
 
 _REJECTED: tuple[tuple[str, str], ...] = (

@@ -160,6 +160,40 @@ async def test_two_nodes_of_one_worker_route_then_leave_node_by_node(nats_url: s
             await nc.close()
 
 
+async def test_an_indexer_started_after_a_node_left_clears_that_nodes_ranks(nats_url: str, uid: str) -> None:
+    """A node whose key aged out while no indexer ran: the next indexer, once its registry watch has synced,
+    empties the ranks no node key reads (2–3) and keeps the worker with the other node's blocks."""
+    async with ranks_on_ports() as (events, replay, pubs), clean_pipeline(nats_url, uid) as p:
+        await start_node(p, events, replay, 0, 2)
+        node_b = await start_node(p, events, replay, 2, 2)
+        for pub in pubs:
+            await pub.wait_for_subscribers(1)
+        first = await p.start_indexer()
+        for r, pub in enumerate(pubs):
+            pub.publish([stored(list(range(10 * r + 1, 10 * r + 2 + r)), blk(T, 0, r + 1))])
+        await eventually(
+            lambda: asyncio.sleep(0, first.state.workers().get(W, {}).get("blocks")), lambda b: b == 10
+        )
+        first.stop()
+        await p.tasks.pop()
+        await kill(p, node_b)
+        nc = await connect(nats_url, name="test-multinode")
+        try:
+            kv = await open_registry(
+                nc.jetstream(), RegistrySettings(bucket=subjects.registry_bucket(p.stream), ttl_s=TTL_S)
+            )
+            await eventually(
+                lambda: list_workers(kv), lambda w: w[W].stale_ranks == {2: NO_NODE, 3: NO_NODE}, timeout_s=30
+            )
+        finally:
+            await nc.close()
+        second = await p.start_indexer()
+        state = await eventually(
+            lambda: asyncio.sleep(0, second.state.workers()[W]), lambda w: w["blocks"] == 1 + 2, timeout_s=20
+        )
+        assert state["removed"] is False and state["epochs"] == {0: 0, 1: 0, 2: 0, 3: 0}
+
+
 def test_watcher_merges_node_records_and_reads_old_whole_worker_records() -> None:
     """A router's registry view merges a worker's node records (a rank no node reads is not live), keeps
     reading the single whole-worker record every ingest wrote before nodes existed, and drops a node's ranks

@@ -300,12 +300,51 @@ async def worker_present(kv: Any, worker_id: str) -> bool:
     return False
 
 
+async def node_records(kv: Any, worker_id: str) -> dict[str, WorkerRecord]:
+    """Return the node records of ``worker_id`` that exist now (node key → record), by direct gets of the
+    node keys its bucket's stream lists; creates no server state. Undecodable or unusable records count as
+    absent.
+
+    Raises:
+        nats.errors.Error, TimeoutError: the bucket's stream or a key cannot be read (no definite answer).
+    """
+    js, stream, prefix = bucket_stream(kv)
+    base = subjects.kv_key(worker_id)
+    info = await js.stream_info(stream, subjects_filter=f"{prefix}{base}.>")
+    out: dict[str, WorkerRecord] = {}
+    for subject in sorted(info.state.subjects or {}):
+        key = subject[len(prefix) :]
+        worker, ranks = parse_registry_key(key)
+        if worker != worker_id or ranks is None:
+            continue
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        if not entry.value:
+            continue
+        with contextlib.suppress(ProtocolError):
+            record = protocol.decode(entry.value, WorkerRecord)
+            if record_problem(key, record) is None:
+                out[key] = record
+    return out
+
+
+def uncovered_ranks(held: Iterable[int], records: Iterable[WorkerRecord]) -> tuple[int, ...]:
+    """Return the ranks in ``held`` (a worker's ranks in the index) that none of ``records`` reads, sorted."""
+    covered: set[int] = set()
+    for record in records:
+        covered.update(record_ranks(record))
+    return tuple(sorted(set(held) - covered))
+
+
 @dataclass(frozen=True, slots=True)
 class NodeDeparture:
     """One node of a multi-node worker left while others stay: its ranks leave, the worker does not."""
 
     worker_id: str
-    ranks: range
+    ranks: Sequence[int]
+    """The node's ranks (a ``range`` from its key; the uncovered ranks found by a reconcile)."""
     model: str | None
     """The model its last record named (None: not seen; the index's then)."""
 

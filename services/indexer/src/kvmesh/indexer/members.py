@@ -21,9 +21,13 @@ from kvmesh.indexer import policy
 from kvmesh.indexer.config import IndexerSettings
 from kvmesh.runtime.registry import (
     WATCH_INACTIVE_S,
+    NodeDeparture,
     node_departure,
+    node_records,
+    parse_registry_key,
     publish_node_departure,
     publish_removal,
+    uncovered_ranks,
     worker_of_key,
     worker_present,
 )
@@ -82,11 +86,11 @@ class RegistryWatch:
                 sync = policy.RegistrySync()
                 async for entry in watcher:
                     if entry is None:
-                        if sync.end_of_initial():
-                            await self._reconcile(sync.registered)
+                        if sync.end_of_initial():  # a worker is registered while any key of it is
+                            await self._reconcile({worker_of_key(k) for k in sync.registered})
                         continue
-                    sync.seen(worker_of_key(entry.key), present=entry.operation is None and bool(entry.value))
-                    await self._on_entry(entry)
+                    sync.seen(entry.key, present=entry.operation is None and bool(entry.value))
+                    await self._on_entry(entry, synced=sync.synced)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -104,7 +108,9 @@ class RegistryWatch:
         """Remove every member live in the index that has no key now; forget those that are not live.
 
         A worker that never heartbeated (a stream fed directly, without a registry) is no member and stays.
+        A multi-node worker that still has node keys loses the ranks no node key reads (`_reconcile_nodes`).
         """
+        await self._reconcile_nodes()
         for worker, model in sorted(self._members.items()):
             action = policy.reconcile_member(worker, model, registered, self._stream.state.live_worker)
             if isinstance(action, policy.Forget):
@@ -150,7 +156,48 @@ class RegistryWatch:
                     },
                 )
 
-    async def _on_entry(self, entry: Any) -> None:
+    async def _reconcile_nodes(self) -> None:
+        """Take out the index's ranks of each multi-node worker that none of its node keys reads now (a node
+        whose key aged out while no replica watched), read from the keys themselves before anything goes."""
+        nodes = {worker_of_key(k) for k, rec in self._registry.items() if rec.dp_ranks_local is not None}
+        for worker in sorted(nodes):
+            info = self._stream.state.workers().get(worker)
+            if info is None or info["removed"]:
+                continue
+            epochs: dict[int, int] = info["epochs"]  # type: ignore[assignment]
+            try:
+                records = await node_records(self._kv, worker)
+            except Exception as exc:
+                log.warning(
+                    "indexer %s: worker %s: cannot read its node keys (%r): no node ranks removed now",
+                    self.replica,
+                    worker,
+                    exc,
+                    extra={"replica": self.replica, "worker_id": worker},
+                )
+                continue
+            gone = uncovered_ranks(epochs, records.values())
+            if not records or not gone:
+                continue  # no node key at all: the member reconcile removes the worker
+            departure = NodeDeparture(worker, gone, next(iter(records.values())).model)
+            seqs = await publish_node_departure(
+                self._js,
+                stream=self.settings.stream,
+                events_prefix=self.settings.events_prefix,
+                departure=departure,
+                model=departure.model or str(info["model"]),
+                epochs=epochs,
+            )
+            log.warning(
+                "indexer %s: worker %s: ranks %s have no registry node: cleared at seqs %s",
+                self.replica,
+                worker,
+                list(gone),
+                seqs,
+                extra={"replica": self.replica, "worker_id": worker},
+            )
+
+    async def _on_entry(self, entry: Any, *, synced: bool = True) -> None:
         worker = worker_of_key(entry.key)
         if entry.operation is None:
             with contextlib.suppress(ProtocolError):  # not a record this build reads: ignored
@@ -161,6 +208,10 @@ class RegistryWatch:
                     self._members[worker] = put.model
             return
         record = self._registry.pop(entry.key, None)
+        if not synced and parse_registry_key(entry.key)[1] is not None:
+            # A node's delete among the initial values: its worker's other keys may come after it. The
+            # reconcile at the end of the initial values decides (`_reconcile_nodes`, then the members').
+            return
         departure = node_departure(entry.key, record, self._registry)
         if departure is not None:  # one node of a multi-node worker left; the others stay
             info = self._stream.state.workers().get(worker)
@@ -176,11 +227,10 @@ class RegistryWatch:
                 epochs=epochs,
             )
             log.warning(
-                "indexer %s: worker %s: node of ranks [%d, %d) left the registry: its ranks cleared at seqs %s",
+                "indexer %s: worker %s: node of ranks %s left the registry: its ranks cleared at seqs %s",
                 self.replica,
                 worker,
-                departure.ranks.start,
-                departure.ranks.stop,
+                list(departure.ranks),
                 seqs,
                 extra={"replica": self.replica, "worker_id": worker},
             )

@@ -25,7 +25,8 @@ class IngestCounters:
     dropped_batches: int = 0
     split_batches: int = 0
     bad_dp_rank_batches: int = 0
-    """Engine batches whose dp_rank is outside [0, data_parallel_size): their events are rejected."""
+    """Engine batches whose dp_rank is not one this ingest reads (`IngestSettings.local_ranks`): their events are
+    rejected."""
     reorders: int = 0
     """Holders found stored out of engine order in the stream (acks not rising)."""
     reordered_resends: int = 0

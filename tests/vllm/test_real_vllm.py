@@ -40,9 +40,11 @@ import pytest
 from tests.pipeline import Pipeline, eventually
 
 from kvmesh.client import RouteReply
+from kvmesh.core.events import Cleared, EventsMessage, decode_message
 from kvmesh.core.protocol import ScoreExplain
 from kvmesh.harness.ports import free_block, free_port
 from kvmesh.ops import status
+from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import StreamSettings, connect, ensure_stream
 
 pytestmark = [pytest.mark.vllm, pytest.mark.nats, pytest.mark.e2e, pytest.mark.slow, pytest.mark.anyio]
@@ -293,6 +295,18 @@ class Run:
         """Blocks the router's index holds for the worker, after the stream settled."""
         return score(await self.settled_reply([7] * BLOCK)).cached_blocks
 
+    async def cleared_reasons(self) -> list[str]:
+        """The reasons of the Cleared events in the stream for the worker, in stream order."""
+        subject = subjects.events_subject(self.pipe.prefix, MODEL, WORKER, 0)
+        last = (await self.js.stream_info(self.pipe.stream)).state.last_seq
+        reasons: list[str] = []
+        for seq in range(1, last + 1):
+            msg = await self.js.get_msg(self.pipe.stream, seq=seq)
+            decoded = decode_message(msg.data or b"") if msg.subject == subject else None
+            if isinstance(decoded, EventsMessage):
+                reasons += [e.reason for e in decoded.events if isinstance(e, Cleared)]
+        return reasons
+
     async def request(self, phase: str, prompt: list[int]) -> list[int]:
         """Check one request's prediction against the engine; return its output tokens."""
         reply = await self.settled_reply(prompt)
@@ -320,7 +334,7 @@ def workload(seed: int, conversations: int = 6, turns: int = 3) -> Iterator[tupl
 
     Conversations share one of three 2-block system prompts; the first turn adds 20–40 tokens, later turns
     are appended to the previous prompt and its output (multi-turn), so prefixes are shared across and within
-    conversations. About 60 blocks in all against a 16-block cache: blocks are evicted throughout.
+    conversations. 28 distinct full blocks against a 16-block cache: blocks are evicted (12 in the first run).
     """
     rng = random.Random(seed)
     systems = [[rng.randrange(3, 1000) for _ in range(2 * BLOCK)] for _ in range(3)]
@@ -404,8 +418,10 @@ async def test_predicted_cached_tokens_equal_the_engines(fleet: Run, nats_url: s
     # sleep on the engine's /metrics and clears the worker.
     assert await run.held_blocks() > 0
     await asyncio.to_thread(engine.post, "/sleep?level=1")
+    assert await run.cleared_reasons() == ["engine"]  # the reset's AllBlocksCleared, in phase 2
     held = await eventually(run.held_blocks, lambda n: n == 0, timeout_s=20)
     assert held == 0
+    assert await run.cleared_reasons() == ["engine", "sleep"]  # the ingest's, from the engine's metrics
     await asyncio.to_thread(engine.post, "/wake_up")
     await drive(run, "after sleep", seed=3)
 

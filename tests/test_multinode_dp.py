@@ -194,6 +194,41 @@ async def test_an_indexer_started_after_a_node_left_clears_that_nodes_ranks(nats
         assert state["removed"] is False and state["epochs"] == {0: 0, 1: 0, 2: 0, 3: 0}
 
 
+async def test_a_node_at_lower_epochs_rejoins_after_the_worker_left(nats_url: str, uid: str) -> None:
+    """Node B's engine restarted (its ranks at epoch 1, node A's at 0); A leaves, then B, the last node, so
+    the worker is removed. Node A's ingest started again rejoins one epoch above its own (1) and is indexed:
+    the removal names the worker's lowest rank epoch, not B's."""
+    async with ranks_on_ports() as (events, replay, pubs), clean_pipeline(nats_url, uid) as p:
+        node_a = await start_node(p, events, replay, 0, 2)
+        node_b = await start_node(p, events, replay, 2, 2)
+        for pub in pubs:
+            await pub.wait_for_subscribers(1)
+        indexer = await p.start_indexer()
+        await p.start_router()
+        for r, pub in enumerate(pubs):
+            pub.publish([stored(list(range(10 * r + 1, 10 * r + 2 + r)), blk(T, 0, r + 1))])
+        for r in (2, 3):
+            pubs[r].restart()
+            pubs[r].publish([stored(list(range(10 * r + 1, 10 * r + 2 + r)), blk(T, 0, r + 1))])
+        await eventually(
+            lambda: asyncio.sleep(0, indexer.state.workers()[W]),
+            lambda w: w["epochs"] == {0: 0, 1: 0, 2: 1, 3: 1} and w["blocks"] == 10,
+        )
+        await kill(p, node_a)
+        left = {f"{W}/2": 3, f"{W}/3": 4}
+        assert await eventually(lambda: explained(p, T), lambda o: o == left, timeout_s=30) == left
+        await kill(p, node_b)
+        await eventually(
+            lambda: asyncio.sleep(0, indexer.state.workers()[W]["removed"]), lambda r: r is True, timeout_s=30
+        )
+        await start_node(p, events, replay, 0, 2)
+        await pubs[0].wait_for_subscribers(2)
+        pubs[0].publish([stored([77, 78], U)])
+        want = {f"{W}/0": 2, f"{W}/1": 0}
+        assert await eventually(lambda: explained(p, U), lambda o: o == want, timeout_s=20) == want
+        assert indexer.state.workers()[W]["epochs"] == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
 def test_watcher_merges_node_records_and_reads_old_whole_worker_records() -> None:
     """A router's registry view merges a worker's node records (a rank no node reads is not live), keeps
     reading the single whole-worker record every ingest wrote before nodes existed, and drops a node's ranks

@@ -364,6 +364,17 @@ def node_departure(key: str, record: WorkerRecord | None, remaining: Iterable[st
     return NodeDeparture(worker, ranks, record.model if record is not None else None)
 
 
+def last_node_incarnation(epochs: Mapping[int, int], incarnation: int) -> int:
+    """The epoch a multi-node worker's removal (its last node gone) names: the lowest of its ranks' epochs
+    in the index (``epochs``; ``incarnation`` when it holds none).
+
+    A removal drops later messages of an epoch at or below it on every rank. The last node's incarnation is
+    the highest epoch of *its* ranks only: another node, whose ranks are at lower epochs, rejoins one above
+    its own highest and would be dropped as stale. The lowest epoch is below every node's next incarnation.
+    """
+    return min(epochs.values(), default=incarnation)
+
+
 def departure_msg_id(worker_id: str, dp_rank: int, epoch: int) -> str:
     """The ``Nats-Msg-Id`` of one rank's node-departure Cleared: equal for every noticer of one departure."""
     return f"departed:{worker_id}:{dp_rank}:{epoch}"

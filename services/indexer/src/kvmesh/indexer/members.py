@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -22,6 +23,7 @@ from kvmesh.indexer.config import IndexerSettings
 from kvmesh.runtime.registry import (
     WATCH_INACTIVE_S,
     NodeDeparture,
+    last_node_incarnation,
     node_departure,
     node_records,
     parse_registry_key,
@@ -238,6 +240,12 @@ class RegistryWatch:
         removal = policy.removal_on_delete(worker, entry.operation, record, self._stream.state.live_worker)
         if removal is None:
             return
+        if parse_registry_key(entry.key)[1] is not None:  # the last node of a multi-node worker
+            held = self._stream.state.workers().get(worker) or {}
+            rank_epochs: dict[int, int] = held.get("epochs") or {}  # type: ignore[assignment]
+            removal = dataclasses.replace(
+                removal, incarnation=last_node_incarnation(rank_epochs, removal.incarnation)
+            )
         seq = await self._publish(removal)
         log.warning(
             "indexer %s: worker %s %s from the registry: published its removal (incarnation %d) at seq %d",

@@ -23,8 +23,8 @@ from kvmesh.core.hashing import (
 TOKENS_0_7 = list(range(8))
 LOCAL_0_7 = [9143094415614847814, 12124091508212882195]
 SEQ_0_7 = [9143094415614847814, 9510318385840434533]
-KEYS_0_7 = [1072643883366918982, 120589544870907004]
-"""The index's 60-bit prefix keys of tokens 0..7 in blocks of 4."""
+OLD_KEYS_0_7 = [1072643883366918982, 120589544870907004]
+"""Snapshot format 3's 60-bit prefix keys of tokens 0..7 in blocks of 4 (no longer the index's keys)."""
 
 
 def test_xxh3_golden_vector() -> None:
@@ -182,32 +182,29 @@ def test_sequence_hashes_continue_from_parent() -> None:
     assert sequence_hashes([], full[0]) == []
 
 
-def test_prefix_keys_golden_vector() -> None:
-    """The index's keys: block 0 is its local hash's low 60 bits, then XXH3(le64(key) ‖ le64(local)) & (2**60-1)."""
-    mask = 2**60 - 1
-    assert KEYS_0_7[0] == LOCAL_0_7[0] & mask
-    assert (
-        KEYS_0_7[1]
-        == xxhash.xxh3_64_intdigest(
-            KEYS_0_7[0].to_bytes(8, "little") + LOCAL_0_7[1].to_bytes(8, "little"), seed=1337
-        )
-        & mask
+def test_prefix_keys_are_the_standard_sequence_hashes() -> None:
+    """The index's keys are Dynamo's SequenceHash values, full 64 bits: block 0 is its local hash, then
+    XXH3-64(le64(seq) ‖ le64(local), seed 1337), computed here with xxhash alone."""
+    assert SEQ_0_7[0] == LOCAL_0_7[0]
+    assert SEQ_0_7[1] == xxhash.xxh3_64_intdigest(
+        SEQ_0_7[0].to_bytes(8, "little") + LOCAL_0_7[1].to_bytes(8, "little"), seed=1337
     )
-    assert prefix_keys(LOCAL_0_7) == KEYS_0_7
-    assert prompt_prefix_keys(TOKENS_0_7, 4) == KEYS_0_7
-    assert prompt_prefix_keys([*TOKENS_0_7, 8], 4) == KEYS_0_7
+    assert prefix_keys(LOCAL_0_7) == SEQ_0_7
+    assert prompt_prefix_keys(TOKENS_0_7, 4) == SEQ_0_7
+    assert prompt_prefix_keys([*TOKENS_0_7, 8], 4) == SEQ_0_7
     assert prefix_keys([]) == prompt_prefix_keys([], 4) == []
-    # Not Dynamo's sequence hash truncated beyond block 0: the chain continues from the 60-bit key.
-    assert KEYS_0_7[1] != SEQ_0_7[1] & mask
+    assert OLD_KEYS_0_7 != SEQ_0_7  # the 60-bit chain of snapshot format 3 names other keys
 
 
-def test_prefix_keys_continue_from_stored_parent_and_stay_below_2_60() -> None:
-    """Chaining a suffix onto its parent's 60-bit key equals the suffix of the full chain; every key < 2**60."""
+def test_prefix_keys_continue_from_a_stored_parent_and_use_all_64_bits() -> None:
+    """Chaining a suffix onto its parent's key equals the suffix of the full chain; keys are not cut to 60
+    bits (of 16 keys, some are at or above 2**60)."""
     tokens = list(range(100, 164))
     local = local_block_hashes(tokens, 4, lora_name="adapter-a", cache_salt="tenant-1")
     full = prefix_keys(local)
     assert len(full) == 16
-    assert all(0 <= k < 2**60 for k in full)
+    assert all(0 <= k < 2**64 for k in full) and any(k >= 2**60 for k in full)
+    assert full == sequence_hashes(local)
     for k in range(1, 16):
         assert prefix_keys(local[k:], full[k - 1]) == full[k:]
     assert prompt_prefix_keys(tokens, 4, lora_name="adapter-a", cache_salt="tenant-1") == full

@@ -119,13 +119,13 @@ def test_header_carries_version_and_sequence() -> None:
         9,
         len(data) - HEADER_SIZE,
     )
-    assert FORMAT_VERSION == 3
+    assert FORMAT_VERSION == 4
 
 
 @pytest.mark.parametrize(
     ("version", "why"),
     [
-        (1, "format 1 keyed the index by 64-bit sequence hashes"),
+        (1, "format 1 kept raw engine hashes and no engine order per holder"),
         (2, "format 2 kept no engine order per holder"),
     ],
 )
@@ -136,7 +136,40 @@ def test_older_format_snapshot_is_refused_by_version(version: int, why: str) -> 
     with pytest.raises(SnapshotError) as info:
         decode_snapshot(old)
     assert info.value.reason == "version"
-    assert str(info.value) == f"snapshot format {version} ({why}); this build reads only format 3"
+    assert str(info.value) == (
+        f"snapshot format {version} ({why}); this build reads formats 3 (without its blocks) and 4"
+    )
+
+
+def test_a_format_3_snapshot_is_read_without_its_blocks_and_its_holders_incomplete() -> None:
+    """Format 3 keyed prefixes by a 60-bit chain that cannot be turned into sequence hashes: its state comes
+    back with every worker, cursor, counter and held message, no blocks, and each holder that had blocks
+    incomplete (``stream_gap``) until rebuilt; a holder that had none (a's rank 1, only an orphan) is exact. The
+    later messages then apply as on any state, and a Cleared makes its holder exact again."""
+    original = _state(_history())
+    data = encode_snapshot(original.export())
+    old = data[:8] + (3).to_bytes(4, "little") + data[12:]
+    restored = IndexState.from_export(decode_snapshot(old))
+    assert (restored.applied_seq, restored.block_total()) == (9, 0)
+    assert restored.workers() == {w: {**info, "blocks": 0} for w, info in original.workers().items()}
+    assert restored.counters == original.counters
+    assert restored.holder_health() == {
+        ("a", 0): "stream_gap",
+        ("b", 0): "stream_gap",
+    }
+    assert restored.incomplete() == [("a", 0), ("b", 0)]
+    assert {
+        (c.worker_id, c.dp_rank, c.overlap_blocks, c.health)
+        for c in restored.match("m", _prompt()).candidates
+    } == {
+        ("a", 0, 0, "stream_gap"),
+        ("a", 1, 0, None),
+        ("b", 0, 0, "stream_gap"),
+    }
+    _state([_msg("a", 0, [Cleared("engine")]), _msg("a", 0, [Stored([1, 2], None, LOCAL[:2])])], 10, restored)
+    assert restored.holder_health() == {("b", 0): "stream_gap"}
+    (a0,) = [c for c in restored.match("m", _prompt()).candidates if c.worker_id == "a" and c.dp_rank == 0]
+    assert a0.overlap_blocks == 2
 
 
 def test_flipped_body_byte_fails_the_checksum() -> None:

@@ -23,19 +23,13 @@ Isolation rules (what changes the KV cache must change the key):
 Only full blocks are keys: a trailing partial block is ignored.
 
 **Index prefix keys** (`prefix_keys`, `prompt_prefix_keys`) — what `kvmesh.core.index.PrefixIndex` stores
-and looks up. The local hashes above stay Dynamo's 64-bit values (and the golden vectors stay true), but the
-index keys each prefix by a 60-bit chain of its own, so that every key is a Python int below ``2**60``
-(32 bytes of memory instead of 48 for a 64-bit int)::
-
-    key[0] = local[0] & (2**60 - 1)
-    key[i] = XXH3-64(le_u64(key[i-1]) ‖ le_u64(local[i]), seed 1337) & (2**60 - 1)
-
-It chains from the *stored* 60-bit value, so a block stored under a parent continues exactly from what the
-index holds for that parent, and a prompt hashed with `prompt_prefix_keys` matches exactly what was stored.
-For ``i ≥ 1`` it is not Dynamo's ``SequenceHash`` truncated (that one chains from the full 64-bit parent).
-Collisions: with *n* distinct prefixes indexed, the chance that any two share a key is about
-``n² / 2**61`` — 4.3·10⁻⁷ at 1M prefixes, 4.3·10⁻⁵ at 10M (64-bit keys: 2.7·10⁻⁸ and 2.7·10⁻⁶); the chance
-that one looked-up prompt block falsely matches some indexed prefix is ``n / 2**60`` (8.7·10⁻¹³ at 1M).
+and looks up — are exactly the sequence hashes above, full 64 bits: a gateway, a Dynamo component or a
+Mooncake RFC #1527 publisher that hands kvmesh a standard sequence hash names the same prefix the index
+holds. (Snapshot formats 2 and 3 kept a 60-bit chain of kvmesh's own, ``key[i] = XXH3(key[i-1] ‖ local[i])
+& (2**60 - 1)``, to keep keys small Python ints; the compact index holds keys in uint64 arrays, so nothing
+is gained by it any more.) Collisions: with *n* distinct prefixes indexed, the chance that any two share a
+key is about ``n² / 2**65`` (2.7·10⁻⁸ at 1M prefixes, 2.7·10⁻⁶ at 10M); the chance that one looked-up prompt
+block falsely matches some indexed prefix is ``n / 2**64``.
 """
 
 from __future__ import annotations
@@ -65,9 +59,8 @@ _BIG_ENDIAN: Final[bool] = sys.byteorder == "big"
 _pack_pair = struct.Struct("<QQ").pack
 """``le_u64(a) ‖ le_u64(b)``: the chaining input (one call instead of two ``to_bytes`` and a concatenation)."""
 
-KEY_BITS: Final[int] = 60
-"""Bits of an index prefix key (`prefix_keys`): below 2**60 a Python int takes 32 bytes, not 48."""
-KEY_MASK: Final[int] = 2**KEY_BITS - 1
+KEY_BITS: Final[int] = 64
+"""Bits of an index prefix key (`prefix_keys`: the standard sequence hash)."""
 
 
 def lora_seed(lora_name: str | None) -> int:
@@ -196,27 +189,17 @@ def prompt_sequence_hashes(
 
 
 def prefix_keys(local_hashes: Sequence[int], parent: int | None = None) -> list[int]:
-    """Chain local hashes into the index's 60-bit prefix keys (see the module docstring).
+    """Chain local hashes into the index's prefix keys: the standard sequence hashes (`sequence_hashes`).
 
     Args:
         local_hashes: local hashes of consecutive blocks.
-        parent: prefix key of the block before the first one (< 2**60), or None when the first is block 0.
+        parent: prefix key (sequence hash) of the block before the first one, or None when the first is
+            block 0.
 
     Returns:
-        one key below ``2**60`` per local hash.
+        one unsigned 64-bit key per local hash.
     """
-    out: list[int] = []
-    if not local_hashes:
-        return out
-    xxh3, pack, seed, mask = _xxh3, _pack_pair, SEED, KEY_MASK
-    append = out.append
-    locals_ = iter(local_hashes)
-    prev = (next(locals_) if parent is None else xxh3(pack(parent, next(locals_)), seed)) & mask
-    append(prev)
-    for local in locals_:
-        prev = xxh3(pack(prev, local), seed) & mask
-        append(prev)
-    return out
+    return sequence_hashes(local_hashes, parent)
 
 
 def iter_prefix_keys(local_hashes: Sequence[int], chunk: int = 16) -> Iterator[int]:
@@ -279,9 +262,9 @@ def iter_prompt_prefix_keys(
 
 
 def _iter_prefix_keys(view: memoryview, n_blocks: int, step: int, seed: int, first: int) -> Iterator[int]:
-    xxh3, pack, chain_seed, mask = _xxh3, _pack_pair, SEED, KEY_MASK
-    prev = first & mask
+    xxh3, pack, chain_seed = _xxh3, _pack_pair, SEED
+    prev = first
     yield prev
     for i in range(1, n_blocks):
-        prev = xxh3(pack(prev, xxh3(view[i * step : (i + 1) * step], seed)), chain_seed) & mask
+        prev = xxh3(pack(prev, xxh3(view[i * step : (i + 1) * step], seed)), chain_seed)
         yield prev

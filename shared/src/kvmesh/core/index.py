@@ -40,12 +40,12 @@ Storage tiers (``medium`` of BlockStored / BlockRemoved, vLLM ≥ 0.10.2, SGLang
 Keys and memory
 ---------------
 
-Every key the index keeps is below ``2**60`` (the key scheme of snapshot format 3, which this index reads and
-writes unchanged):
+The index keeps two kinds of key (the key scheme of snapshot format 4):
 
-* **prefix keys** are the 60-bit chain of `kvmesh.core.hashing.prefix_keys` (collision bound there: about
-  ``n² / 2**61`` for *n* distinct prefixes, 4.3·10⁻⁷ at 1M, 4.3·10⁻⁵ at 10M); the matching side hashes
-  prompts with `kvmesh.core.hashing.prompt_prefix_keys`, the same rule.
+* **prefix keys** are the standard 64-bit sequence hashes, `kvmesh.core.hashing.prefix_keys` (Dynamo's
+  ``SequenceHash``; collision bound there: about ``n² / 2**65`` for *n* distinct prefixes, 2.7·10⁻⁸ at 1M,
+  2.7·10⁻⁶ at 10M); the matching side hashes prompts with `kvmesh.core.hashing.prompt_prefix_keys`, the
+  same rule, or takes a caller's sequence hashes as they are.
 * **engine hashes** are folded to 60 bits on the way in (`engine_key60`: modulo ``2**60 - 93``, the largest
   prime below ``2**60``). Values below that prime are kept as they are, so small or sequential engine ids
   never collide with each other. For uniformly random 64-bit engine hashes — what every engine kvmesh reads
@@ -1071,7 +1071,7 @@ class PrefixIndex:
             try:
                 arr = np.array(chunk, dtype=np.uint64)
             except OverflowError:
-                return  # a key no index holds (keys are below 2**60)
+                return  # not an unsigned 64-bit int: a key no index holds
             found = tables.lookup_run(self._pk, self._pv, arr, out)
             if found:
                 yield (chunk if found == len(chunk) else chunk[:found]), out[:found].tolist()

@@ -20,19 +20,24 @@ pairs, the held orphans in hold order (with their tier), the index counters and 
 cursors: everything `IndexState.from_export` needs to continue exactly as the original would. About 17 bytes
 per block.
 
-Format versions: **3** (this build) adds each holder's engine order (cursor, gap, health; see
-`kvmesh.core.state`) and the removed incarnation's model. **2** stored the index's 60-bit prefix keys and
-folded engine keys (`kvmesh.core.index`) and per-holder tiers, but no engine order: a state restored from it
-could not tell a duplicate or re-ordered message from a new one, so it is refused. **1** stored 64-bit Dynamo
-sequence hashes and raw engine hashes; its values mean something else now. A refused snapshot raises
-`SnapshotError` with reason ``"version"``, and recovery skips it like any unusable snapshot, rebuilding from
-an older snapshot or the stream.
+Format versions: **4** (this build) keys prefixes by the standard 64-bit sequence hash
+(`kvmesh.core.hashing.prefix_keys`); its body is laid out as format 3's. **3** added each holder's engine
+order (cursor, gap, health; see `kvmesh.core.state`) and the removed incarnation's model, and keyed prefixes
+by a 60-bit chain of kvmesh's own that cannot be turned into sequence hashes (the local hashes are not
+kept): it is read with every holder's engine order, epochs, held messages and counters, but without its
+blocks, and each holder that had blocks counts as incomplete (``stream_gap``, `IndexState.holder_health`)
+until a Cleared or a new engine epoch rebuilds it — the index under-states, it never invents. **2** kept no
+engine order: a state restored from it could not tell a duplicate or re-ordered message from a new one, so it
+is refused. **1** stored 64-bit sequence hashes and raw engine hashes without engine order; refused as well.
+A refused snapshot raises `SnapshotError` with reason ``"version"``, and recovery skips it like any unusable
+snapshot, rebuilding from an older snapshot or the stream.
 
 SnapshotError (KvmeshError, ValueError)   the bytes are not a whole, verified snapshot of a known format
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass
 from typing import Final
@@ -48,11 +53,13 @@ from kvmesh.core.state import StateExport, WorkerExport
 from kvmesh.core.tables import U64
 
 MAGIC: Final[bytes] = b"KVMSNAP\x00"
-FORMAT_VERSION: Final[int] = 3
+FORMAT_VERSION: Final[int] = 4
+LEGACY_KEYS_FORMAT: Final[int] = 3
+"""The format read without its blocks (60-bit prefix keys of kvmesh's own; see the module docstring)."""
 _HEADER: Final[struct.Struct] = struct.Struct("<8sIIQQQ")
 HEADER_SIZE: Final[int] = _HEADER.size
 _OLD_FORMATS: Final[dict[int, str]] = {
-    1: " (format 1 keyed the index by 64-bit sequence hashes)",
+    1: " (format 1 kept raw engine hashes and no engine order per holder)",
     2: " (format 2 kept no engine order per holder)",
 }
 
@@ -223,10 +230,12 @@ def read_header(data: bytes) -> SnapshotHeader:
     magic, version, _flags, seq, length, checksum = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise SnapshotError("magic", "not a kvmesh snapshot (bad magic)")
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, LEGACY_KEYS_FORMAT):
         why = _OLD_FORMATS.get(version, "")
         raise SnapshotError(
-            "version", f"snapshot format {version}{why}; this build reads only format {FORMAT_VERSION}"
+            "version",
+            f"snapshot format {version}{why}; this build reads formats {LEGACY_KEYS_FORMAT} (without its "
+            f"blocks) and {FORMAT_VERSION}",
         )
     if len(data) - HEADER_SIZE != length:
         raise SnapshotError(
@@ -256,7 +265,7 @@ def decode_snapshot(data: bytes) -> StateExport:
         raise SnapshotError(
             "body", f"body sequence {body.applied_seq} differs from header {header.applied_seq}"
         )
-    return StateExport(
+    export = StateExport(
         applied_seq=body.applied_seq,
         reset_epoch=body.reset_epoch,
         counters=body.counters,
@@ -315,3 +324,36 @@ def decode_snapshot(data: bytes) -> StateExport:
         gap_seq=body.gap_seq,
         healed=tuple(body.healed),
     )
+    return export if header.format_version == FORMAT_VERSION else _without_blocks(export)
+
+
+def _without_blocks(export: StateExport) -> StateExport:
+    """A format-3 state without its blocks (their prefix keys are of the old scheme), each holder that had
+    some marked incomplete from the snapshot's sequence on; everything else as it was."""
+    emptied: set[Holder] = set()
+    indexes = []
+    for model, block_size, ix in export.indexes:
+        holders = []
+        for h in ix.holders:
+            if len(h.engine) or any(len(t.engine) for t in h.tiers):
+                emptied.add(h.holder)
+            holders.append(
+                HolderExport(
+                    holder=h.holder,
+                    engine=_unpack(b""),
+                    prefixes=_unpack(b""),
+                    counts={},
+                    orphans=h.orphans,
+                    orphan_serial=h.orphan_serial,
+                    tiers=(),
+                )
+            )
+        indexes.append((model, block_size, dataclasses.replace(ix, holders=tuple(holders))))
+    if export.gap_seq is None:
+        live = {Holder(w.worker_id, r) for w in export.workers if w.removed_epoch is None for r in w.epochs}
+        healed = tuple(sorted(live - emptied))
+        gap_seq: int | None = export.applied_seq if emptied else None
+    else:
+        healed = tuple(h for h in export.healed if Holder(*h) not in emptied)
+        gap_seq = export.gap_seq
+    return dataclasses.replace(export, indexes=tuple(indexes), gap_seq=gap_seq, healed=healed)

@@ -208,7 +208,6 @@ _M32 = np.uint64(0xFFFFFFFF)
 _MX1 = np.uint64(0x165667919E3779F9)
 _S37 = np.uint64(37)
 _SIXTEEN = np.uint64(16)
-_KEY_MASK = np.uint64(2**60 - 1)
 
 
 @_jit
@@ -251,10 +250,10 @@ def chain(local: U64, parent: np.uint64, has_parent: bool, out: U64) -> None:
     """`kvmesh.core.hashing.prefix_keys` of ``local`` (from ``parent`` when ``has_parent``) into ``out``."""
     if local.shape[0] == 0:
         return
-    prev = (xxh3_pair(parent, local[0]) if has_parent else local[0]) & _KEY_MASK
+    prev = xxh3_pair(parent, local[0]) if has_parent else local[0]
     out[0] = prev
     for i in range(1, local.shape[0]):
-        prev = xxh3_pair(prev, local[i]) & _KEY_MASK
+        prev = xxh3_pair(prev, local[i])
         out[i] = prev
 
 

@@ -70,6 +70,13 @@ def test_trtllm_command_completes_the_options_file(tmp_path: Path) -> None:
     assert (cmd.endpoint, cmd.replay_endpoint) == ("tcp://127.0.0.1:6000", "tcp://127.0.0.1:6002")
 
 
+def test_trtllm_max_seq_len_is_the_context_length(tmp_path: Path) -> None:
+    """trtllm-serve's --max_seq_len is the worker's context length in the registry (none without it)."""
+    with_len = build_trtllm_command(["serve", "m", "--max_seq_len", "4096"], options_dir=tmp_path)
+    without = build_trtllm_command(["serve", "m"], options_dir=tmp_path)
+    assert (with_len.context_length, without.context_length) == (4096, None)
+
+
 def test_trtllm_command_reads_yaml_and_keeps_user_endpoints(tmp_path: Path) -> None:
     """A YAML options file (--config) with its own endpoints: ports read from them, one rank without attention DP."""
     user = tmp_path / "opts.yaml"

@@ -500,48 +500,46 @@ example: kvmesh {name} --worker-id w0 --nats-url nats://nats:4222 -- {example}
 """
 
 
-def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
+def split_wrapper_args(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """(kvmesh's options, the engine's arguments after ``--``) of an engine wrapper's command line."""
     args = list(sys.argv[1:] if argv is None else argv)
-    ours, engine_args = (
-        (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])
-    )
-    vllm = engine == "vllm"
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=_DESCRIPTION.format(
-            engine="vLLM" if vllm else "SGLang",
-            name=engine,
-            extra=" and --enable-prefix-caching" if vllm else "",
-            example="serve meta-llama/Llama-3.1-8B --data-parallel-size 2"
-            if vllm
-            else "--model-path meta-llama/Llama-3.1-8B --dp-size 2 --enable-dp-attention",
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    if "--" not in args:
+        return args, []
+    cut = args.index("--")
+    return args[:cut], args[cut + 1 :]
+
+
+def wrapper_parser(
+    prog: str,
+    description: str,
+    *,
+    bin_flag: str,
+    bin_default: str,
+    bin_help: str,
+    model_help: str,
+    replay_help: str,
+    topic_help: str,
+) -> argparse.ArgumentParser:
+    """The options every engine wrapper (`kvmesh vllm`, `kvmesh sglang`, `kvmesh trtllm`) takes; the engine's
+    executable flag is ``bin_flag`` (e.g. ``--vllm-bin``)."""
     environ = os.environ
-    parser.add_argument("--worker-id", required=True, help="worker id, as route replies name it")
-    parser.add_argument(
-        "--model-name", default=None, help="model name route requests use (default: the served name)"
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--worker-id", required=True, help="worker id, as route replies name it")
+    parser.add_argument("--model-name", default=None, help=model_help)
     parser.add_argument(
         "--nats-url",
         default=environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL),
         help="NATS URL [env KVMESH_NATS_URL]",
     )
-    if vllm:
-        parser.add_argument(
-            "--vllm-bin", default=DEFAULT_VLLM_BIN, help="vllm executable (default %(default)s)"
-        )
-    else:
-        parser.add_argument("--sglang-bin", default=DEFAULT_SGLANG_BIN, help="launcher (default %(default)s)")
+    parser.add_argument(bin_flag, dest="engine_bin", default=bin_default, help=bin_help)
     parser.add_argument(
         "--events-port", type=int, default=DEFAULT_EVENTS_PORT, help="rank 0's PUB port (+ rank)"
     )
-    parser.add_argument(
-        "--replay-port", type=int, default=None, help="rank 0's replay port (default events + DP size)"
-    )
+    parser.add_argument("--replay-port", type=int, default=None, help=replay_help)
     parser.add_argument("--host", default="127.0.0.1", help="address the ingest reaches the engine on")
-    parser.add_argument("--topic", default=None, help="ZMQ topic (default: the engine config's, else none)")
+    parser.add_argument("--topic", default=None, help=topic_help)
     parser.add_argument("--stream", default=subjects.STREAM, help="JetStream stream name")
     parser.add_argument(
         "--events-prefix", default=subjects.EVENTS_PREFIX, help="subject prefix of the stream"
@@ -559,32 +557,14 @@ def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
         help="the engine's Prometheus /metrics URL: its load is published for the routers, and a sleep it "
         "reports there clears the worker (default: off) [env KVMESH_INGEST_METRICS_URL]",
     )
-    a = parser.parse_args(ours)
-    if not engine_args:
-        parser.error("give the engine's arguments after `--`")
-    try:
-        if vllm:
-            cmd = build_vllm_command(
-                engine_args,
-                vllm_bin=a.vllm_bin,
-                host=a.host,
-                events_port=a.events_port,
-                replay_port=a.replay_port,
-                topic=a.topic,
-                model_name=a.model_name,
-            )
-        else:
-            cmd = build_sglang_command(
-                engine_args,
-                sglang_bin=a.sglang_bin,
-                host=a.host,
-                events_port=a.events_port,
-                replay_port=a.replay_port,
-                topic=a.topic,
-                model_name=a.model_name,
-            )
-    except EngineArgsError as exc:
-        parser.error(str(exc))
+    return parser
+
+
+def wrapper_settings(
+    cmd: EngineCommand, a: argparse.Namespace, parser: argparse.ArgumentParser
+) -> IngestSettings:
+    """The ingest settings of a wrapped engine: where `cmd` publishes, plus the wrapper's NATS options; a
+    problem with them exits through ``parser.error``."""
     settings = IngestSettings(
         worker_id=a.worker_id,
         model=cmd.model,
@@ -606,10 +586,18 @@ def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
     problems = settings.validate()
     if problems:
         parser.error("; ".join(problems))
+    return settings
+
+
+def launch_wrapped(
+    cmd: EngineCommand, settings: IngestSettings, a: argparse.Namespace, *, prog: str, engine: str, label: str
+) -> int:
+    """Run a wrapped engine and its ingest until the engine exits (its status; 127 when the executable is
+    missing, 1 on a kvmesh error, 130 on Ctrl-C). ``engine`` names the wrapper (``trtllm``), ``label`` the
+    product (``TensorRT-LLM``)."""
     if shutil.which(cmd.argv[0]) is None:  # before the ingest registers anything
         print(
-            f"{prog}: error: {cmd.argv[0]} not found (is {'vLLM' if vllm else 'SGLang'} installed? "
-            f"--{engine}-bin names the executable)",
+            f"{prog}: error: {cmd.argv[0]} not found (is {label} installed? --{engine}-bin names the executable)",
             file=sys.stderr,
         )
         return 127
@@ -621,6 +609,47 @@ def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
+    ours, engine_args = split_wrapper_args(argv)
+    vllm = engine == "vllm"
+    parser = wrapper_parser(
+        prog,
+        _DESCRIPTION.format(
+            engine="vLLM" if vllm else "SGLang",
+            name=engine,
+            extra=" and --enable-prefix-caching" if vllm else "",
+            example="serve meta-llama/Llama-3.1-8B --data-parallel-size 2"
+            if vllm
+            else "--model-path meta-llama/Llama-3.1-8B --dp-size 2 --enable-dp-attention",
+        ),
+        bin_flag=f"--{engine}-bin",
+        bin_default=DEFAULT_VLLM_BIN if vllm else DEFAULT_SGLANG_BIN,
+        bin_help="vllm executable (default %(default)s)" if vllm else "launcher (default %(default)s)",
+        model_help="model name route requests use (default: the served name)",
+        replay_help="rank 0's replay port (default events + DP size)",
+        topic_help="ZMQ topic (default: the engine config's, else none)",
+    )
+    a = parser.parse_args(ours)
+    if not engine_args:
+        parser.error("give the engine's arguments after `--`")
+    where = {
+        "host": a.host,
+        "events_port": a.events_port,
+        "replay_port": a.replay_port,
+        "topic": a.topic,
+        "model_name": a.model_name,
+    }
+    try:
+        if vllm:
+            cmd = build_vllm_command(engine_args, vllm_bin=a.engine_bin, **where)
+        else:
+            cmd = build_sglang_command(engine_args, sglang_bin=a.engine_bin, **where)
+    except EngineArgsError as exc:
+        parser.error(str(exc))
+    settings = wrapper_settings(cmd, a, parser)
+    return launch_wrapped(cmd, settings, a, prog=prog, engine=engine, label="vLLM" if vllm else "SGLang")
 
 
 def vllm_command(argv: Sequence[str] | None = None, prog: str = "kvmesh vllm") -> int:

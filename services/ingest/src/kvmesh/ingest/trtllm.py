@@ -20,31 +20,24 @@ process shell is `kvmesh.ingest.engines.run_engine`, as for ``kvmesh vllm``.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
-import os
 import shlex
-import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from kvmesh.core.errors import KvmeshError
-from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.engines import (
     DEFAULT_EVENTS_PORT,
     EngineArgsError,
     EngineCommand,
     _find,
     _int_flag,
-    run_engine,
+    launch_wrapped,
+    split_wrapper_args,
+    wrapper_parser,
+    wrapper_settings,
 )
-from kvmesh.runtime import subjects
-from kvmesh.runtime.nats import DEFAULT_NATS_URL
-from kvmesh.runtime.runner import setup_logging
 
 DEFAULT_TRTLLM_BIN: Final[str] = "trtllm-serve"
 OPTIONS_FLAGS: Final[tuple[str, ...]] = ("--extra_llm_api_options", "--config")
@@ -209,58 +202,27 @@ def build_trtllm_command(
         replay_endpoint=f"tcp://{host}:{replay_port}",
         topic=str(events.get("topic", "")),
         block_size=block_size,
+        context_length=_int_flag(args, ("--max_seq_len",), None),
     )
 
 
 def trtllm_command(argv: Sequence[str] | None = None, prog: str = "kvmesh trtllm") -> int:
     """``kvmesh trtllm [options] -- serve MODEL [trtllm-serve args]``; returns the engine's exit status."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    ours, engine_args = (
-        (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])
+    ours, engine_args = split_wrapper_args(argv)
+    parser = wrapper_parser(
+        prog,
+        "Start trtllm-serve with streaming KV-cache events on (KV cache manager V2; PUB and replay sockets on "
+        "every attention-DP rank) and a kvmesh ingest attached to it; stop both together and exit with the "
+        "engine's status. Everything after `--` goes to trtllm-serve; kvmesh completes the LLM-API options "
+        "file (--extra_llm_api_options).\n\nexample: kvmesh trtllm --worker-id w0 -- serve "
+        "Qwen/Qwen3-0.6B --tp_size 2 --extra_llm_api_options opts.yaml",
+        bin_flag="--trtllm-bin",
+        bin_default=DEFAULT_TRTLLM_BIN,
+        bin_help="trtllm-serve executable (default %(default)s)",
+        model_help="model name route requests use (default: the model)",
+        replay_help="rank 0's replay port (default events + ranks)",
+        topic_help="ZMQ topic (default: the options file's, else none)",
     )
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=(
-            "Start trtllm-serve with streaming KV-cache events on (KV cache manager V2; PUB and replay sockets on "
-            "every attention-DP rank) and a kvmesh ingest attached to it; stop both together and exit with the "
-            "engine's status. Everything after `--` goes to trtllm-serve; kvmesh completes the LLM-API options "
-            "file (--extra_llm_api_options).\n\nexample: kvmesh trtllm --worker-id w0 -- serve "
-            "Qwen/Qwen3-0.6B --tp_size 2 --extra_llm_api_options opts.yaml"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    environ = os.environ
-    parser.add_argument("--worker-id", required=True, help="worker id, as route replies name it")
-    parser.add_argument(
-        "--model-name", default=None, help="model name route requests use (default: the model)"
-    )
-    parser.add_argument(
-        "--nats-url",
-        default=environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL),
-        help="NATS URL [env KVMESH_NATS_URL]",
-    )
-    parser.add_argument(
-        "--trtllm-bin", default=DEFAULT_TRTLLM_BIN, help="trtllm-serve executable (default %(default)s)"
-    )
-    parser.add_argument(
-        "--events-port", type=int, default=DEFAULT_EVENTS_PORT, help="rank 0's PUB port (+ rank)"
-    )
-    parser.add_argument(
-        "--replay-port", type=int, default=None, help="rank 0's replay port (default events + ranks)"
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="address the ingest reaches the engine on")
-    parser.add_argument("--topic", default=None, help="ZMQ topic (default: the options file's, else none)")
-    parser.add_argument("--stream", default=subjects.STREAM, help="JetStream stream name")
-    parser.add_argument(
-        "--events-prefix", default=subjects.EVENTS_PREFIX, help="subject prefix of the stream"
-    )
-    parser.add_argument(
-        "--ingest-wait-s",
-        type=float,
-        default=30.0,
-        help="start the engine after this long even if the ingest cannot reach NATS yet (default %(default)s)",
-    )
-    parser.add_argument("--log-level", default=environ.get("KVMESH_LOG_LEVEL", "INFO"), help="log level")
     a = parser.parse_args(ours)
     if not engine_args:
         parser.error("give trtllm-serve's arguments after `--`")
@@ -269,7 +231,7 @@ def trtllm_command(argv: Sequence[str] | None = None, prog: str = "kvmesh trtllm
             cmd = build_trtllm_command(
                 engine_args,
                 options_dir=Path(tmp),
-                trtllm_bin=a.trtllm_bin,
+                trtllm_bin=a.engine_bin,
                 host=a.host,
                 events_port=a.events_port,
                 replay_port=a.replay_port,
@@ -278,33 +240,5 @@ def trtllm_command(argv: Sequence[str] | None = None, prog: str = "kvmesh trtllm
             )
         except EngineArgsError as exc:
             parser.error(str(exc))
-        settings = IngestSettings(
-            worker_id=a.worker_id,
-            model=cmd.model,
-            zmq_endpoint=cmd.endpoint,
-            replay_endpoint=cmd.replay_endpoint,
-            data_parallel_size=cmd.data_parallel_size,
-            topic=cmd.topic,
-            block_size=cmd.block_size,
-            nats_url=a.nats_url,
-            stream=a.stream,
-            events_prefix=a.events_prefix,
-            log_level=a.log_level,
-        )
-        problems = settings.validate()
-        if problems:
-            parser.error("; ".join(problems))
-        if shutil.which(cmd.argv[0]) is None:
-            print(
-                f"{prog}: error: {cmd.argv[0]} not found (is TensorRT-LLM installed? --trtllm-bin names the executable)",
-                file=sys.stderr,
-            )
-            return 127
-        setup_logging(a.log_level, "trtllm")
-        try:
-            return asyncio.run(run_engine(cmd, settings, ingest_wait_s=a.ingest_wait_s))
-        except KvmeshError as exc:
-            print(f"{prog}: error: {exc}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            return 130
+        settings = wrapper_settings(cmd, a, parser)
+        return launch_wrapped(cmd, settings, a, prog=prog, engine="trtllm", label="TensorRT-LLM")

@@ -95,7 +95,10 @@ def _find(args: Sequence[str], names: Sequence[str]) -> tuple[int, str | None] |
     return found
 
 
-def _int_flag(args: Sequence[str], names: Sequence[str], default: int | None) -> int | None:
+def _int_flag(
+    args: Sequence[str], names: Sequence[str], default: int | None, *, minimum: int = 1
+) -> int | None:
+    """The last ``names[0]`` integer flag in ``args`` (≥ ``minimum``), or ``default`` when absent."""
     hit = _find(args, names)
     if hit is None:
         return default
@@ -103,22 +106,15 @@ def _int_flag(args: Sequence[str], names: Sequence[str], default: int | None) ->
         value = int(hit[1] or "")
     except ValueError:
         raise EngineArgsError(f"{names[0]} needs an integer, got {hit[1]!r}") from None
-    if value < 1:
-        raise EngineArgsError(f"{names[0]} must be ≥ 1, got {value}")
+    if value < minimum:
+        raise EngineArgsError(f"{names[0]} must be ≥ {minimum}, got {value}")
     return value
 
 
 def _rank_flag(args: Sequence[str], names: Sequence[str], default: int) -> int:
     """An integer ≥ 0 flag (a start rank or a node rank)."""
-    hit = _find(args, names)
-    if hit is None:
-        return default
-    try:
-        value = int(hit[1] or "")
-    except ValueError:
-        raise EngineArgsError(f"{names[0]} needs an integer, got {hit[1]!r}") from None
-    if value < 0:
-        raise EngineArgsError(f"{names[0]} must be ≥ 0, got {value}")
+    value = _int_flag(args, names, default, minimum=0)
+    assert value is not None
     return value
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -114,3 +115,83 @@ def check_block_size(block_size: int) -> int:
     if type(block_size) is not int or block_size < 1:
         raise PublishError(f"block_size {block_size!r} is not a positive int", argument="block_size")
     return block_size
+
+
+class EventPublisherBase(ABC):
+    """The event calls both publishers offer; a subclass checks its state and delivers one wire event."""
+
+    block_size: int
+    """Tokens per block of every stored event."""
+
+    def stored(
+        self,
+        block_hashes: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        parent_block_hash: int | None = None,
+        medium: str | None = None,
+        lora_name: str | None = None,
+        extra_keys: Sequence[Sequence[Any] | None] | None = None,
+        dp_rank: int = 0,
+    ) -> int:
+        """Report full blocks that entered the cache (vLLM's BlockStored).
+
+        Args:
+            block_hashes: the engine's hash of each block, in order (signed or unsigned 64-bit ints; any
+                stable per-engine hash: kvmesh keys blocks by its own hash of the tokens).
+            token_ids: the blocks' tokens, flat: exactly ``len(block_hashes) * block_size`` ids.
+            parent_block_hash: hash of the block before the first one, None when the first is block 0.
+            medium: the tier the blocks live on (``"GPU"``, ``"CPU"``, …; None: the default tier).
+            lora_name: the LoRA adapter the blocks were computed with (None: the base model).
+            extra_keys: per block, None or that block's extra hash keys (vLLM's ``extra_keys``: a
+                multimodal segment as ``(hash, start_offset)``, …): blocks with keys never match prompts
+                without them. None: no block has any.
+            dp_rank: the data-parallel rank whose cache this is.
+
+        Returns:
+            The engine sequence this batch got (0, 1, … per rank in this epoch).
+
+        Raises:
+            PublishError: a bad argument (named); nothing was published.
+            RuntimeError: the publisher is not started or is closed (or, for JetStream, called from
+                another thread).
+        """
+        self._check(dp_rank)
+        ev = stored_event(
+            block_hashes,
+            token_ids,
+            block_size=self.block_size,
+            parent_block_hash=parent_block_hash,
+            medium=medium,
+            lora_name=lora_name,
+            extra_keys=extra_keys,
+        )
+        return self._deliver(dp_rank, ev)
+
+    def removed(self, block_hashes: Sequence[int], *, medium: str | None = None, dp_rank: int = 0) -> int:
+        """Report blocks evicted from the cache (from ``medium``, or the default tier); returns the sequence.
+
+        Raises:
+            PublishError: a bad argument (named); nothing was published.
+            RuntimeError: as for `stored`.
+        """
+        self._check(dp_rank)
+        return self._deliver(dp_rank, removed_event(block_hashes, medium=medium))
+
+    def cleared(self, *, dp_rank: int = 0) -> int:
+        """Report that the rank's whole cache was emptied (a prefix-cache reset); returns the sequence.
+
+        Raises:
+            PublishError: a bad ``dp_rank``.
+            RuntimeError: as for `stored`.
+        """
+        self._check(dp_rank)
+        return self._deliver(dp_rank, wire.AllBlocksCleared())
+
+    @abstractmethod
+    def _check(self, dp_rank: int) -> None:
+        """Raise unless an event of ``dp_rank`` can be delivered now."""
+
+    @abstractmethod
+    def _deliver(self, dp_rank: int, event: wire.KVEvent) -> int:
+        """Publish one event as the rank's next batch; return its sequence."""

@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -40,7 +39,7 @@ from kvmesh.ingest.publish import Publisher
 from kvmesh.ingest.recovery import recover_rank
 from kvmesh.ingest.registration import Registration
 from kvmesh.ingest.status import IngestCounters, ingest_status
-from kvmesh.publish._events import check_rank, removed_event, stored_event
+from kvmesh.publish._events import EventPublisherBase, check_rank
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import StreamSettings, close_quietly, connect, connect_options, ensure_stream
 from kvmesh.runtime.runner import supervise
@@ -51,7 +50,7 @@ _NO_ENDPOINT = "inproc://kvmesh-publish"
 """The ingest settings' ZMQ endpoint, unused: this publisher reads no engine socket."""
 
 
-class JetStreamPublisher:
+class JetStreamPublisher(EventPublisherBase):
     """Publish one worker's KV events (every data-parallel rank) to the events stream.
 
     Owns a NATS connection, the outbox and the worker's registry key; does not own the engine's cache (the
@@ -222,70 +221,6 @@ class JetStreamPublisher:
     def epoch(self) -> int:
         """This publisher's incarnation (the epoch of every message it publishes)."""
         return self._ranks[0].tracker.epoch if self._ranks else -1
-
-    def stored(
-        self,
-        block_hashes: Sequence[int],
-        token_ids: Sequence[int],
-        *,
-        parent_block_hash: int | None = None,
-        medium: str | None = None,
-        lora_name: str | None = None,
-        extra_keys: Sequence[Sequence[Any] | None] | None = None,
-        dp_rank: int = 0,
-    ) -> int:
-        """Report full blocks that entered the cache (vLLM's BlockStored).
-
-        Args:
-            block_hashes: the engine's hash of each block, in order (signed or unsigned 64-bit ints; any
-                stable per-engine hash: kvmesh keys blocks by its own hash of the tokens).
-            token_ids: the blocks' tokens, flat: exactly ``len(block_hashes) * block_size`` ids.
-            parent_block_hash: hash of the block before the first one, None when the first is block 0.
-            medium: the tier the blocks live on (``"GPU"``, ``"CPU"``, …; None: the default tier).
-            lora_name: the LoRA adapter the blocks were computed with (None: the base model).
-            extra_keys: per block, None or that block's extra hash keys (vLLM's ``extra_keys``: a
-                multimodal segment as ``(hash, start_offset)``, …): blocks with keys never match prompts
-                without them. None: no block has any.
-            dp_rank: the data-parallel rank whose cache this is.
-
-        Returns:
-            The engine sequence this batch got (0, 1, … per rank in this epoch).
-
-        Raises:
-            PublishError: a bad argument (named); nothing was published.
-            RuntimeError: the publisher is not started, is closed, or is called from another thread.
-        """
-        self._check(dp_rank)
-        ev = stored_event(
-            block_hashes,
-            token_ids,
-            block_size=self.block_size,
-            parent_block_hash=parent_block_hash,
-            medium=medium,
-            lora_name=lora_name,
-            extra_keys=extra_keys,
-        )
-        return self._deliver(dp_rank, ev)
-
-    def removed(self, block_hashes: Sequence[int], *, medium: str | None = None, dp_rank: int = 0) -> int:
-        """Report blocks evicted from the cache (from ``medium``, or the default tier); returns the sequence.
-
-        Raises:
-            PublishError: a bad argument (named); nothing was published.
-            RuntimeError: not started, closed, or another thread.
-        """
-        self._check(dp_rank)
-        return self._deliver(dp_rank, removed_event(block_hashes, medium=medium))
-
-    def cleared(self, *, dp_rank: int = 0) -> int:
-        """Report that the rank's whole cache was emptied (a prefix-cache reset); returns the sequence.
-
-        Raises:
-            PublishError: a bad ``dp_rank``.
-            RuntimeError: not started, closed, or another thread.
-        """
-        self._check(dp_rank)
-        return self._deliver(dp_rank, wire.AllBlocksCleared())
 
     def status(self) -> IngestStatus:
         """Cursors and counters, as an ingest reports them (what ``kvmesh status`` shows)."""

@@ -21,16 +21,15 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Final
+from typing import Final
 
 import zmq
 
 from kvmesh.core import wire
 from kvmesh.core.endpoints import offset_endpoint
-from kvmesh.publish._events import PublishError, check_block_size, check_rank, removed_event, stored_event
+from kvmesh.publish._events import EventPublisherBase, PublishError, check_block_size, check_rank
 
 DEFAULT_BUFFER_BATCHES: Final[int] = 10_000
 """Batches per rank kept for replay (vLLM's ``buffer_steps`` default)."""
@@ -54,7 +53,7 @@ class _Rank:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class ZmqPublisher:
+class ZmqPublisher(EventPublisherBase):
     """Publish one engine's KV events on vLLM-format ZMQ sockets (see the module docstring).
 
     Args:
@@ -142,59 +141,10 @@ class ZmqPublisher:
 
     # ------------------------------------------------------------------ events
 
-    def stored(
-        self,
-        block_hashes: Sequence[int],
-        token_ids: Sequence[int],
-        *,
-        parent_block_hash: int | None = None,
-        medium: str | None = None,
-        lora_name: str | None = None,
-        extra_keys: Sequence[Sequence[Any] | None] | None = None,
-        dp_rank: int = 0,
-    ) -> int:
-        """Publish full blocks that entered the cache (arguments as `JetStreamPublisher.stored`).
-
-        Returns:
-            The batch's sequence number on the rank's socket.
-
-        Raises:
-            PublishError: a bad argument (named); nothing was sent.
-            RuntimeError: the publisher is closed.
-        """
+    def _check(self, dp_rank: int) -> None:
         check_rank(dp_rank, len(self._ranks))
-        ev = stored_event(
-            block_hashes,
-            token_ids,
-            block_size=self.block_size,
-            parent_block_hash=parent_block_hash,
-            medium=medium,
-            lora_name=lora_name,
-            extra_keys=extra_keys,
-        )
-        return self._send(dp_rank, ev)
 
-    def removed(self, block_hashes: Sequence[int], *, medium: str | None = None, dp_rank: int = 0) -> int:
-        """Publish blocks evicted from the cache; returns the sequence.
-
-        Raises:
-            PublishError: a bad argument (named).
-            RuntimeError: the publisher is closed.
-        """
-        check_rank(dp_rank, len(self._ranks))
-        return self._send(dp_rank, removed_event(block_hashes, medium=medium))
-
-    def cleared(self, *, dp_rank: int = 0) -> int:
-        """Publish that the rank's whole cache was emptied; returns the sequence.
-
-        Raises:
-            PublishError: a bad ``dp_rank``.
-            RuntimeError: the publisher is closed.
-        """
-        check_rank(dp_rank, len(self._ranks))
-        return self._send(dp_rank, wire.AllBlocksCleared())
-
-    def _send(self, dp_rank: int, event: wire.KVEvent) -> int:
+    def _deliver(self, dp_rank: int, event: wire.KVEvent) -> int:
         if self._closed:
             raise RuntimeError("the publisher is closed")
         payload = wire.encode_batch(

@@ -437,35 +437,25 @@ class EventPublisher:
             self._pub.close(linger=0)
             raise
         self._replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        ctl_address = f"inproc://kvmesh-sim-publisher-{uuid.uuid4().hex}"
+        self._ctl, self._thread = self._serve(router, self._service_replay, "replay")
+
+    def _serve(
+        self, router: zmq.Socket[bytes], answer: Callable[[zmq.Socket[bytes], list[bytes]], None], name: str
+    ) -> tuple[zmq.Socket[bytes], threading.Thread]:
+        """Answer ``router``'s requests with ``answer`` on a thread until told to stop through the returned
+        control socket; the thread owns ``router`` (and closes it)."""
+        ctl_address = f"inproc://kvmesh-sim-{name}-{uuid.uuid4().hex}"
         ctl_rx: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
         ctl_rx.setsockopt(zmq.LINGER, 0)
         ctl_rx.bind(ctl_address)
-        self._ctl = self._ctx.socket(zmq.PAIR)
-        self._ctl.setsockopt(zmq.LINGER, 0)
-        self._ctl.connect(ctl_address)
-        self._thread = threading.Thread(
-            target=self._replay_loop, args=(router, ctl_rx), name="kvmesh-sim-replay", daemon=True
+        ctl: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
+        ctl.setsockopt(zmq.LINGER, 0)
+        ctl.connect(ctl_address)
+        thread = threading.Thread(
+            target=_answer_loop, args=(router, ctl_rx, answer), name=f"kvmesh-sim-{name}", daemon=True
         )
-        self._thread.start()
-
-    def _replay_loop(self, router: zmq.Socket[bytes], ctl_rx: zmq.Socket[bytes]) -> None:
-        """Service replay requests until told to stop; owns ``router`` and ``ctl_rx`` (closes them)."""
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(ctl_rx, zmq.POLLIN)
-        try:
-            while True:
-                ready = dict(poller.poll())
-                if ctl_rx in ready:
-                    return
-                if router in ready:
-                    self._service_replay(router, router.recv_multipart())
-        except zmq.ContextTerminated:
-            return
-        finally:
-            router.close(linger=0)
-            ctl_rx.close(linger=0)
+        thread.start()
+        return ctl, thread
 
     def _service_replay(self, router: zmq.Socket[bytes], frames: list[bytes]) -> None:
         """Answer one replay request (vLLM's ``_service_replay``); invalid requests get nothing."""
@@ -498,38 +488,13 @@ class EventPublisher:
             self.close()
             raise
         self._snapshot_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        ctl_address = f"inproc://kvmesh-sim-snapshot-{uuid.uuid4().hex}"
-        ctl_rx: zmq.Socket[bytes] = self._ctx.socket(zmq.PAIR)
-        ctl_rx.setsockopt(zmq.LINGER, 0)
-        ctl_rx.bind(ctl_address)
-        self._snap_ctl = self._ctx.socket(zmq.PAIR)
-        self._snap_ctl.setsockopt(zmq.LINGER, 0)
-        self._snap_ctl.connect(ctl_address)
-        self._snap_thread = threading.Thread(
-            target=self._snapshot_loop, args=(router, ctl_rx), name="kvmesh-sim-snapshot", daemon=True
-        )
-        self._snap_thread.start()
+        self._snap_ctl, self._snap_thread = self._serve(router, self._answer_snapshot, "snapshot")
 
-    def _snapshot_loop(self, router: zmq.Socket[bytes], ctl_rx: zmq.Socket[bytes]) -> None:
-        """Answer snapshot requests until told to stop; owns ``router`` and ``ctl_rx`` (closes them)."""
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(ctl_rx, zmq.POLLIN)
-        try:
-            while True:
-                ready = dict(poller.poll())
-                if ctl_rx in ready:
-                    return
-                if router in ready:
-                    frames = router.recv_multipart()
-                    if self.snapshot_enabled:
-                        envelope = frames[: frames.index(b"") + 1] if b"" in frames else frames[:1]
-                        router.send_multipart([*envelope, *self.snapshot_reply()])
-        except zmq.ContextTerminated:
-            return
-        finally:
-            router.close(linger=0)
-            ctl_rx.close(linger=0)
+    def _answer_snapshot(self, router: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        """Answer one snapshot request (REQ or DEALER envelope) with `snapshot_reply`, when enabled."""
+        if self.snapshot_enabled:
+            envelope = frames[: frames.index(b"") + 1] if b"" in frames else frames[:1]
+            router.send_multipart([*envelope, *self.snapshot_reply()])
 
     def snapshot_reply(self) -> list[bytes]:
         """The frames a snapshot request gets now: ``[cut, epoch, chunk…]`` (cut -2 and no chunk when
@@ -588,3 +553,26 @@ class EventPublisher:
         """Close the publisher; exceptions propagate."""
         self.close()
         return False
+
+
+def _answer_loop(
+    router: zmq.Socket[bytes],
+    ctl_rx: zmq.Socket[bytes],
+    answer: Callable[[zmq.Socket[bytes], list[bytes]], None],
+) -> None:
+    """Answer requests on ``router`` until ``ctl_rx`` says stop; closes both."""
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    poller.register(ctl_rx, zmq.POLLIN)
+    try:
+        while True:
+            ready = dict(poller.poll())
+            if ctl_rx in ready:
+                return
+            if router in ready:
+                answer(router, router.recv_multipart())
+    except zmq.ContextTerminated:
+        return
+    finally:
+        router.close(linger=0)
+        ctl_rx.close(linger=0)

@@ -119,8 +119,12 @@ async def test_bad_bodies_get_error_replies_and_the_router_keeps_serving(nats_ur
                 None,
                 "block_hashes[1] is outside",
             ),
-            (b'{"model":"test-model","token_ids":[1],"block_hashes":[2]}', None, "not both"),
-            (b'{"model":"test-model"}', None, "token_ids must not be empty (or send block_hashes)"),
+            (b'{"model":"test-model","token_ids":[1],"block_hashes":[2]}', None, "not more"),
+            (
+                b'{"model":"test-model"}',
+                None,
+                "token_ids must not be empty (or send block_hashes or seq_hashes)",
+            ),
             (b"\x00" * 8, {**hashes, p.FIELDS_HEADER: fields(cache_salt="t")}, "cache_salt is mixed into"),
             (b"\x00" * 8, {p.BODY_HEADER: p.BODY_HASHES_U64LE}, "needs the Kvmesh-Route header"),
             (b"\x00" * 8, {p.BODY_HEADER: "protobuf"}, "unknown Kvmesh-Body 'protobuf'"),
@@ -156,7 +160,7 @@ async def test_the_router_announces_its_forms(nats_url: str, uid: str) -> None:
     async with fleet(nats_url, uid) as pipe:
         msg = await pipe._nc.request("$SRV.INFO.kvmesh-router", b"", timeout=3)
         info = msgspec.json.decode(msg.data)
-        assert info["metadata"] == {"route_forms": "json,tokens-u32le,hashes-u64le"}
+        assert info["metadata"] == {"route_forms": "json,tokens-u32le,hashes-u64le,seqhashes-u64le"}
 
 
 class _OldRequest(msgspec.Struct):

@@ -112,15 +112,25 @@ def test_pre_hashed_requests_decode_from_json_and_from_packed_u64() -> None:
         (b"\x00" * 8, hashes_headers('{"model":"m","cache_salt":"t"}'), "cache_salt", "mixed into"),
         (b"\x00" * 8, hashes_headers('{"model":"m","lora_name":"a"}'), "lora_name", "mixed into"),
         (b"\x00" * 8, hashes_headers('{"model":"m","block_size":0}'), "block_size", "must be positive"),
-        (b"\x00" * 8, tokens_headers('{"model":"m","block_size":4}'), "block_size", "with block_hashes only"),
+        (
+            b"\x00" * 8,
+            tokens_headers('{"model":"m","block_size":4}'),
+            "block_size",
+            "with block_hashes or seq_hashes only",
+        ),
         (
             b"\x00" * 16,
             hashes_headers('{"model":"m","block_size":4,"prompt_tokens":7}'),
             "prompt_tokens",
             "8",
         ),
-        (b'{"model":"m"}', None, "token_ids", "token_ids must not be empty (or send block_hashes)"),
-        (b'{"model":"m","token_ids":[1],"block_hashes":[2]}', None, "block_hashes", "not both"),
+        (
+            b'{"model":"m"}',
+            None,
+            "token_ids",
+            "token_ids must not be empty (or send block_hashes or seq_hashes)",
+        ),
+        (b'{"model":"m","token_ids":[1],"block_hashes":[2]}', None, "block_hashes", "not more"),
         (
             b'{"model":"m","block_hashes":[1,18446744073709551616]}',
             None,

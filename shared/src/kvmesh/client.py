@@ -78,6 +78,7 @@ from kvmesh.core.hashing import pack_tokens
 from kvmesh.core.protocol import (
     BODY_HASHES_U64LE,
     BODY_HEADER,
+    BODY_SEQHASHES_U64LE,
     BODY_TOKENS_U32LE,
     FIELDS_HEADER,
     MAX_BLOCK_HASH,
@@ -146,11 +147,36 @@ _OLD_ROUTER_REFUSALS: Final[tuple[str, ...]] = (
 scalar: the second)."""
 
 
-def _pack_hashes(block_hashes: Sequence[int]) -> bytes:
-    """Pack local block hashes as little-endian uint64.
+def _refused_form(data: bytes, name: str) -> RouteReply:
+    """The route reply in ``data``; an older router's refusal of pre-hashed ids (``name``) said plainly.
 
     Raises:
-        BadRequestError: a hash is not an int in ``[0, 2**64)`` (``field="block_hashes"``).
+        BadRequestError: the router does not read ``name`` (it asked for token ids, or did not know the packed
+            form), or refused the request.
+        RouteError: the subclass for the reply's error code.
+    """
+    try:
+        return reply_from_json(data)
+    except BadRequestError as exc:
+        older = (
+            "missing required field `token_ids`" in exc.message
+            or exc.message.startswith("token_ids must not be empty")
+            or (name == "seq_hashes" and f"unknown {BODY_HEADER}" in exc.message)
+        )
+        if older:
+            raise BadRequestError(
+                f"the router does not read pre-hashed requests by {name}: it is older than kvmesh's route "
+                "request forms that carry them; route with token ids"
+                + (" or block_hashes" if name == "seq_hashes" else "")
+            ) from exc
+        raise
+
+
+def _pack_hashes(block_hashes: Sequence[int]) -> bytes:
+    """Pack local block hashes (or sequence hashes) as little-endian uint64.
+
+    Raises:
+        BadRequestError: a hash is not an int in ``[0, 2**64)``.
     """
     try:
         packed = array("Q", block_hashes)
@@ -313,8 +339,9 @@ class Router:
     async def route_by_hash(
         self,
         model: str,
-        block_hashes: Sequence[int],
+        block_hashes: Sequence[int] | None = None,
         *,
+        seq_hashes: Sequence[int] | None = None,
         block_size: int | None = None,
         prompt_tokens: int | None = None,
         candidates: Sequence[str] | None = None,
@@ -322,11 +349,12 @@ class Router:
         explain: bool = False,
         policy: Mapping[str, Any] | None = None,
     ) -> RouteReply:
-        """Ask which worker should serve a prompt given as its local block hashes (a gateway that hashes).
+        """Ask which worker should serve a prompt given as its local block hashes or its sequence hashes (a
+        gateway that hashes).
 
         The reply is the one `route` gives for the tokens the hashes came from. The hashes go packed
-        (``hashes-u64le``) unless the router reads only JSON; the router needs a local index
-        (``--index local``, the default).
+        (``hashes-u64le``, ``seqhashes-u64le``) unless the router reads only JSON; the router needs a local
+        index (``--index local``, the default).
 
         Args:
             model: the model name as the workers registered it.
@@ -335,14 +363,19 @@ class Router:
                 block's token ids as little-endian uint32), each in ``[0, 2**64)``. A LoRA adapter or a
                 cache salt is already mixed in by the caller (`kvmesh.core.hashing.local_block_hashes`'s
                 ``lora_name`` and ``cache_salt``), so neither is passed here.
+            seq_hashes: instead of ``block_hashes``: the sequence hash of every full block, block 0 first
+                (`kvmesh.core.hashing.sequence_hashes` of the local hashes: ``seq[0] = local[0]``,
+                ``seq[i] = XXH3-64(le64(seq[i-1]) ‖ le64(local[i]), seed 1337)``; Dynamo's
+                ``SequenceHash``, RFC #1527's ``seq_hashes``), each in ``[0, 2**64)``.
             block_size: tokens per block of the hashes (None: the model's block size in the index).
             prompt_tokens: the prompt's length in tokens, a trailing partial block included (load
-                accounting; None: ``len(block_hashes) × block_size``).
+                accounting; None: the hashes' count × block size).
             candidates, request_id, explain, policy: as for `route`.
 
         Raises:
-            BadRequestError: a hash outside ``[0, 2**64)`` (before sending), the router refused the request,
-                or the router is older than pre-hashed requests.
+            BadRequestError: both or neither of ``block_hashes`` and ``seq_hashes``, a hash outside
+                ``[0, 2**64)`` (before sending), the router refused the request, or the router is older than
+                pre-hashed requests (sequence hashes: than ``seq_hashes``).
             RouteError: the subclass for the reply's error code; `UnavailableError` also when no router
                 answered within the timeout.
         """
@@ -355,23 +388,24 @@ class Router:
             block_size=block_size,
             prompt_tokens=prompt_tokens,
         )
-        if 8 * len(block_hashes) >= BINARY_MIN_BYTES and self._binary():
-            data = await self._binary_request(_pack_hashes(block_hashes), BODY_HASHES_U64LE, fields)
+        if (block_hashes is None) == (seq_hashes is None):
+            raise BadRequestError("route_by_hash takes block_hashes or seq_hashes, exactly one of them")
+        given = block_hashes if seq_hashes is None else seq_hashes
+        assert given is not None
+        name, form = (
+            ("block_hashes", BODY_HASHES_U64LE)
+            if seq_hashes is None
+            else ("seq_hashes", BODY_SEQHASHES_U64LE)
+        )
+        if 8 * len(given) >= BINARY_MIN_BYTES and self._binary():
+            data = await self._binary_request(_pack_hashes(given), form, fields)
             if data is not None:
-                return reply_from_json(data)
-        hashes = list(block_hashes)
+                return _refused_form(data, name)
+        hashes = list(given)
         if any(not isinstance(h, int) or not 0 <= h <= MAX_BLOCK_HASH for h in hashes):
             _pack_hashes(hashes)  # raises the error naming the hash
-        body = msgspec.structs.replace(fields, block_hashes=hashes)
-        try:
-            return reply_from_json(await self.request_raw(encode(body)))
-        except BadRequestError as exc:
-            if "missing required field `token_ids`" in exc.message:
-                raise BadRequestError(
-                    "the router does not read pre-hashed requests (block_hashes): it is older than kvmesh's "
-                    "route request forms; route with token ids"
-                ) from exc
-            raise
+        body = msgspec.structs.replace(fields, **{name: hashes})
+        return _refused_form(await self.request_raw(encode(body)), name)
 
     def _fields(
         self,

@@ -13,6 +13,8 @@ subject                            body                                      enc
 ``Kvmesh-Body: tokens-u32le``      `RouteRequest` fields in ``Kvmesh-Route``
 ``kvmesh.route`` with header       local block hashes as packed LE uint64;   binary    the same
 ``Kvmesh-Body: hashes-u64le``      the other fields in ``Kvmesh-Route``
+``kvmesh.route`` with header       sequence hashes as packed LE uint64;      binary    the same
+``Kvmesh-Body: seqhashes-u64le``   the other fields in ``Kvmesh-Route``
 ``kvmesh.match`` (indexers)        `MatchRequest`                            msgpack   `MatchReply` or
                                                                                        `ErrorReply`
 ``kvmesh.status``                  (empty)                                   JSON      `IngestStatus`,
@@ -44,8 +46,13 @@ Route request forms (`ROUTE_FORMS`; a router lists those it reads in its ``$SRV.
   (`kvmesh.core.hashing.local_block_hashes`: XXH3-64, seed 1337, of each full block's tokens as LE uint32),
   one per full block from the prompt's first; the caller has mixed any LoRA adapter and cache salt in
   already, so a pre-hashed request carries neither ``lora_name`` nor ``cache_salt``.
+* or their *sequence hashes*: `RouteRequest.seq_hashes` (JSON), or ``Kvmesh-Body: seqhashes-u64le``
+  (`BODY_SEQHASHES_U64LE`, packed as above): the rolling hashes of the local ones
+  (`kvmesh.core.hashing.sequence_hashes`: ``seq[0] = local[0]``, ``seq[i] = XXH3-64(le64(seq[i-1]) ‖
+  le64(local[i]), seed 1337)``; Dynamo's ``SequenceHash``, RFC #1527's ``seq_hashes``), which the index is
+  keyed by, so they are looked up as given.
 
-A request carries ``token_ids`` or ``block_hashes``, never both and never neither (`RequestError`). Without
+A request carries exactly one of ``token_ids``, ``block_hashes`` and ``seq_hashes`` (`RequestError`). Without
 a ``request_id`` the tie-break seed is the body's bytes, so the same prompt in two forms may break a tie
 differently; with one, every form answers the same.
 
@@ -77,6 +84,7 @@ __all__ = [
     "BODY_HASHES_U64LE",
     "BODY_HEADER",
     "BODY_JSON",
+    "BODY_SEQHASHES_U64LE",
     "BODY_TOKENS_U32LE",
     "ERROR_STATUS",
     "FIELDS_HEADER",
@@ -148,7 +156,9 @@ BODY_TOKENS_U32LE: Final[str] = "tokens-u32le"
 """The body is the prompt's token ids packed as little-endian uint32."""
 BODY_HASHES_U64LE: Final[str] = "hashes-u64le"
 """The body is the prompt's local block hashes packed as little-endian uint64."""
-ROUTE_FORMS: Final[tuple[str, ...]] = (BODY_JSON, BODY_TOKENS_U32LE, BODY_HASHES_U64LE)
+BODY_SEQHASHES_U64LE: Final[str] = "seqhashes-u64le"
+"""The body is the prompt's sequence hashes packed as little-endian uint64."""
+ROUTE_FORMS: Final[tuple[str, ...]] = (BODY_JSON, BODY_TOKENS_U32LE, BODY_HASHES_U64LE, BODY_SEQHASHES_U64LE)
 """Every ``Kvmesh-Body`` value this build reads."""
 FORMS_METADATA_KEY: Final[str] = "route_forms"
 """Key of a router's ``$SRV.INFO`` metadata listing the forms it reads, comma-separated."""
@@ -204,11 +214,14 @@ class RouteRequest(Message, kw_only=True, frozen=True, omit_defaults=True):
     block_hashes: Sequence[BlockHash] | None = None
     """Instead of ``token_ids``: the local block hash of every full block of the prompt, from the first
     (`kvmesh.core.hashing.local_block_hashes`, each in ``[0, 2**64)``), LoRA and salt already mixed in."""
+    seq_hashes: Sequence[BlockHash] | None = None
+    """Instead of ``token_ids``: the sequence hash of every full block of the prompt, from the first
+    (`kvmesh.core.hashing.sequence_hashes` of the local block hashes, each in ``[0, 2**64)``)."""
     block_size: int | None = None
-    """With ``block_hashes``: the tokens per block they were computed with (None: the model's block size);
-    holders of another block size count no overlap."""
+    """With ``block_hashes`` or ``seq_hashes``: the tokens per block they were computed with (None: the
+    model's block size); holders of another block size count no overlap."""
     prompt_tokens: int | None = None
-    """With ``block_hashes``: the prompt's length in tokens, a trailing partial block included (load
+    """With ``block_hashes`` or ``seq_hashes``: the prompt's length in tokens, a trailing partial block included (load
     accounting; None: the full blocks' tokens)."""
     lora_name: str | None = None
     cache_salt: str | None = None
@@ -787,17 +800,21 @@ def decode(data: bytes, kind: type[M], *, format: Literal["json", "msgpack"] = "
 
 
 def check_route_ids(req: RouteRequest) -> None:
-    """Refuse a route request with neither ``token_ids`` nor ``block_hashes``, or with both.
+    """Refuse a route request with none of ``token_ids``, ``block_hashes`` and ``seq_hashes``, or with more
+    than one.
 
     Raises:
-        RequestError: naming ``token_ids`` (neither) or ``block_hashes`` (both).
+        RequestError: naming ``token_ids`` (none) or the second kind of ids (more than one).
     """
-    if req.block_hashes is None:
+    if req.block_hashes is None and req.seq_hashes is None:
         if not req.token_ids:
-            raise RequestError("token_ids must not be empty (or send block_hashes)", field="token_ids")
-    elif req.token_ids:
+            raise RequestError(
+                "token_ids must not be empty (or send block_hashes or seq_hashes)", field="token_ids"
+            )
+    elif req.token_ids or (req.block_hashes is not None and req.seq_hashes is not None):
+        name = "seq_hashes" if req.seq_hashes is not None else "block_hashes"
         raise RequestError(
-            "a route request carries token_ids or block_hashes, not both", field="block_hashes"
+            "a route request carries one of token_ids, block_hashes and seq_hashes, not more", field=name
         )
 
 

@@ -7,7 +7,7 @@ per-request overrides of `Policy`, every key optional, unknown keys rejected). U
 ignored; a known field of the wrong type is a `RequestError` naming it (``policy.temperature``). Instead of
 ``token_ids`` a request may carry ``block_hashes`` (local block hashes, each 0 ≤ h < 2⁶⁴, at most
 ``max_tokens``; optional ``block_size`` and ``prompt_tokens``; no ``lora_name`` or ``cache_salt``: the
-caller mixed them in), and both kinds of ids may come packed in a binary body (`parse_route_message`; the
+caller mixed them in) or ``seq_hashes`` (their standard sequence hashes, under the same rules), and every kind of ids may come packed in a binary body (`parse_route_message`; the
 forms are `kvmesh.core.protocol`'s).
 
 Cost of a candidate (NVIDIA Dynamo's documented form; lowest wins)::
@@ -71,6 +71,7 @@ from kvmesh.core.protocol import (
     BODY_HASHES_U64LE,
     BODY_HEADER,
     BODY_JSON,
+    BODY_SEQHASHES_U64LE,
     BODY_TOKENS_U32LE,
     FIELDS_HEADER,
     MAX_BLOCK_HASH,
@@ -136,7 +137,7 @@ class Policy:
 
 _decoder = msgspec.json.Decoder(RouteRequest)
 _TOKEN_RANGE = re.compile(r"Expected `int` (?:>=|<=) \d+ - at `\$\.token_ids\[(\d+)\]`")
-_HASH_RANGE = re.compile(r"Expected `int` >= 0 - at `\$\.block_hashes\[(\d+)\]`")
+_HASH_RANGE = re.compile(r"Expected `int` >= 0 - at `\$\.(block_hashes|seq_hashes)\[(\d+)\]`")
 _BIG_ENDIAN: Final[bool] = sys.byteorder == "big"
 
 
@@ -176,7 +177,7 @@ def parse_route_message(
         body: the message body: JSON, or packed ids as the ``Kvmesh-Body`` header says.
         headers: the message's NATS headers (None: none): ``Kvmesh-Body`` (absent or ``json``: a JSON body;
             ``tokens-u32le``: token ids as little-endian uint32; ``hashes-u64le``: local block hashes as
-            little-endian uint64) and, with a binary body, ``Kvmesh-Route``: the other fields as one JSON
+            little-endian uint64; ``seqhashes-u64le``: sequence hashes, the same way) and, with a binary body, ``Kvmesh-Route``: the other fields as one JSON
             object (``model`` required, no ``token_ids`` or ``block_hashes``).
         max_tokens, base_policy: as for `parse_route_request`.
 
@@ -197,6 +198,8 @@ def parse_route_message(
         ids, name, width = array("I"), "token_ids", 4
     elif form == BODY_HASHES_U64LE:
         ids, name, width = array("Q"), "block_hashes", 8
+    elif form == BODY_SEQHASHES_U64LE:
+        ids, name, width = array("Q"), "seq_hashes", 8
     else:
         raise RequestError(
             f"unknown {BODY_HEADER} {form[:64]!r}: this router reads {', '.join(ROUTE_FORMS)}",
@@ -210,10 +213,10 @@ def parse_route_message(
             field=FIELDS_HEADER,
         )
     fields = _decode_json(raw.encode(), f"{FIELDS_HEADER} header")
-    if fields.token_ids or fields.block_hashes is not None:
+    if fields.token_ids or fields.block_hashes is not None or fields.seq_hashes is not None:
         raise RequestError(
-            f"a {form} body carries the ids: the {FIELDS_HEADER} header must not carry token_ids or "
-            "block_hashes",
+            f"a {form} body carries the ids: the {FIELDS_HEADER} header must not carry token_ids, "
+            "block_hashes or seq_hashes",
             field=FIELDS_HEADER,
         )
     if len(body) % width:
@@ -227,10 +230,7 @@ def parse_route_message(
     ids.frombytes(body)
     if _BIG_ENDIAN:  # pragma: no cover
         ids.byteswap()
-    if name == "token_ids":
-        req = msgspec.structs.replace(fields, token_ids=ids)
-    else:
-        req = msgspec.structs.replace(fields, block_hashes=ids)
+    req = msgspec.structs.replace(fields, **{name: ids})
     check_route_request(req, max_tokens=max_tokens, base_policy=base_policy)
     return req
 
@@ -245,9 +245,7 @@ def _decode_json(body: bytes, what: str) -> RouteRequest:
             raise RequestError(f"token_ids[{r.group(1)}] is outside [0, 2^32)", field="token_ids") from exc
         r = _HASH_RANGE.match(text)
         if r is not None:
-            raise RequestError(
-                f"block_hashes[{r.group(1)}] is outside [0, 2^64)", field="block_hashes"
-            ) from exc
+            raise RequestError(f"{r.group(1)}[{r.group(2)}] is outside [0, 2^64)", field=r.group(1)) from exc
         raise RequestError(f"invalid request: {text}", field=error_field(text)) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"{what} is not valid JSON: {exc}") from exc
@@ -268,7 +266,9 @@ def check_route_request(
     if not req.model:
         raise RequestError("model must be a non-empty string", field="model")
     check_route_ids(req)
-    hashes = req.block_hashes
+    hashes, kind = (
+        (req.block_hashes, "block_hashes") if req.seq_hashes is None else (req.seq_hashes, "seq_hashes")
+    )
     if hashes is None:
         if len(req.token_ids) > max_tokens:
             raise RequestError(
@@ -277,9 +277,9 @@ def check_route_request(
             )
         for name in ("block_size", "prompt_tokens"):
             if getattr(req, name) is not None:
-                raise RequestError(f"{name} goes with block_hashes only", field=name)
+                raise RequestError(f"{name} goes with block_hashes or seq_hashes only", field=name)
     else:
-        _check_hashed(req, hashes, max_tokens)
+        _check_hashed(req, hashes, max_tokens, kind)
     if req.policy is not None:
         problems = apply_override(base_policy or Policy(), req.policy).problems()
         if problems:
@@ -287,21 +287,22 @@ def check_route_request(
             raise RequestError("policy." + "; policy.".join(problems), field=f"policy.{first}")
 
 
-def _check_hashed(req: RouteRequest, hashes: Sequence[int], max_tokens: int) -> None:
+def _check_hashed(req: RouteRequest, hashes: Sequence[int], max_tokens: int, kind: str) -> None:
+    """Check a pre-hashed request's ``kind`` (``block_hashes`` or ``seq_hashes``) and its companions."""
     if not hashes:
-        raise RequestError("block_hashes must not be empty", field="block_hashes")
+        raise RequestError(f"{kind} must not be empty", field=kind)
     if len(hashes) > max_tokens:
         raise RequestError(
-            f"block_hashes has {len(hashes)} blocks, more than the limit of {max_tokens}",
-            field="block_hashes",
+            f"{kind} has {len(hashes)} blocks, more than the limit of {max_tokens}",
+            field=kind,
         )
     if max(hashes) > MAX_BLOCK_HASH:
         i = next(i for i, h in enumerate(hashes) if h > MAX_BLOCK_HASH)
-        raise RequestError(f"block_hashes[{i}] is outside [0, 2^64)", field="block_hashes")
+        raise RequestError(f"{kind}[{i}] is outside [0, 2^64)", field=kind)
     for name in ("lora_name", "cache_salt"):
         if getattr(req, name) is not None:
             raise RequestError(
-                f"{name} is mixed into block_hashes by the caller: a pre-hashed request does not carry it",
+                f"{name} is mixed into {kind} by the caller: a pre-hashed request does not carry it",
                 field=name,
             )
     if req.block_size is not None and req.block_size <= 0:

@@ -87,13 +87,14 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Final, cast
 
 import xxhash
 
-from kvmesh.core.errors import UnknownModelError
+from kvmesh.core.errors import RequestError, UnknownModelError
 from kvmesh.core.events import (
     Cleared,
     Event,
@@ -731,6 +732,61 @@ class IndexState:
             candidates=tuple(found[h] for h in sorted(found)),
         )
 
+    def match_sequence_hashes(
+        self, model: str, seq_hashes: Sequence[int], *, block_size: int | None = None
+    ) -> MatchResult:
+        """Compute every holder's overlap with a prompt given as its sequence hashes (a pre-hashed route or
+        an RFC #1403 ``query_by_hash``).
+
+        The index keys prefixes by these very hashes (`kvmesh.core.hashing.sequence_hashes`: ``seq[0] =
+        local[0]``, ``seq[i] = XXH3-64(le64(seq[i-1]) ‖ le64(local[i]), seed 1337)``; Dynamo's
+        ``SequenceHash``, RFC #1527's ``seq_hashes``), so they are looked up as given, without hashing.
+
+        Args:
+            model: model name as the workers registered it.
+            seq_hashes: the sequence hash of each full block of the prompt, block 0 first (LoRA and cache salt
+                mixed into the local hashes they chain), each an int in ``[0, 2**64)``.
+            block_size: as for `match_local_hashes`.
+
+        Returns:
+            as `match_local_hashes` gives for the local hashes these were chained from.
+
+        Raises:
+            RequestError: a hash is not an int in ``[0, 2**64)`` (``field="seq_hashes"``, naming its index).
+            UnknownModelError: no worker of that model is known.
+        """
+        keys = _checked_seq_hashes(seq_hashes)
+        live = self._live_indexes(model)
+        sized = {bs: ix for bs, ix in live.items() if bs}
+        if block_size is None:
+            block_size = _majority_size(sized) if sized else 0
+        found: dict[Holder, HolderMatch] = {}
+        index = sized.get(block_size)
+        if index is not None:
+            overlaps = index.match_tiers(keys)
+            for h in index.holders():
+                if not self._is_removed(h.worker_id):
+                    found[h] = self._holder_match(index, h, overlaps.get(h), block_size)
+        for bs, other in sorted(live.items()):
+            if other is index:
+                continue
+            for h in other.holders():
+                if h not in found and not self._is_removed(h.worker_id):
+                    found[h] = HolderMatch(
+                        worker_id=h.worker_id,
+                        dp_rank=h.dp_rank,
+                        overlap_blocks=0,
+                        cached_blocks=other.block_count(h) if bs else 0,
+                        block_size=bs,
+                        health=self._holder_health(h),
+                    )
+        return MatchResult(
+            index_seq=self.applied_seq,
+            block_size=block_size,
+            prompt_blocks=len(keys),
+            candidates=tuple(found[h] for h in sorted(found)),
+        )
+
     def _live_indexes(self, model: str) -> dict[int, PrefixIndex]:
         """The model's indexes by block size that hold at least one live worker.
 
@@ -922,6 +978,26 @@ HOLD_MAX_MESSAGES: Final[int] = 4096
 """Messages one holder may hold while waiting for an earlier one; past it the hold is given up."""
 HOLD_MAX_STREAM_SEQS: Final[int] = 100_000
 """Stream messages a hold may wait for the missing ones; past it the hold is given up."""
+
+
+def _checked_seq_hashes(seq_hashes: Sequence[int]) -> Sequence[int]:
+    """``seq_hashes`` when each is an int in ``[0, 2**64)`` (an ``array('Q')`` is taken as it is).
+
+    Raises:
+        RequestError: the first hash that is not, named by index (``field="seq_hashes"``).
+    """
+    if isinstance(seq_hashes, array) and seq_hashes.typecode == "Q":
+        return seq_hashes
+    try:
+        checked = array("Q", seq_hashes)
+    except (OverflowError, TypeError):
+        for i, h in enumerate(seq_hashes):
+            if type(h) is not int or not 0 <= h < 2**64:
+                raise RequestError(
+                    f"seq_hashes[{i}] is not an int in [0, 2^64): {str(h)[:32]}", field="seq_hashes"
+                ) from None
+        raise
+    return seq_hashes if type(seq_hashes) is list else checked  # a short list takes the index's fast path
 
 
 def _combine(digests: Iterable[tuple[str, int, int]]) -> int:

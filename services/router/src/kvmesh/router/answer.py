@@ -141,9 +141,9 @@ def match_request(parsed: RouteRequest, max_payload: int) -> MatchRequest:
     Raises:
         BadRequestError: a pre-hashed request: the indexers' match API takes token ids.
     """
-    if parsed.block_hashes is not None:
+    if parsed.block_hashes is not None or parsed.seq_hashes is not None:
         raise BadRequestError(
-            "pre-hashed requests (block_hashes) need a router with a local index (--index local): this one "
+            "pre-hashed requests (block_hashes, seq_hashes) need a router with a local index (--index local): this one "
             "asks the indexers, whose match API takes token ids"
         )
     packed = pack_tokens(parsed.token_ids)  # the ids were checked by parse_route_request
@@ -159,12 +159,13 @@ def match_request(parsed: RouteRequest, max_payload: int) -> MatchRequest:
 
 def prompt_tokens_of(parsed: RouteRequest, block_size: int) -> int:
     """Return the prompt's length in tokens: its token ids, or for a pre-hashed request its
-    ``prompt_tokens`` (default: ``len(block_hashes) × block_size``, the full blocks' tokens)."""
-    if parsed.block_hashes is None:
+    ``prompt_tokens`` (default: the hashes' count × block size, the full blocks' tokens)."""
+    hashes = parsed.block_hashes if parsed.seq_hashes is None else parsed.seq_hashes
+    if hashes is None:
         return len(parsed.token_ids)
     if parsed.prompt_tokens is not None:
         return parsed.prompt_tokens
-    return len(parsed.block_hashes) * (parsed.block_size or block_size)
+    return len(hashes) * (parsed.block_size or block_size)
 
 
 def serves_unindexed(exc: RouteError, ranks: RankSet | None) -> bool:

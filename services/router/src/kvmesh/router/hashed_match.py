@@ -1,5 +1,6 @@
 """Match a route request against the router's local index replica: by its local block hashes (a pre-hashed
-request, `kvmesh.core.state.IndexState.match_local_hashes`) or by its token ids (`IndexState.match`).
+request, `kvmesh.core.state.IndexState.match_local_hashes`), by its sequence hashes
+(`IndexState.match_sequence_hashes`) or by its token ids (`IndexState.match`).
 
 The pre-hashed answer is the same `MatchResult` as `IndexState.match` gives for the tokens those hashes came
 from, for the holders of the hashes' block size; holders of any other block size count no overlap.
@@ -37,13 +38,15 @@ def match_local_hashes(
 
 
 def match_request_locally(state: IndexState, parsed: RouteRequest) -> MatchResult:
-    """Match a route request against a local index: its local block hashes (`match_local_hashes`) or its
-    token ids (`IndexState.match`, which hashes them under the request's LoRA and salt).
+    """Match a route request against a local index: its sequence hashes (`IndexState.match_sequence_hashes`),
+    its local block hashes (`match_local_hashes`) or its token ids (`IndexState.match`, which hashes them under the request's LoRA and salt).
 
     Raises:
         UnknownModelError: no worker of the model is known.
         RequestError: a token id is out of range.
     """
+    if parsed.seq_hashes is not None:
+        return state.match_sequence_hashes(parsed.model, parsed.seq_hashes, block_size=parsed.block_size)
     if parsed.block_hashes is not None:
         return match_local_hashes(state, parsed.model, parsed.block_hashes, block_size=parsed.block_size)
     return state.match(

@@ -182,22 +182,28 @@ class RegistryWatch:
             if not records or not gone:
                 continue  # no node key at all: the member reconcile removes the worker
             departure = NodeDeparture(worker, gone, next(iter(records.values())).model)
-            seqs = await publish_node_departure(
-                self._js,
-                stream=self.settings.stream,
-                events_prefix=self.settings.events_prefix,
-                departure=departure,
-                model=departure.model or str(info["model"]),
-                epochs=epochs,
-            )
-            log.warning(
-                "indexer %s: worker %s: ranks %s have no registry node: cleared at seqs %s",
-                self.replica,
-                worker,
-                list(gone),
-                seqs,
-                extra={"replica": self.replica, "worker_id": worker},
-            )
+            await self._clear_ranks(departure, info, "have no registry node")
+
+    async def _clear_ranks(self, departure: NodeDeparture, info: dict[str, object], why: str) -> None:
+        """Publish the Cleared of each rank of a departed node (at the rank's epoch) and log it."""
+        epochs: dict[int, int] = info["epochs"]  # type: ignore[assignment]
+        seqs = await publish_node_departure(
+            self._js,
+            stream=self.settings.stream,
+            events_prefix=self.settings.events_prefix,
+            departure=departure,
+            model=departure.model or str(info["model"]),
+            epochs=epochs,
+        )
+        log.warning(
+            "indexer %s: worker %s: ranks %s %s: cleared at seqs %s",
+            self.replica,
+            departure.worker_id,
+            list(departure.ranks),
+            why,
+            seqs,
+            extra={"replica": self.replica, "worker_id": departure.worker_id},
+        )
 
     async def _on_entry(self, entry: Any, *, synced: bool = True) -> None:
         worker = worker_of_key(entry.key)
@@ -219,23 +225,7 @@ class RegistryWatch:
             info = self._stream.state.workers().get(worker)
             if info is None or info["removed"]:
                 return
-            epochs: dict[int, int] = info["epochs"]  # type: ignore[assignment]
-            seqs = await publish_node_departure(
-                self._js,
-                stream=self.settings.stream,
-                events_prefix=self.settings.events_prefix,
-                departure=departure,
-                model=departure.model or str(info["model"]),
-                epochs=epochs,
-            )
-            log.warning(
-                "indexer %s: worker %s: node of ranks %s left the registry: its ranks cleared at seqs %s",
-                self.replica,
-                worker,
-                list(departure.ranks),
-                seqs,
-                extra={"replica": self.replica, "worker_id": worker},
-            )
+            await self._clear_ranks(departure, info, "left the registry with their node")
             return
         removal = policy.removal_on_delete(worker, entry.operation, record, self._stream.state.live_worker)
         if removal is None:

@@ -52,6 +52,26 @@ class Placed(msgspec.Struct, tag="placed", array_like=True, frozen=True):
     """The tier the copies live on ("CPU", …)."""
 
 
+class StoredKeys(msgspec.Struct, tag="stored_keys", array_like=True, frozen=True):
+    """Consecutive blocks stored by a holder, named by their prefix keys (an RFC #1527 ``stored`` event that
+    carries ``seq_hashes`` and no ``token_ids``: the Mooncake store master, any publisher of the standard hash).
+
+    The prefix keys are the blocks' standard sequence hashes (`kvmesh.core.hashing.prefix_keys`), so the
+    index stores them as given, whether or not it knows the parent. Readers built before this event kind
+    refuse the message: upgrade indexers and routers before ingests.
+    """
+
+    prefix_keys: list[int]
+    """The blocks' sequence hashes (unsigned 64-bit), in order."""
+    parent: int | None
+    """Engine key of the block before the first one (the event's ``parent_hash``), or None."""
+    medium: str | None = None
+    """Storage tier as the publisher named it ("gpu", "cpu", "disk", …), or None."""
+    engine_hashes: list[int] | None = None
+    """The blocks' engine keys when they differ from the prefix keys; None: the prefix keys name the blocks
+    in removals too (an RFC publisher's ``seq_hashes`` are both)."""
+
+
 class Cleared(msgspec.Struct, tag="cleared", array_like=True, frozen=True):
     """Every block of the (worker, dp_rank) is gone: AllBlocksCleared, or a resynchronisation by ingest."""
 
@@ -59,7 +79,7 @@ class Cleared(msgspec.Struct, tag="cleared", array_like=True, frozen=True):
     """"engine" (AllBlocksCleared), "gap", "restart", "malformed", "overflow" (ingest resynchronised)."""
 
 
-Event = Stored | Removed | Placed | Cleared
+Event = Stored | Removed | Placed | StoredKeys | Cleared
 
 
 class EventsMessage(msgspec.Struct, tag="events", kw_only=True, frozen=True):

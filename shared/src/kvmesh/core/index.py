@@ -70,6 +70,7 @@ Complexity (n = blocks in an event, h = holders, q = blocks in a query):
 | operation | cost |
 |---|---|
 | `store` | O(n) table operations in one compiled call (+ held descendants that attach) |
+| `store_sequence` | O(n), the same compiled call with the prefix keys given |
 | `remove` | O(n) |
 | `clear` | O(blocks in the index): one compiled scan of the blocks table, then O(blocks of that holder) |
 | `match` | O(q) lookups in one compiled call, then O(q · holders still matching) |
@@ -509,6 +510,51 @@ class PrefixIndex:
             placed += more
             dups += more_dups
         return PlaceResult(placed, dups, unknown)
+
+    def store_sequence(
+        self,
+        holder: Holder,
+        engine_hashes: Sequence[int],
+        prefix_keys: Sequence[int],
+        medium: str | None = None,
+    ) -> StoreResult:
+        """Index consecutive blocks of one holder under prefix keys it was given (`StoredKeys`: an RFC #1527
+        ``stored`` event with ``seq_hashes`` and no token ids).
+
+        The keys are standard sequence hashes, positions of their own: nothing is chained and nothing waits
+        for a parent, so the event's parent is not needed (a block whose parent the holder lacks is never
+        reached by a match, which stops at the first prompt block the holder does not have). Held BlockStored
+        events waiting for one of these blocks as their parent attach afterwards, as after `store`; the call
+        counts as a store for orphan expiry.
+
+        Args:
+            holder: the (worker, dp_rank) that stored the blocks.
+            engine_hashes: the blocks' engine hashes as unsigned 64-bit keys (what removals name), in order.
+            prefix_keys: their prefix keys (sequence hashes, unsigned 64-bit), same length.
+            medium: the storage tier (None or "GPU": the default tier).
+
+        Raises:
+            ValueError: the two lists differ in length, or a value is not an unsigned 64-bit int.
+        """
+        if len(engine_hashes) != len(prefix_keys):
+            raise ValueError(f"{len(engine_hashes)} engine hashes but {len(prefix_keys)} prefix keys")
+        keys = as_keys(engine_hashes)
+        prefixes = as_keys(prefix_keys, fold=False)
+        self._ops += 1
+        state = self._holders.get(holder)
+        if state is None:
+            state = self._new_holder(holder)
+        dropped = self._expire(state) if state.orphans else 0
+        if not len(keys):
+            return StoreResult(0, 0, False, dropped)
+        name = tier_name(medium)
+        cache = state if name is None else self._tier(state, name)
+        attached, dups = self._attach(cache, keys, prefixes)
+        if state.orphans:
+            more, more_dups = self._attach_held(state, keys.tolist())
+            attached += more
+            dups += more_dups
+        return StoreResult(attached, dups, False, dropped)
 
     def remove(self, holder: Holder, engine_hashes: Iterable[int], medium: str | None = None) -> RemoveResult:
         """Remove one copy of each block (a BlockRemoved) from one tier; unknown hashes are counted and skipped.

@@ -14,6 +14,30 @@ For each event of a `kvmesh.core.wire.EngineBatch` this module checks, keys and 
   those blocks of the holder. It neither sets nor is checked against the block size.
 * **BlockRemoved** → `Removed`; **AllBlocksCleared** → `Cleared("engine")`.
 
+RFC #1527 events (`wire.SequenceStored`; their removals and clears decode as BlockRemoved and
+AllBlocksCleared, naming blocks by their ``seq_hashes``). A publisher's ``seq_hashes`` are its engine hashes
+(what its removals and ``parent_hash`` name) in both kinds:
+
+* **with ``token_ids``** (the RFC sends them when the publisher does not use the standard hash) → `Stored`,
+  keyed by kvmesh from the tokens exactly as a BlockStored (``lora_name`` seeds every block,
+  ``additional_salt`` is the block-0 salt, i.e. the ``cache_salt`` a route request names). kvmesh's keys
+  win: they are what every route request is hashed with. The event's own hashes are checked against
+  them (`kvmesh.core.hashing.sequence_hashes` of kvmesh's local hashes from ``parent_hash``); a difference
+  is counted (``seq_hash_mismatch``), and is expected from a publisher that sends token ids. The tokens
+  start at block 0 when ``parent_hash`` is nil; nil with ``base_block_idx`` above 0 cannot be placed and is
+  rejected (`UnplacedBlocksError`).
+* **without ``token_ids``** (the Mooncake store master) → `StoredKeys` with the ``seq_hashes`` as prefix
+  keys: the publisher already mixed its LoRA, salt and tenant into them, so there is nothing to add. An
+  empty ``seq_hashes`` (the master's ``object_key`` was no hash) names nothing and is skipped and counted
+  (``unkeyed_events``), as is a removal with none.
+
+Either kind needs a block size: the event's (checked against the configured or first-seen one like a
+BlockStored's), else the configured one (``--block-size``; the master leaves it to the registration);
+with neither, the event is rejected (`BlockSizeUnknownError`). ``tenant_id`` is not a key: kvmesh keys by
+content, which an engine reuses whoever asked, and tenants that must not share a cache are kept apart by
+their salt. ``model_name``, ``backend_id`` (the holder is the ingest's worker), ``dp_rank`` (the batch's
+rank is used, as for every producer) and ``event_id`` (the ZMQ sequence orders batches) are informational.
+
 An event that fails to decode (`wire.EngineBatch.errors`: a field of the wrong type, such as a non-string
 ``medium``, a float or bool block hash) is rejected alone and counted (``malformed_events``); the batch's
 other events are kept exactly. Only when the index could over-state afterwards does the result say
@@ -46,11 +70,20 @@ from typing import Any, Final
 import msgspec
 
 from kvmesh.core.errors import BlockAlignmentError, EventRejectedError, RequestError
-from kvmesh.core.events import Cleared, Event, Placed, Removed, Stored
-from kvmesh.core.hashing import local_block_hashes
-from kvmesh.core.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineBatch, engine_key
+from kvmesh.core.events import Cleared, Event, Placed, Removed, Stored, StoredKeys
+from kvmesh.core.hashing import local_block_hashes, sequence_hashes
+from kvmesh.core.wire import (
+    RFC_STORED,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineBatch,
+    SequenceStored,
+    engine_key,
+)
 
-_STORED: Final[str] = "BlockStored"
+_STORED_TAGS: Final[frozenset[str | None]] = frozenset({"BlockStored", RFC_STORED})
+"""Tags of events whose decode failure loses nothing but their own blocks (module docstring)."""
 
 FULL_ATTENTION_KINDS: Final[frozenset[str | None]] = frozenset({None, "full_attention", "mla_attention"})
 """``kv_cache_spec_kind`` values whose blocks are prefix-cache keys."""
@@ -74,6 +107,30 @@ class BlockSizeMismatchError(EventRejectedError):
         super().__init__(f"event block_size {got} differs from the expected block size {expected}")
         self.expected = expected
         self.got = got
+
+
+class BlockSizeUnknownError(EventRejectedError):
+    """An RFC #1527 event without a block size, and none configured or seen yet (``--block-size``)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "RFC #1527 stored event without a block_size, and no block size is configured (--block-size)"
+        )
+
+
+class UnplacedBlocksError(EventRejectedError):
+    """RFC #1527 token ids that start past block 0 without a ``parent_hash`` to chain them from.
+
+    Attributes:
+        base_block_idx: the event's depth of its first block.
+    """
+
+    def __init__(self, *, base_block_idx: int) -> None:
+        super().__init__(
+            f"RFC #1527 stored event with token_ids at base_block_idx {base_block_idx} has no parent_hash "
+            "(its blocks cannot be keyed)"
+        )
+        self.base_block_idx = base_block_idx
 
 
 @dataclass(slots=True)
@@ -102,6 +159,16 @@ class NormalizeStats:
     """Child BlockStored events (``parent_block_hash`` set) whose ``cache_salt`` differs from the salt of the
     chain they extend (when that chain's last event is remembered, `CHAIN_SALTS_KEPT`); their keys follow
     the chain, since the salt seeds block 0 only."""
+    sequence_events: int = 0
+    """RFC #1527 stored events without token ids, published as `StoredKeys`."""
+    sequence_blocks: int = 0
+    seq_hash_mismatch: int = 0
+    """RFC #1527 stored events with token ids whose ``seq_hashes`` differ from kvmesh's sequence hashes of
+    their tokens (kvmesh's keys are used; expected from a publisher that does not use the standard hash)."""
+    unkeyed_events: int = 0
+    """RFC #1527 events with an empty ``seq_hashes`` (nothing to index or remove), skipped."""
+    rejected_unplaced: int = 0
+    """RFC #1527 stored events with token ids past block 0 and no ``parent_hash`` (`UnplacedBlocksError`)."""
 
 
 @dataclass(slots=True)
@@ -133,9 +200,9 @@ class Normalizer:
         st.unknown_events += batch.unknown_events
         st.malformed_events += len(batch.errors)
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
+            if isinstance(ev, BlockStored | SequenceStored):
                 try:
-                    stored = self._stored(ev)
+                    stored = self._stored(ev) if isinstance(ev, BlockStored) else self._sequence(ev)
                 except (EventRejectedError, RequestError) as exc:
                     rejections.append(exc)
                     continue
@@ -145,6 +212,9 @@ class Normalizer:
                 if ev.group_idx is not None and ev.group_idx in self.non_full_groups:
                     st.skipped_non_full += 1
                     continue
+                if not ev.block_hashes:
+                    st.unkeyed_events += 1
+                    continue
                 st.removed_events += 1
                 st.removed_blocks += len(ev.block_hashes)
                 out.append(Removed([engine_key(h) for h in ev.block_hashes], ev.medium))
@@ -153,7 +223,7 @@ class Normalizer:
                 out.append(Cleared("engine"))
         lost = False
         for err in batch.errors:
-            if err.tag == _STORED:
+            if err.tag in _STORED_TAGS:
                 st.malformed_stored += 1
             else:
                 lost = True
@@ -203,6 +273,51 @@ class Normalizer:
         if keys:
             self._remember(keys[-1], chain_salt)
         return Stored(keys, parent, local, ev.medium)
+
+    def _sequence(self, ev: SequenceStored) -> Stored | StoredKeys | None:
+        """An RFC #1527 stored event (module docstring)."""
+        st = self.stats
+        if not ev.seq_hashes:
+            st.unkeyed_events += 1
+            return None
+        block_size = self._rfc_block_size(ev.block_size)
+        parent = ev.parent_hash
+        if ev.token_ids is None:
+            st.sequence_events += 1
+            st.sequence_blocks += len(ev.seq_hashes)
+            return StoredKeys(list(ev.seq_hashes), parent, ev.medium)
+        n = len(ev.seq_hashes)
+        if len(ev.token_ids) != n * block_size:
+            st.rejected_alignment += 1
+            raise BlockAlignmentError(tokens=len(ev.token_ids), blocks=n, block_size=block_size)
+        if parent is None and ev.base_block_idx:
+            st.rejected_unplaced += 1
+            raise UnplacedBlocksError(base_block_idx=ev.base_block_idx)
+        salt = ev.additional_salt if parent is None else None
+        try:
+            local = local_block_hashes(ev.token_ids, block_size, lora_name=ev.lora_name, cache_salt=salt)
+        except RequestError:
+            st.rejected_tokens += 1
+            raise
+        if sequence_hashes(local, parent) != list(ev.seq_hashes):
+            st.seq_hash_mismatch += 1
+        st.stored_events += 1
+        st.stored_blocks += n
+        return Stored(list(ev.seq_hashes), parent, local, ev.medium)
+
+    def _rfc_block_size(self, size: int | None) -> int:
+        """An RFC event's block size: its own (checked like a BlockStored's), else the configured one."""
+        if size is None:
+            if self.block_size is None:
+                self.stats.rejected_block_size += 1
+                raise BlockSizeUnknownError
+            return self.block_size
+        if self.block_size is None:
+            self.block_size = size
+        elif size != self.block_size:
+            self.stats.rejected_block_size += 1
+            raise BlockSizeMismatchError(expected=self.block_size, got=size)
+        return size
 
     def _chain_salt(self, parent: int | None, salt: str | None) -> str | None:
         """The salt of the chain a child event extends; counts a child whose own salt differs from it."""

@@ -104,6 +104,7 @@ from kvmesh.core.events import (
     Placed,
     Removed,
     Stored,
+    StoredKeys,
     WorkerRemoved,
     decode_message,
     encode_message,
@@ -508,6 +509,12 @@ class IndexState:
                 c.stored_blocks += r.attached
                 c.duplicate_stores += r.duplicates
                 c.held_events += int(r.held)
+                c.dropped_orphans += r.dropped_orphans
+            elif isinstance(event, StoredKeys):
+                engine = event.prefix_keys if event.engine_hashes is None else event.engine_hashes
+                r = index.store_sequence(holder, engine, event.prefix_keys, event.medium)
+                c.stored_blocks += r.attached
+                c.duplicate_stores += r.duplicates
                 c.dropped_orphans += r.dropped_orphans
             elif isinstance(event, Placed):
                 pr = index.place(holder, event.engine_hashes, event.medium)

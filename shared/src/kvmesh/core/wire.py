@@ -16,7 +16,12 @@ msgpack ``KVEventBatch``: an array ``[ts, events]`` (vLLM 0.9.0.x, SGLang 0.4.6.
   SGLang 0.5.18 – 0.5.19 salted ``BlockStored`` carries a trailing map ``{"cache_salt": s}`` as its 8th
   element; or
 * a **map** ``{"type": tag, …}`` (vLLM ≥ 0.24, SGLang ≥ 0.5.20), decoded by name: key order is irrelevant,
-  unknown keys (``locality``, ``ownership``, ``lookahead_token_ids``, …) are ignored.
+  unknown keys (``locality``, ``ownership``, ``lookahead_token_ids``, …) are ignored; or
+* an **RFC #1527 map** ``{"event_type": "stored" | "removed" | "cleared", …}`` (Mooncake's KV events API,
+  written with Dynamo's router team; the Mooncake store master's ``KvEventPublisher``), recognised by its
+  ``event_type`` key whether or not it also carries vLLM-style aliases (``type``, ``block_hashes``,
+  ``parent_block_hash``: the master writes them by default, ``kv_events_emit_legacy_compat``); the RFC's own
+  names win over the aliases. See `SequenceStored` and `decode_batch`.
 
 Both shapes may be mixed within one batch. Block hashes are kept exactly as sent (msgpack int, signed or
 unsigned up to uint64, or ``bin`` of any width); `engine_key` folds them into one 64-bit key space.
@@ -44,11 +49,13 @@ __all__ = [
     "EngineHash",
     "KVEvent",
     "ReplayReply",
+    "SequenceStored",
     "decode_batch",
     "decode_replay_reply",
     "decode_seq",
     "encode_batch",
     "encode_replay_request",
+    "encode_rfc1527_batch",
     "encode_seq",
     "engine_key",
 ]
@@ -132,7 +139,51 @@ class AllBlocksCleared:
     """The engine's whole prefix cache was reset (e.g. ``POST /reset_prefix_cache``)."""
 
 
-KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SequenceStored:
+    """An RFC #1527 ``stored`` event: consecutive blocks named by their rolling sequence hashes.
+
+    The RFC's hash is kvmesh's prefix key (`kvmesh.core.hashing.sequence_hashes`: XXH3-64 seed 1337,
+    ``seq[0] = local[0]``, ``seq[i] = XXH3(le64(seq[i-1]) ‖ le64(local[i]))``). A publisher that does not use
+    that hash sends ``token_ids`` as well, and kvmesh keys the blocks from the tokens
+    (`kvmesh.core.normalize`). Removals and clears of the RFC decode as `BlockRemoved` (``block_hashes`` =
+    ``seq_hashes``) and `AllBlocksCleared`.
+
+    Attributes:
+        seq_hashes: the blocks' sequence hashes, in order, as unsigned 64-bit ints (a signed int64 on the
+            wire is read as the same 64 bits); empty when the publisher could not name them (the Mooncake
+            master with an ``object_key`` that is no decimal or ``0x`` hash).
+        parent_hash: sequence hash at depth ``base_block_idx - 1`` (unsigned 64-bit), None at the root or
+            when not sent.
+        base_block_idx: zero-based depth of the first block, or None.
+        token_ids: the blocks' tokens, flat, or None (the publisher uses the standard hash).
+        block_size: tokens per block, or None (the Mooncake master leaves it to the registration).
+        medium: the tier (``"gpu"``, ``"cpu"``, ``"disk"``; the master: ``cpu`` or ``disk``), or None.
+        lora_name: LoRA adapter name, or None for the base model.
+        additional_salt: opaque deployment salt or namespace, or None.
+        tenant_id: tenant or customer identity, or None.
+        backend_id: the entity that owns the blocks (an engine worker or a decoupled cache daemon), or None.
+        model_name: model identifier, or None.
+        dp_rank: the event's data-parallel rank, or None.
+        event_id: the publisher's event counter of the stream, or None.
+    """
+
+    seq_hashes: tuple[int, ...]
+    parent_hash: int | None = None
+    base_block_idx: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    block_size: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    additional_salt: str | None = None
+    tenant_id: str | None = None
+    backend_id: str | None = None
+    model_name: str | None = None
+    dp_rank: int | None = None
+    event_id: int | None = None
+
+
+KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared | SequenceStored
 """Any decoded KV-cache event."""
 
 
@@ -170,12 +221,24 @@ _CLEARED: Final[str] = "AllBlocksCleared"
 _ALL_CLEARED: Final[AllBlocksCleared] = AllBlocksCleared()
 _MISSING: Final[Any] = object()
 
+_EVENT_TYPE: Final[str] = "event_type"
+"""The key that makes a map an RFC #1527 event."""
+RFC_STORED: Final[str] = "stored"
+RFC_REMOVED: Final[str] = "removed"
+RFC_CLEARED: Final[str] = "cleared"
+_MS_TS_ABOVE: Final[float] = 1e11
+"""An RFC batch ``ts`` above this is in milliseconds (the Mooncake master's ``CurrentUnixTimeMs``)."""
+
 
 def decode_batch(payload: bytes) -> EngineBatch:
     """Decode one ``KVEventBatch`` payload of any vLLM (0.9.0 – 0.33.0) or SGLang (0.4.6 – 0.5.23) release.
 
     Args:
         payload: the third frame of a live message (or the payload of a replay reply).
+
+    RFC #1527 maps (an ``event_type`` key) decode as `SequenceStored`, `BlockRemoved` and `AllBlocksCleared`;
+    the Mooncake master writes the batch time as integer milliseconds, so a batch with RFC events whose ``ts``
+    is above ``1e11`` (no time in seconds reaches that before the year 5138) is read as milliseconds.
 
     Returns:
         The batch with its events decoded. Events with an unknown string tag are counted in
@@ -215,13 +278,18 @@ def decode_batch(payload: bytes) -> EngineBatch:
     out: list[KVEvent] = []
     errors: list[InvalidEventError] | None = None
     unknown = 0
+    rfc = False
     for index, ev in enumerate(events):
         try:
             tev = type(ev)
             if tev is list:
                 decoded = _from_array(ev, index)
             elif tev is dict:
-                decoded = _from_map(ev, index)
+                if _EVENT_TYPE in ev:
+                    rfc = True
+                    decoded = _from_rfc_map(ev, index)
+                else:
+                    decoded = _from_map(ev, index)
             else:
                 raise InvalidEventError(f"event is a {_kind(ev)}, expected an array or a map", index=index)
         except InvalidEventError as err:
@@ -233,6 +301,8 @@ def decode_batch(payload: bytes) -> EngineBatch:
             unknown += 1
         else:
             out.append(decoded)
+    if rfc and ts > _MS_TS_ABOVE:
+        ts /= 1000.0
     return EngineBatch(
         ts=ts,
         events=tuple(out),
@@ -356,6 +426,83 @@ def _from_map(ev: dict[Any, Any], index: int) -> KVEvent | None:
     if tag is _MISSING:
         raise InvalidEventError('event map has no "type" key', index=index)
     raise InvalidEventError(f'event "type" is a {_kind(tag)}, expected a string', index=index)
+
+
+def _from_rfc_map(ev: dict[Any, Any], index: int) -> KVEvent | None:
+    """Decode an RFC #1527 event map; None for an unknown string ``event_type``.
+
+    The RFC's names are read and its aliases ignored (``type``, ``block_hashes``, ``parent_block_hash``:
+    the Mooncake master's ``block_hashes`` are its ``seq_hashes`` cast to int64); unknown keys
+    (``timestamp``, ``group_id``, ``object_key``, …) are ignored. Errors carry the RFC's tag (``"stored"``,
+    ``"removed"``, ``"cleared"``).
+    """
+    tag = ev[_EVENT_TYPE]
+    if type(tag) is not str:
+        raise InvalidEventError(f'event "event_type" is a {_kind(tag)}, expected a string', index=index)
+    get = ev.get
+    if tag in (RFC_STORED, RFC_REMOVED):
+        hashes = get("seq_hashes", _MISSING)
+        if hashes is _MISSING:
+            raise InvalidEventError(f"RFC #1527 {tag} event lacks seq_hashes", index=index, tag=tag)
+        seq = _seq_hashes(hashes, index, tag)
+        medium = _opt_str(get("medium"), "medium", index, tag)
+        base = get("base_block_idx")
+        if base is not None and (type(base) is not int or base < 0):
+            raise InvalidEventError(
+                f"base_block_idx is {_describe(base)}, expected a non-negative int or nil",
+                index=index,
+                tag=tag,
+            )
+        if tag == RFC_REMOVED:
+            return BlockRemoved(block_hashes=seq, medium=medium)
+        parent = get("parent_hash")
+        if parent is not None:
+            if type(parent) is not int or not _INT_MIN <= parent < _INT_END:
+                raise InvalidEventError(
+                    f"parent_hash is {_describe(parent)}, expected a 64-bit int or nil", index=index, tag=tag
+                )
+            parent &= _MASK64
+        tokens = get("token_ids")
+        block_size = get("block_size")
+        if block_size is not None and (type(block_size) is not int or block_size <= 0):
+            raise InvalidEventError(
+                f"block_size is {_describe(block_size)}, expected a positive int or nil", index=index, tag=tag
+            )
+        return SequenceStored(
+            seq_hashes=seq,
+            parent_hash=parent,
+            base_block_idx=base,
+            token_ids=None if tokens is None else _tokens(tokens, index, tag),
+            block_size=block_size,
+            medium=medium,
+            lora_name=_opt_str(get("lora_name"), "lora_name", index, tag),
+            additional_salt=_opt_str(get("additional_salt"), "additional_salt", index, tag),
+            tenant_id=_opt_str(get("tenant_id"), "tenant_id", index, tag),
+            backend_id=_opt_str(get("backend_id"), "backend_id", index, tag),
+            model_name=_opt_str(get("model_name"), "model_name", index, tag),
+            dp_rank=_opt_int(get("dp_rank"), "dp_rank", index, tag),
+            event_id=_opt_int(get("event_id"), "event_id", index, tag),
+        )
+    if tag == RFC_CLEARED:
+        return _ALL_CLEARED
+    return None
+
+
+def _seq_hashes(v: Any, index: int, tag: str) -> tuple[int, ...]:
+    """Validate RFC #1527 ``seq_hashes``: an array of 64-bit ints, returned as unsigned values."""
+    if type(v) is not list:
+        raise InvalidEventError(f"seq_hashes is a {_kind(v)}, expected an array", index=index, tag=tag)
+    for h in v:
+        if type(h) is not int or not _INT_MIN <= h < _INT_END:
+            raise InvalidEventError(
+                f"seq_hashes holds {_describe(h)} (a sequence hash is a 64-bit int)", index=index, tag=tag
+            )
+    return tuple(h & _MASK64 for h in v)
+
+
+def _describe(v: Any) -> str:
+    """A value for an error message: ints by value, anything else by its msgpack kind."""
+    return str(v) if type(v) is int else f"a {_kind(v)}"
 
 
 def _hashes(v: Any, field: str, index: int, tag: str) -> tuple[EngineHash, ...]:
@@ -894,11 +1041,12 @@ def encode_batch(
     TensorRT-LLM (1.3, streaming events of KV cache manager V2) writes maps with ``lora_id``, ``medium`` and
     ``lora_name`` always present and the ``(hash, start_offset)`` pairs of ``extra_keys`` as ``mm_keys``.
     Fields the release does not carry are dropped, as are ``unknown_events`` and ``errors``; ``ts`` is
-    written as float64.
+    written as float64. ``producer="mooncake"`` writes RFC #1527 maps as the Mooncake store master does
+    (`encode_rfc1527_batch` with its defaults; ``version`` is not used).
 
     Args:
         batch: the batch to encode.
-        producer: ``"vllm"``, ``"sglang"`` or ``"trtllm"``.
+        producer: ``"vllm"``, ``"sglang"``, ``"trtllm"`` or ``"mooncake"``.
         version: a release such as ``"0.10.2"``, ``"0.9.0.1"``, ``"0.4.6.post5"``, ``"1.3.0rc21"``; any
             release of a generation maps to that generation.
         hash_form: ``"int"`` (ints are written as they are; bytes hashes are converted like vLLM's
@@ -913,6 +1061,11 @@ def encode_batch(
             hashes; a hash that the chosen form cannot carry (wrong type, empty bytes, int outside
             ``[-2**63, 2**64)``).
     """
+    if producer.lower() == "mooncake":
+        del version
+        if hash_form != "int":
+            raise ValueError("the Mooncake master publishes int sequence hashes only")
+        return encode_rfc1527_batch(batch)
     layout = _layout(producer, version)
     if hash_form not in ("int", "bytes"):
         raise ValueError(f"unknown hash_form {hash_form!r}; expected 'int' or 'bytes'")
@@ -964,3 +1117,94 @@ def encode_batch(
         return _ENCODER.encode(out)
     except OverflowError as exc:
         raise ValueError(f"a field does not fit in a msgpack int: {exc}") from exc
+
+
+def encode_rfc1527_batch(
+    batch: EngineBatch,
+    *,
+    aliases: bool = True,
+    backend_id: str = "mooncake",
+    tenant_id: str = "default",
+    first_event_id: int = 0,
+) -> bytes:
+    """Encode a batch of RFC #1527 event maps the way the Mooncake store master's ``KvEventPublisher`` does.
+
+    The payload is ``[ts_ms (int), events, dp_rank (0 when None)]``; each event a map with the envelope
+    (``event_id``, ``timestamp``, ``event_type``, ``model_name``, ``block_size``, ``additional_salt``,
+    ``lora_name``, ``tenant_id``, ``backend_id``, ``group_id`` nil, ``medium``, ``dp_rank``) and, for
+    ``stored``, ``seq_hashes``, ``base_block_idx``, ``parent_hash`` and ``token_ids``; ``removed`` carries
+    ``seq_hashes`` and ``base_block_idx`` nil, ``cleared`` the envelope alone. With ``aliases`` (the
+    master's default ``emit_legacy_compat_fields``) every map also has ``type`` (``BlockStored``,
+    ``BlockRemoved``, ``AllBlocksCleared``), ``block_hashes`` (the sequence hashes as int64) and, on stored
+    events, ``parent_block_hash``. Envelope fields a `SequenceStored` carries are written from it, the
+    others from the arguments; ``event_id`` is the event's own or ``first_event_id`` + its position.
+
+    Args:
+        batch: `SequenceStored`, `BlockRemoved` (int hashes, written as ``seq_hashes``) and
+            `AllBlocksCleared` events.
+        aliases: also write the vLLM-style aliases.
+        backend_id: the cache owner named in events that do not carry one.
+        tenant_id: the tenant named in events that do not carry one.
+        first_event_id: ``event_id`` of the batch's first event (when the event carries none).
+
+    Returns:
+        The msgpack payload.
+
+    Raises:
+        ValueError: an event of another type, or a hash that is not an int in ``[-2**63, 2**64)``.
+    """
+    ts_ms = int(batch.ts * 1000)
+
+    def u64(h: Any) -> int:
+        if type(h) is not int or not _INT_MIN <= h < _INT_END:
+            raise ValueError(f"RFC #1527 hashes are 64-bit ints; cannot send {h!r}")
+        return h & _MASK64
+
+    def signed(h: int) -> int:
+        return h - (1 << 64) if h >= 1 << 63 else h
+
+    events: list[dict[str, Any]] = []
+    for i, ev in enumerate(batch.events):
+        stored = ev if type(ev) is SequenceStored else None
+        m: dict[str, Any] = {
+            "event_id": stored.event_id if stored and stored.event_id is not None else first_event_id + i,
+            "timestamp": ts_ms,
+        }
+        if type(ev) is SequenceStored:
+            m["event_type"], legacy = RFC_STORED, _STORED
+        elif type(ev) is BlockRemoved:
+            m["event_type"], legacy = RFC_REMOVED, _REMOVED
+        elif type(ev) is AllBlocksCleared:
+            m["event_type"], legacy = RFC_CLEARED, _CLEARED
+        else:
+            raise ValueError(f"not an RFC #1527 event: {ev!r}")
+        if aliases:
+            m["type"] = legacy
+        m["model_name"] = stored.model_name if stored else None
+        m["block_size"] = stored.block_size if stored else None
+        m["additional_salt"] = stored.additional_salt if stored else None
+        m["lora_name"] = stored.lora_name if stored else None
+        m["tenant_id"] = stored.tenant_id if stored and stored.tenant_id is not None else tenant_id
+        m["backend_id"] = stored.backend_id if stored and stored.backend_id is not None else backend_id
+        m["group_id"] = None
+        m["medium"] = ev.medium if type(ev) is not AllBlocksCleared else None  # type: ignore[union-attr]
+        m["dp_rank"] = stored.dp_rank if stored else None
+        if type(ev) is AllBlocksCleared:
+            events.append(m)
+            continue
+        hashes = [u64(h) for h in (ev.seq_hashes if stored else ev.block_hashes)]  # type: ignore[union-attr]
+        m["seq_hashes"] = hashes
+        if aliases:
+            m["block_hashes"] = [signed(h) for h in hashes]
+        if stored is not None:
+            m["base_block_idx"] = stored.base_block_idx
+            m["parent_hash"] = None if stored.parent_hash is None else u64(stored.parent_hash)
+            m["token_ids"] = None if stored.token_ids is None else list(stored.token_ids)
+            if aliases:
+                m["parent_block_hash"] = (
+                    None if stored.parent_hash is None else signed(u64(stored.parent_hash))
+                )
+        else:
+            m["base_block_idx"] = None
+        events.append(m)
+    return _ENCODER.encode([ts_ms, events, 0 if batch.dp_rank is None else batch.dp_rank])

@@ -27,7 +27,7 @@ from typing import Any, Final, Generic, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
-from kvmesh.core.events import Event, EventsMessage, Placed, Removed, Stored, encode_message
+from kvmesh.core.events import Event, EventsMessage, Placed, Removed, Stored, StoredKeys, encode_message
 from kvmesh.core.index import Holder
 from kvmesh.core.sequencing import Inversion, StreamOrder
 
@@ -149,7 +149,8 @@ def split_events(events: list[Event], parts: int) -> list[list[Event]]:
     """Split events into about ``parts`` lists of similar encoded size.
 
     Long Stored runs are cut without breaking the parent chain (each piece's parent is the previous piece's
-    last block); long Removed and Placed lists are cut into several. A stored block weighs two hashes (engine
+    last block); long Removed, Placed and StoredKeys lists are cut into several (a StoredKeys piece keeps the
+    event's parent: its prefix keys need none). A stored block weighs two hashes (engine
     and local), a removed or placed block one.
     """
 
@@ -158,6 +159,8 @@ def split_events(events: list[Event], parts: int) -> list[list[Event]]:
             return 2 * len(e.engine_hashes)
         if isinstance(e, Removed | Placed):
             return len(e.engine_hashes)
+        if isinstance(e, StoredKeys):
+            return len(e.prefix_keys) * (1 if e.engine_hashes is None else 2)
         return 1
 
     per_part = max(2, math.ceil(sum(weight(e) for e in events) / parts))
@@ -181,6 +184,11 @@ def split_events(events: list[Event], parts: int) -> list[list[Event]]:
                 chunk = Stored(e.engine_hashes[i : i + step], parent, e.local_hashes[i : i + step], e.medium)
                 parent = chunk.engine_hashes[-1]
                 add(chunk)
+        elif isinstance(e, StoredKeys) and weight(e) > per_part:
+            step = max(1, per_part // 2)
+            for i in range(0, len(e.prefix_keys), step):
+                engine = None if e.engine_hashes is None else e.engine_hashes[i : i + step]
+                add(StoredKeys(e.prefix_keys[i : i + step], e.parent, e.medium, engine))
         elif isinstance(e, Removed | Placed) and weight(e) > per_part:
             for i in range(0, len(e.engine_hashes), per_part):
                 add(type(e)(e.engine_hashes[i : i + per_part], e.medium))

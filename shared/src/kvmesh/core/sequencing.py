@@ -40,7 +40,8 @@ Rules (from vLLM's publisher, ``vllm/distributed/kv_events.py``, see docs/wire-p
   incarnation's first batches were missed), asks for a snapshot instead of a replay or a clear; live batches
   wait as during a replay. A snapshot whose cut reaches the first held batch (``cut ≥ gap_end - 1``) rebuilds
   the holder (`Rebuild`) and the held batches after the cut follow. An unavailable snapshot (cut ≤ -2), one
-  that does not reach the held batches, or a failed request falls back to a replay (from the cursor, or from
+  that does not reach the held batches, one whose cut is more than ``max_pending`` past the live stream, or a
+  failed request falls back to a replay (from the cursor, or from
   0 after a restart) when there is a replay socket, else to a resync. A restart seen at seq 0 needs no
   snapshot: the new incarnation's state is its batches from 0.
 """
@@ -253,7 +254,9 @@ class SeqTracker:
         """The snapshot asked for under ``token`` answered with ``cut`` (its state decoded and ready).
 
         A cut that reaches the first held live batch rebuilds the holder and delivers the held batches after
-        it; an unavailable one (≤ -2) or one short of the held batches falls back (`on_snapshot_failed`).
+        it; an unavailable one (≤ -2), one short of the held batches, or one more than ``max_pending`` past the
+        highest live sequence seen (no batch can be that far in flight: a lying or broken publisher) falls
+        back (`on_snapshot_failed`).
         """
         if not self.snapshotting or token != self.snapshot_token:
             return []
@@ -261,6 +264,10 @@ class SeqTracker:
             return self._snapshot_fallback("snapshot_unavailable")
         if cut < self.gap_end - 1:
             return self._snapshot_fallback("snapshot_behind")
+        if self.live_high is not None and cut > self.live_high + self.max_pending:
+            # Past anything in flight (more than a held buffer's worth beyond the live stream): used, every
+            # live batch up to the cut would be dropped as a duplicate.
+            return self._snapshot_fallback("snapshot_ahead")
         actions: list[Action] = [Rebuild(cut, self.last_seq)]
         self.snapshotting = False
         self.stats.rebuilds += 1

@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from kvmesh.core.engine_snapshot import SNAPSHOT_REQUEST, decode_snapshot_reply
 from kvmesh.core.errors import WireError
-from kvmesh.core.sequencing import Action
+from kvmesh.core.sequencing import Action, Rebuild
 from kvmesh.ingest.batches import Batches, Rank
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.liveness import EngineWatch
@@ -95,7 +95,19 @@ class SnapshotFetcher:
                 len(reply.chunks),
                 extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "cut": reply.cut},
             )
-            self.act(rank, tracker.on_snapshot(token, reply.cut))
+            actions = tracker.on_snapshot(token, reply.cut)
+            if actions and not any(isinstance(a, Rebuild) for a in actions):
+                log.warning(
+                    "worker %s rank %d: snapshot at seq %d not used: the live stream is at seq %s; falling back "
+                    "to %s",
+                    s.worker_id,
+                    rank.rank,
+                    reply.cut,
+                    tracker.live_high,
+                    "replay" if tracker.replay else "a resync",
+                    extra={"worker_id": s.worker_id, "dp_rank": rank.rank, "cut": reply.cut},
+                )
+            self.act(rank, actions)
         except asyncio.CancelledError:
             raise
         except WireError as exc:

@@ -1,0 +1,92 @@
+"""vLLM's snapshot wire (PR #57789) under bad input: lying snapshot replies and malformed sequence frames.
+
+A stand-in publisher (`kvmesh.sim.publisher.EventPublisher`) whose snapshot replies a test rewrites, a real
+ingest, indexer and router on a real nats-server. Each reply that cannot be right must leave the rank
+indexing its later live batches (exact route overlaps), with the fallback counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from tests.pipeline import eventually
+from tests.test_ingest_faults import ANY, T, U, V, W, blk, expect, started, stored
+from tests.test_vllm_snapshot_wire import sequence
+
+from kvmesh.core.wire import EngineBatch, encode_batch
+from kvmesh.sim.publisher import EventPublisher
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+Mangle = Callable[[list[bytes]], list[bytes]]
+
+
+class MangledPublisher(EventPublisher):
+    """A stand-in whose snapshot replies pass through ``mangle`` (a lying or broken engine)."""
+
+    mangle: Mangle | None = None
+
+    def snapshot_reply(self) -> list[bytes]:
+        frames = super().snapshot_reply()
+        return frames if self.mangle is None else self.mangle(frames)
+
+
+def cut_frame(cut: int) -> bytes:
+    return cut.to_bytes(8, "big", signed=True)
+
+
+MANGLES: dict[str, Mangle] = {
+    "cut_far_ahead": lambda f: [cut_frame(10**12), *f[1:]],
+    "garbage_chunk": lambda f: [*f[:2], b"\xc1garbage"],
+    "truncated_chunk": lambda f: [*f[:2], f[2][: len(f[2]) // 2], *f[3:]],
+    "other_epoch": lambda f: [f[0], b"\x00" * 16, *f[2:]],
+    "short_cut_frame": lambda f: [f[0][:7], *f[1:]],
+    "one_frame": lambda f: f[:1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MANGLES))
+async def test_a_snapshot_reply_that_cannot_be_right_is_not_used(nats_url: str, uid: str, name: str) -> None:
+    """After a gap (one batch storing U lost, no replay socket) the snapshot reply is rewritten: a cut far
+    past anything the rank's live stream reached (10**12), a chunk that is not msgpack, a chunk cut in half,
+    another publisher epoch, a cut frame of 7 bytes, no epoch frame. None rebuilds the rank: it is cleared
+    (T 0: its blocks before the loss go, U never indexes) and the live batches go on indexing (V 2), with one
+    snapshot failure and one resync counted. A cut far ahead, used, would have made every later live batch a
+    "duplicate" until the engine's sequence reached it: V would never index."""
+    pub = MangledPublisher(ANY, snapshot_endpoint=ANY)
+    pub.mangle = MANGLES[name]
+    async with started(nats_url, uid, {W: pub}, snapshot_endpoint=pub.snapshot_endpoint) as p:
+        pub.publish([stored([1, 2], blk(T, 0, 2))])
+        await expect(p, [T], [{"w/0": 2}])
+        pub.drop_next(1)
+        pub.publish([stored([11, 12], U)])  # seq 1, lost
+        pub.publish([stored([3], blk(T, 2), parent=2)])  # seq 2, live: the gap shows
+        await eventually(lambda: asyncio.sleep(0, sequence(p)), lambda s: s["snapshot_failures"] == 1)
+        pub.publish([stored([21, 22], V)])  # seq 3
+        await expect(p, [T, U, V], [{"w/0": 0}, {"w/0": 0}, {"w/0": 2}])
+        seq = sequence(p)
+        assert (seq["gaps"], seq["snapshots"], seq["snapshot_failures"], seq["rebuilds"]) == (1, 1, 1, 0)
+        assert (seq["resyncs"], seq["duplicates"], pub.snapshot_requests) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("length", [0, 7, 16, 23, 25, 32])
+async def test_a_sequence_frame_of_another_length_is_counted_and_dropped(
+    nats_url: str, uid: str, length: int
+) -> None:
+    """A live message whose sequence frame is neither 8 nor 24 bytes is dropped and counted as a decode error;
+    the rank is not restarted by it and the next good frame (seq 1) indexes."""
+    pub = EventPublisher(ANY, publisher_epoch=True)
+    async with started(nats_url, uid, {W: pub}) as p:
+        pub.publish([stored([1, 2], blk(T, 0, 2))])
+        await expect(p, [T], [{"w/0": 2}])
+        payload = encode_batch(EngineBatch(ts=1.0, events=(stored([11, 12], U),), dp_rank=0))
+        pub._pub.send_multipart(
+            (pub.topic.encode(), b"\x00" * (length - 1) + b"\x01" if length else b"", payload)
+        )
+        await eventually(lambda: asyncio.sleep(0, p.ingests[W].counters.decode_errors), lambda n: n == 1)
+        pub.publish([stored([21, 22], V)])
+        await expect(p, [T, U, V], [{"w/0": 2}, {"w/0": 0}, {"w/0": 2}])
+        seq = sequence(p)
+        assert (seq["restarts"], seq["gaps"], seq["resyncs"], seq["delivered"]) == (0, 0, 0, 2)

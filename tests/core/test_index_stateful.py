@@ -98,7 +98,8 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         tokens = tuple(
             data.draw(st.lists(st.integers(0, 1), min_size=n_new * BLOCK_SIZE, max_size=n_new * BLOCK_SIZE))
         )
-        self._store(holder, medium, copy, parent, parent_key, prefix=prefix, tokens=tokens)
+        by_keys = data.draw(st.booleans(), label="by_keys")  # an RFC #1527 seq_hashes event: store_sequence
+        self._store(holder, medium, copy, parent, parent_key, prefix=prefix, tokens=tokens, by_keys=by_keys)
 
     @precondition(lambda self: any(any(t.values()) for t in self.model.values()))
     @rule(data=st.data())
@@ -122,12 +123,16 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         *,
         prefix: tuple[int, ...],
         tokens: tuple[int, ...],
+        by_keys: bool = False,
     ) -> None:
         local = local_block_hashes(tokens, BLOCK_SIZE)
         keys = prefix_keys(local, parent_key)
         engine = [_engine_hash(holder, k, copy) for k in keys]
 
-        result = self.index.store(holder, engine, parent, local, medium)
+        if by_keys:  # the prefix keys given (StoredKeys), so no parent is needed
+            result = self.index.store_sequence(holder, engine, keys, medium)
+        else:
+            result = self.index.store(holder, engine, parent, local, medium)
 
         self.live_holders.add(holder)
         tier_blocks = self.model.setdefault(holder, {}).setdefault(tier_name(medium), {})

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
@@ -140,9 +141,11 @@ def merge_records(records: Sequence[WorkerRecord]) -> WorkerRecord:
     """Return one record for a worker from the records of its nodes (a whole-worker record as it is).
 
     The merged record covers every rank ``[0, dp_ranks)`` (the largest size any node names); a rank no node
-    reads is stale with reason `NO_NODE`, as are the nodes' own stale ranks with theirs. Its heartbeat is the
-    oldest node's, its incarnation the highest, its context length and KV capacity the smallest any node
-    reports, its block size the first node's that knows one.
+    reads is stale with reason `NO_NODE`, as are the nodes' own stale ranks with theirs. Its model is that of
+    the node with the lowest start rank, and a node that names another model is left out (its ranks are
+    `NO_NODE`: its engine serves another model). Its heartbeat is the oldest node's, its incarnation the
+    highest, its context length and KV capacity the smallest any node reports (a value below 1, which no
+    prompt or block fits, is read as unknown), its block size the first node's that knows one.
 
     Raises:
         ValueError: ``records`` is empty.
@@ -150,8 +153,18 @@ def merge_records(records: Sequence[WorkerRecord]) -> WorkerRecord:
     if not records:
         raise ValueError("merge_records needs at least one record")
     if len(records) == 1 and records[0].dp_ranks_local is None and records[0].dp_rank_start == 0:
-        return records[0]
+        one = records[0]
+        if _positive(one.context_length) == one.context_length and (
+            _positive(one.kv_capacity_blocks) == one.kv_capacity_blocks
+        ):
+            return one
+        return msgspec.structs.replace(
+            one,
+            context_length=_positive(one.context_length),
+            kv_capacity_blocks=_positive(one.kv_capacity_blocks),
+        )
     ordered = sorted(records, key=lambda r: (r.dp_rank_start, r.dp_ranks_local or 0))
+    ordered = [r for r in ordered if r.model == ordered[0].model]
     size = max(r.dp_ranks for r in ordered)
     covered: set[int] = set()
     stale: dict[int, str] = {}
@@ -164,7 +177,7 @@ def merge_records(records: Sequence[WorkerRecord]) -> WorkerRecord:
             stale[r] = NO_NODE
 
     def smallest(values: Iterable[int | None]) -> int | None:
-        known = [v for v in values if v is not None]
+        known = [v for v in values if v is not None and v >= 1]
         return min(known) if known else None
 
     first = ordered[0]
@@ -179,6 +192,22 @@ def merge_records(records: Sequence[WorkerRecord]) -> WorkerRecord:
         context_length=smallest(r.context_length for r in ordered),
         kv_capacity_blocks=smallest(r.kv_capacity_blocks for r in ordered),
     )
+
+
+def _positive(value: int | None) -> int | None:
+    """``value`` when it is a positive count, else None (unknown)."""
+    return value if value is not None and value >= 1 else None
+
+
+def record_warnings(key: str, record: WorkerRecord) -> list[str]:
+    """What a usable record read under ``key`` says that is read otherwise (for a warning): a context length
+    or KV capacity below 1 (read as unknown)."""
+    out = []
+    if record.context_length is not None and record.context_length < 1:
+        out.append(f"context_length {record.context_length} is read as unknown")
+    if record.kv_capacity_blocks is not None and record.kv_capacity_blocks < 1:
+        out.append(f"kv_capacity_blocks {record.kv_capacity_blocks} is read as unknown")
+    return out
 
 
 async def heartbeat(kv: Any, record: WorkerRecord) -> int:
@@ -455,6 +484,8 @@ class RegistryWatcher:
         """Worker id → its keys in `records`."""
         self.known: dict[str, str] = {}
         """Worker id → model of every worker known to heartbeat (key seen here, or a recorded member)."""
+        self._mismatched: set[str] = set()
+        """Node keys whose record names another model than their worker's merged record (warned once)."""
         self._members = members
         self.synced = False
         """True once the watch has delivered every key that existed when it started."""
@@ -553,9 +584,28 @@ class RegistryWatcher:
             self._merge(worker)
             return
         before = self.workers.get(worker)
+        prev = self.records.get(key)
+        if prev is None or (prev.context_length, prev.kv_capacity_blocks) != (
+            record.context_length,
+            record.kv_capacity_blocks,
+        ):
+            for why in record_warnings(key, record):
+                log.warning("registry: record %s of worker %s: %s", key, worker, why)
         self.records[key] = record
         self._keys.setdefault(worker, set()).add(key)
         self._merge(worker)
+        merged = self.workers[worker]
+        if merged.model == record.model:
+            self._mismatched.discard(key)
+        elif key not in self._mismatched:
+            self._mismatched.add(key)
+            log.warning(
+                "registry: node %s of worker %s names model %r, its other nodes %r: its ranks are not routed",
+                key,
+                worker,
+                record.model,
+                merged.model,
+            )
         after = self.workers[worker]
         if before is not None and _routing_view(before) == _routing_view(after):
             self.changes -= 1  # a plain heartbeat: the per-model views stay valid

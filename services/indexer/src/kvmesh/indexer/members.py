@@ -225,6 +225,22 @@ class RegistryWatch:
             info = self._stream.state.workers().get(worker)
             if info is None or info["removed"]:
                 return
+            # A rank another node key still reads (node ranges that overlap) is that node's: it stays.
+            others = [rec for k, rec in self._registry.items() if worker_of_key(k) == worker]
+            gone = uncovered_ranks(departure.ranks, others)
+            if len(gone) != len(departure.ranks):
+                log.warning(
+                    "indexer %s: worker %s: node %s left, but ranks %s of it are still read by another node "
+                    "(overlapping node ranks): kept",
+                    self.replica,
+                    worker,
+                    entry.key,
+                    sorted(set(departure.ranks) - set(gone)),
+                    extra={"replica": self.replica, "worker_id": worker},
+                )
+                if not gone:
+                    return
+                departure = dataclasses.replace(departure, ranks=gone)
             await self._clear_ranks(departure, info, "left the registry with their node")
             return
         removal = policy.removal_on_delete(worker, entry.operation, record, self._stream.state.live_worker)

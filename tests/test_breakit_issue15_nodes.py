@@ -13,13 +13,13 @@ import msgspec
 import pytest
 from tests.pipeline import eventually, overlaps
 from tests.test_ingest_faults import BS, T, blk, clean_pipeline, stored
-from tests.test_multinode_dp import DP, NO_NODE, TTL_S, W, explained, kill, ranks_on_ports, start_node
+from tests.test_multinode_dp import DP, TTL_S, W, explained, kill, ranks_on_ports, start_node
 
 from kvmesh.core import protocol
 from kvmesh.core.protocol import WorkerRecord
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
-from kvmesh.runtime.registry import RegistrySettings, open_registry, registry_key
+from kvmesh.runtime.registry import NO_NODE, RegistrySettings, open_registry, registry_key
 from kvmesh.sim.publisher import EventPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]

@@ -104,6 +104,11 @@ class EventsMessage(msgspec.Struct, tag="events", kw_only=True, frozen=True):
     ts: float = 0.0
     """Engine timestamp of the batch (seconds since the epoch), 0 for ingest-made messages."""
     events: list[Event]
+    readers: list[str] | None = None
+    """Set when the holder is a shared cache, not a routable instance (an RFC #1527 ``backend_id``: a per-node
+    CPU/disk pool, ``kvmesh ingest --backend-of``): the worker ids of the instances that read it, for which its
+    blocks count (`kvmesh.core.state.IndexState.match`). None: an instance. Readers built before this field
+    ignore it."""
 
 
 class WorkerRemoved(msgspec.Struct, tag="worker_removed", kw_only=True, frozen=True):

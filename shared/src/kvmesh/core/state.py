@@ -72,6 +72,20 @@ an engine ``Cleared("engine")``; the holder's *cursor* is the position of the la
 `holder_health()` lists every live holder that is not exact, with its reason (``"stream_gap"`` for the
 snapshot gap above, ``"held"``, ``"gap"``, ``"out_of_order"``); `match` reports it per candidate (`HolderMatch.health`).
 
+Shared caches (backends)
+------------------------
+
+A holder whose messages name ``readers`` (`EventsMessage.readers`: an RFC #1527 ``backend_id`` that is no
+routable instance, such as a per-node CPU/disk pool, published by ``kvmesh ingest --backend-of``) is a
+**backend**: it is never a candidate, and `match` counts its blocks for every holder of each worker that
+reads it (same model and block size), at the backend's tiers. A reader's overlap is the longest leading run
+of prompt blocks held on any of its own tiers or by any backend it reads, each block on its fastest tier
+among them (`HolderMatch.tiers`); its ``cached_blocks`` stay its own. The readers are the last ones the
+backend's applied messages named; a replica restored from a snapshot learns them again from the backend's
+next message (snapshots do not keep them: until then the backend's blocks count for no one, and it is not
+excluded from the candidates of a match without a registry). Cost: one index lookup per prompt block of the
+readers' combined run, on top of the match.
+
 Block sizes
 -----------
 
@@ -88,8 +102,9 @@ from __future__ import annotations
 import bisect
 import heapq
 from array import array
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Final, cast
 
 import xxhash
@@ -109,8 +124,15 @@ from kvmesh.core.events import (
     decode_message,
     encode_message,
 )
-from kvmesh.core.hashing import SEED, iter_prefix_keys, iter_prompt_prefix_keys, pack_tokens
-from kvmesh.core.index import Holder, IndexExport, Overlap, PrefixIndex
+from kvmesh.core.hashing import (
+    SEED,
+    iter_prefix_keys,
+    iter_prompt_prefix_keys,
+    pack_tokens,
+    prefix_keys,
+    prompt_prefix_keys,
+)
+from kvmesh.core.index import DEFAULT_TIER, Holder, IndexExport, Overlap, PrefixIndex, tier_rank
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -201,6 +223,8 @@ class _WorkerInfo:
     """Model of the removed incarnation: ``stale_through`` applies to messages of this model only."""
     seqs: dict[int, HolderSeq] = field(default_factory=dict)
     """dp_rank → engine order of the current epoch."""
+    readers: tuple[str, ...] = ()
+    """Workers that read this one's blocks (it is a backend: `EventsMessage.readers`); empty: an instance."""
 
 
 @dataclass(slots=True)
@@ -470,6 +494,7 @@ class IndexState:
         if verdict == "refuse":
             return
         info.removed_epoch = None
+        info.readers = tuple(msg.readers) if msg.readers else ()
         index = self._index(msg.model, block_size)
         if info.block_size != block_size:
             # The worker moved to another block size: its old entries are meaningless now.
@@ -669,6 +694,11 @@ class IndexState:
                 for h in index.holders():
                     if h not in found and not self._is_removed(h.worker_id):
                         found[h] = self._holder_match(index, h, overlaps.get(h), bs)
+                self._add_backends(
+                    index,
+                    partial(prompt_prefix_keys, token_ids, bs, lora_name=lora_name, cache_salt=cache_salt),
+                    found,
+                )
         else:
             pack_tokens(token_ids)  # still validate the token ids
         if unsized is not None:
@@ -719,6 +749,7 @@ class IndexState:
             for h in index.holders():
                 if not self._is_removed(h.worker_id):
                     found[h] = self._holder_match(index, h, overlaps.get(h), block_size)
+            self._add_backends(index, lambda: prefix_keys(local_hashes), found)
         for bs, other in sorted(live.items()):
             if other is index:
                 continue
@@ -774,6 +805,7 @@ class IndexState:
             for h in index.holders():
                 if not self._is_removed(h.worker_id):
                     found[h] = self._holder_match(index, h, overlaps.get(h), block_size)
+            self._add_backends(index, lambda: keys, found)
         for bs, other in sorted(live.items()):
             if other is index:
                 continue
@@ -822,6 +854,59 @@ class IndexState:
             overlap_tokens=blocks * bs,
             health=self._holder_health(h),
         )
+
+    def _add_backends(
+        self, index: PrefixIndex, keys: Callable[[], Sequence[int]], found: dict[Holder, HolderMatch]
+    ) -> None:
+        """Take the index's backends out of ``found`` and count their blocks for their readers' holders (module
+        docstring, "Shared caches"); ``keys`` gives the prompt's prefix keys, called only when some holder of
+        the index reads a backend."""
+        backends: dict[Holder, tuple[str, ...]] = {}
+        for h in index.holders():
+            info = self._workers.get(h.worker_id)
+            if info is not None and info.readers:
+                backends[h] = info.readers
+                found.pop(h, None)
+        if not backends:
+            return
+        reads: dict[Holder, list[Holder]] = {}
+        for h in found:
+            pools = [b for b, readers in backends.items() if h.worker_id in readers]
+            if pools:
+                reads[h] = pools
+        if not reads:
+            return
+        per_tier: dict[Holder, dict[str, int]] = {h: {} for h in reads}
+        depth = {h: 0 for h in reads}
+        alive = set(reads)
+        for key in keys():
+            here = index.match_tiers([key])
+            for h in list(alive):
+                best: str | None = None
+                for member in (h, *reads[h]):
+                    o = here.get(member)
+                    if o is not None:
+                        tier = DEFAULT_TIER if o.tiers is None else next(iter(o.tiers))
+                        if best is None or tier_rank(tier) < tier_rank(best):
+                            best = tier
+                if best is None:
+                    alive.discard(h)
+                else:
+                    depth[h] += 1
+                    per_tier[h][best] = per_tier[h].get(best, 0) + 1
+            if not alive:
+                break
+        for h, blocks in depth.items():
+            tiers = per_tier[h]
+            m = found[h]
+            found[h] = replace(
+                m,
+                overlap_blocks=blocks,
+                overlap_tokens=blocks * m.block_size,
+                tiers=None
+                if tiers.keys() <= {DEFAULT_TIER}
+                else dict(sorted(tiers.items(), key=lambda kv: tier_rank(kv[0]))),
+            )
 
     def _holder_health(self, holder: Holder) -> str | None:
         info = self._workers.get(holder.worker_id)

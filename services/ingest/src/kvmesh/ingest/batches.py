@@ -353,6 +353,7 @@ class Batches:
             first_seq=first_seq if first_seq is not None and first_seq != seq else None,
             ts=ts,
             events=events,
+            readers=s.backend_of or None,
         )
         base_id = msg_id or self.ids.batch(s.worker_id, dp_rank, epoch, seq)
         parts, split = encode_under(msg, base_id, self.max_payload)
@@ -382,6 +383,7 @@ class Batches:
             epoch=epoch,
             seq=seq,
             events=[Cleared("overflow")],
+            readers=s.backend_of or None,
         )
         msg_id = self.ids.unique(holder[0], holder[1], epoch, seq, "overflow")
         subject = subjects.events_subject(s.events_prefix, s.model, holder[0], holder[1])

@@ -73,6 +73,12 @@ class IngestSettings(NatsAuth):
     block_size: int | None = setting(
         None, "expected block size in tokens; events with another size are rejected (none: first event's)"
     )
+    backend_of: list[str] = setting(  # noqa: RUF009 - setting() copies the list per instance
+        [],
+        "the endpoint is a shared cache, not a routable instance (an RFC #1527 backend_id such as a Mooncake "
+        "master's CPU/disk pool): the worker ids of the instances that read it, comma-separated; its blocks "
+        "count for each of them at its tiers, --worker-id names the pool, and it takes no registry key",
+    )
     context_length: int | None = setting(
         None,
         "engine's context length in tokens (vLLM --max-model-len), registered so routers send it no longer "
@@ -193,6 +199,10 @@ class IngestSettings(NatsAuth):
             problems += endpoint_problems("--snapshot-endpoint", self.snapshot_endpoint, ranks.stop)
         if self.block_size is not None and self.block_size < 1:
             problems.append("--block-size must be ≥ 1")
+        if self.worker_id and self.worker_id in self.backend_of:
+            problems.append(
+                f"--backend-of names the pool itself ({self.worker_id}): list the instances that read it"
+            )
         if self.context_length is not None and self.context_length < 1:
             problems.append("--context-length must be ≥ 1")
         if self.kv_capacity_blocks is not None and self.kv_capacity_blocks < 1:

@@ -148,7 +148,8 @@ class IngestService:
             f"rank {rank.rank} reader": reader.read(rank) for rank in self._ranks.values()
         }
         loops["publish loop"] = pub.run()
-        loops["registry heartbeat"] = self.registration.run()
+        if not s.backend_of:  # a backend (a shared pool) is no routable worker: it has no registry key
+            loops["registry heartbeat"] = self.registration.run()
         if self._watch is not None:
             loops["engine liveness"] = self._watch.run()
         if s.metrics_url:  # engine load for the routers (vLLM's Prometheus page)
@@ -181,7 +182,11 @@ class IngestService:
         recovered = {r: await self._recover(r, has_replay) for r in s.local_ranks()}
         trackers = {r: c.tracker for r, c in recovered.items()}
         resync = {r for r, c in recovered.items() if c.resync}
-        if any(c.found for c in recovered.values()) and not await self.registration.still_registered():
+        if (
+            any(c.found for c in recovered.values())
+            and not s.backend_of
+            and not await self.registration.still_registered()
+        ):
             # The worker was removed (clean stop, TTL) or is about to be: the index drops every message of
             # the old incarnation from here on. Start a new one on every rank, above every rank's epoch
             # (the removal covers the worker's highest), replaying what the engine still holds.
@@ -259,7 +264,7 @@ class IngestService:
                 len(pub.outbox),
                 len(pub.window),
             )
-        if self._stop.is_set():  # a clean stop: leave the registry now rather than at the TTL
+        if self._stop.is_set() and not self.settings.backend_of:  # a clean stop: leave the registry now
             await self.registration.deregister()
         assert self._nc is not None
         await close_quietly(self._nc)

@@ -61,6 +61,7 @@ PROVIDED_BY: dict[str, tuple[str, str]] = {
     "trtllm": ("kvmesh-ingest", "services/ingest"),
     "indexer": ("kvmesh-indexer", "services/indexer"),
     "router": ("kvmesh-router", "services/router"),
+    "http": ("kvmesh-router", "services/router"),
 }
 """The commands other distributions add (``kvmesh.commands`` entry points): the distribution, its folder."""
 
@@ -77,6 +78,8 @@ commands:
   trtllm    start trtllm-serve with KV events on and an ingest attached (kvmesh trtllm --worker-id W -- serve M)
   indexer   rebuild the prefix index from the stream and answer match queries
   router    answer kvmesh.route requests: which worker holds the longest cached prefix
+  http      a router that also serves the RFC #1403 indexer API over HTTP (/query, /query_by_hash,
+            /register, ...: Mooncake's conductor and Dynamo's standalone indexer API)
   route     send one route request and print the reply
   finish    end routed requests by id at every router (their load stops counting; also --prefill-done)
   status    show the stream, indexer replicas, snapshots, workers and ingests

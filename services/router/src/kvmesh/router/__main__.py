@@ -30,5 +30,32 @@ def command(argv: Sequence[str] | None = None, prog: str = "kvmesh router") -> i
     )
 
 
+HTTP_DESCRIPTION = """\
+Serve the RFC #1403 indexer API (Mooncake's conductor, Dynamo's standalone indexer) over HTTP: a router
+replica with --http-port (default 8090) that also answers kvmesh.route. POST /query, /query_by_hash,
+/register (starts an ingest for the publisher), /unregister; GET /workers, /dump, /health, /metrics.
+
+example: kvmesh http --nats-url nats://nats:4222 --http-host 0.0.0.0
+         curl -s localhost:8090/query -d '{"model": "m", "block_size": 16, "token_ids": [1, 2, 3]}'
+"""
+
+DEFAULT_HTTP_PORT = 8090
+"""``kvmesh http``'s port when neither ``--http-port`` nor ``KVMESH_ROUTER_HTTP_PORT`` names one (Dynamo's)."""
+
+
+def http_command(argv: Sequence[str] | None = None, prog: str = "kvmesh http") -> int:
+    """Run a router replica with the RFC #1403 HTTP API on; returns the process exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    named = any(a == "--http-port" or a.startswith("--http-port=") for a in args)
+    if not named and "KVMESH_ROUTER_HTTP_PORT" not in os.environ:
+        args = ["--http-port", str(DEFAULT_HTTP_PORT), *args]
+    parser = argparse.ArgumentParser(
+        prog=prog, description=HTTP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    return run_service(
+        parser, RouterSettings, service="router", argv=args, environ=os.environ, build=RouterService
+    )
+
+
 if __name__ == "__main__":
     sys.exit(command(sys.argv[1:], prog="python -m kvmesh.router"))

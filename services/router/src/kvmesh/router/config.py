@@ -108,6 +108,17 @@ class RouterSettings(NatsAuth):
         None, "port of the Prometheus /metrics endpoint on every interface (0: a free one, logged; none: off)"
     )
 
+    http_port: int | None = setting(
+        None,
+        "port of the RFC #1403 indexer API (HTTP: /query, /query_by_hash, /register, /unregister, /workers, "
+        "/dump, /health, /metrics) over this router's local index (0: a free one, logged; none: off)",
+    )
+    http_host: str = setting(
+        "127.0.0.1",
+        "interface of --http-port (0.0.0.0: every one; /register starts ingest processes, so expose it only "
+        "where its callers are trusted)",
+    )
+
     def registry_bucket_name(self) -> str:
         """Return the registry bucket, derived from the stream when unset."""
         return self.registry_bucket or subjects.registry_bucket(self.stream)
@@ -155,6 +166,11 @@ class RouterSettings(NatsAuth):
             problems.append(f"--{flag}: {p}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
+        if self.http_port is not None:
+            if not 0 <= self.http_port <= 65535:
+                problems.append(f"--http-port must be in [0, 65535] (0: a free port), got {self.http_port}")
+            if self.index != "local":
+                problems.append("--http-port needs --index local (the API answers from the local index)")
         if self.log_format not in LOG_FORMATS:
             problems.append(f"--log-format must be auto, json or text, got {self.log_format!r}")
         return problems

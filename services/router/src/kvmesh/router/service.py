@@ -75,6 +75,8 @@ from kvmesh.core.load import EngineLoads, LoadLedger
 from kvmesh.core.protocol import FORMS_METADATA_KEY, ROUTE_FORMS, RouterStats
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.endpoint import MAX_IN_FLIGHT, RouteEndpoint, WorkerRegistry
+from kvmesh.router.http_ingests import Registrations
+from kvmesh.router.http_server import HttpApi, serve_http
 from kvmesh.router.local_index import LAG_CHECK_S, LocalIndex
 from kvmesh.router.metrics import INSTRUMENTS, REPLICA_PREFIX, router_samples
 from kvmesh.router.notes import LifecycleNotes
@@ -134,6 +136,9 @@ class RouterService:
         self.endpoint.registry = registry
         self.metrics: ServiceMetrics | None = None
         """The Prometheus endpoint (None with ``--metrics-port`` unset)."""
+        self.http_port: int | None = None
+        """The port the RFC #1403 API listens on once serving (``--http-port``; None: off)."""
+        self.http: HttpApi | None = None
 
     @property
     def registry(self) -> WorkerRegistry | None:
@@ -221,6 +226,7 @@ class RouterService:
         # straight to the socket but SUB through its pending buffer, so one flush can overtake the SUB.
         await nc.flush()
         await nc.flush()
+        http = await self._start_http()
         self.ready.set()
         log.info(
             "router: serving %s (%s, %d in-flight requests from peers)",
@@ -233,6 +239,10 @@ class RouterService:
             # a stale index or stale candidates.
             await supervise(nc, loops, stop=self._stop, name="router", health_file=s.health_file)
         finally:
+            if http is not None:
+                http.close()
+                assert self.http is not None
+                await self.http.registrations.aclose()
             with contextlib.suppress(Exception):
                 await service.stop()
             # answer what was accepted before the connection drains
@@ -240,6 +250,22 @@ class RouterService:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+
+    async def _start_http(self) -> asyncio.Server | None:
+        """Listen for the RFC #1403 API (``--http-port``) over the local index; None when off."""
+        s = self.settings
+        if s.http_port is None or self.local is None:
+            return None
+        local = self.local
+        self.http = HttpApi(
+            lambda: local.replica.state if local.replica is not None else None,
+            Registrations(s),
+            ready=lambda: local.replica is not None,
+        )
+        server = await serve_http(self.http, s.http_host, s.http_port)
+        self.http_port = int(server.sockets[0].getsockname()[1])
+        log.info("router: RFC #1403 indexer API on http://%s:%d", s.http_host, self.http_port)
+        return server
 
     def stop(self) -> None:
         """Ask `run()` to finish."""

@@ -298,7 +298,13 @@ class Up:
             "--match-subject", ns.match_subject, "--route-subject", ns.route_subject,
             "--requests-prefix", ns.requests_prefix, "--load-prefix", ns.load_prefix,
             "--metrics-port", str(ports["router"]),
+            *(["--http-port", str(a.http_port)] if a.http_port is not None else []),
         )  # fmt: skip
+        if a.http_port is not None:
+            self.say(
+                f"RFC #1403 indexer API: http://127.0.0.1:{a.http_port} (POST /query with "
+                f'{{"model": "{MODEL}", "block_size": {a.block_size}, "token_ids": [...]}})'
+            )
         self.say(
             f"started {a.workers} simulated workers, {a.workers} ingests, an indexer and a router "
             f"(logs in {self.log_dir if a.log_dir else 'a temporary directory'})"
@@ -597,6 +603,14 @@ def build_parser(prog: str = "kvmesh up") -> argparse.ArgumentParser:
         "--log-dir",
         default=None,
         help="keep the processes' logs here (default: a temporary directory, removed)",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve the RFC #1403 indexer API (Mooncake's conductor, Dynamo's standalone indexer: POST /query, "
+        "/query_by_hash, /register, ...) from the router on 127.0.0.1:PORT (default: off)",
     )
     p.add_argument(
         "--cluster",

@@ -182,11 +182,8 @@ class IngestService:
         recovered = {r: await self._recover(r, has_replay) for r in s.local_ranks()}
         trackers = {r: c.tracker for r, c in recovered.items()}
         resync = {r for r, c in recovered.items() if c.resync}
-        if (
-            any(c.found for c in recovered.values())
-            and not s.backend_of
-            and not await self.registration.still_registered()
-        ):
+        found = any(c.found for c in recovered.values())
+        if found and not (s.backend_of or await self.registration.still_registered()):  # a pool has no key
             # The worker was removed (clean stop, TTL) or is about to be: the index drops every message of
             # the old incarnation from here on. Start a new one on every rank, above every rank's epoch
             # (the removal covers the worker's highest), replaying what the engine still holds.

@@ -383,7 +383,7 @@ def _builder_sync(text: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_dockerfile_service_environment_holds_no_tools(tmp_path: Path) -> None:
-    """The builder's uv sync, run here on the files the Dockerfile copies, installs core, ingest, indexer and router and no simulator, benchmark, deploy or harness code."""
+    """The builder's uv sync, run here on the files the Dockerfile copies, installs core, ingest (with kvmesh.publish), indexer and router and no simulator, benchmark, deploy or harness code."""
     src = tmp_path / "src"
     (src / "tools").mkdir(parents=True)
     for name in ("pyproject.toml", "uv.lock"):
@@ -432,6 +432,7 @@ def test_dockerfile_service_environment_holds_no_tools(tmp_path: Path) -> None:
         "runtime",
         "ops",
         "ingest",
+        "publish",  # kvmesh.publish (custom engines), part of the ingest distribution
         "indexer",
         "router",
     }

@@ -216,3 +216,23 @@ def test_reset_forgets_everything_and_raises_the_epoch() -> None:
     assert (state.block_total(), state.workers(), state.reset_epoch, state.applied_seq) == (0, {}, 1, 10)
     state.apply(11, _msg("c", 0, [Stored([8], None, LOCAL[:1])]))  # the removed incarnation is accepted again
     assert state.block_total() == 1
+
+
+def test_a_backend_pools_readers_survive_a_snapshot() -> None:
+    """A backend pool's readers (`EventsMessage.readers`) are in the snapshot: a restored state counts the
+    pool's blocks for its reader at once, as the original does."""
+    pool = EventsMessage(
+        worker_id="pool",
+        dp_rank=0,
+        model="m",
+        block_size=BS,
+        epoch=1,
+        seq=0,
+        events=[Stored([41, 42], None, LOCAL[:2], "CPU")],
+        readers=["a"],
+    )
+    original = _state([_msg("a", 0, [Stored([1], None, LOCAL[:1])]), pool])
+    restored = IndexState.from_export(decode_snapshot(encode_snapshot(original.export())))
+    for state in (original, restored):
+        (a0,) = state.match("m", _prompt()).candidates
+        assert (a0.worker_id, a0.overlap_blocks, a0.cached_blocks) == ("a", 2, 1)

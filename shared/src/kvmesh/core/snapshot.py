@@ -118,6 +118,8 @@ class _Worker(msgspec.Struct, array_like=True):
     seqs: dict[int, tuple[int | None, int, bool, int | None, str | None]]
     held: dict[int, tuple[int, list[bytes]]] = {}
     """dp_rank → (stream seq the hold began, held messages): absent in snapshots written before holds."""
+    readers: list[str] = []
+    """Workers reading this backend pool's blocks: absent in format 3 and for instances."""
 
 
 class _Body(msgspec.Struct, array_like=True):
@@ -173,6 +175,7 @@ def encode_snapshot(export: StateExport) -> bytes:
                 w.stale_model,
                 w.seqs,
                 {r: (since, list(held)) for r, (since, held) in w.held.items()},
+                list(w.readers),
             )
             for w in export.workers
         ],
@@ -282,6 +285,7 @@ def decode_snapshot(data: bytes) -> StateExport:
                 stale_model=w.stale_model,
                 seqs=w.seqs,
                 held={r: (since, tuple(held)) for r, (since, held) in w.held.items()},
+                readers=tuple(w.readers),
             )
             for w in body.workers
         ),

@@ -276,6 +276,8 @@ class WorkerExport:
     """dp_rank → engine order ``(seq, part, free, gap_from, health)`` (`HolderSeq`)."""
     held: dict[int, tuple[int, tuple[bytes, ...]]] = field(default_factory=dict)
     """dp_rank → (stream seq the hold began, held messages encoded with `encode_message`), held ranks only."""
+    readers: tuple[str, ...] = ()
+    """Workers that read this one's blocks (a backend pool, `EventsMessage.readers`); empty: an instance."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1018,6 +1020,7 @@ class IndexState:
                         for r, h in i.seqs.items()
                         if h.held
                     },
+                    readers=i.readers,
                 )
                 for w, i in self._workers.items()
             ),
@@ -1052,6 +1055,7 @@ class IndexState:
                 w.stale_through,
                 w.stale_model,
                 {r: HolderSeq(*t) for r, t in w.seqs.items()},
+                readers=w.readers,
             )
             for r, (since, held) in w.held.items():
                 hs = state._workers[w.worker_id].seqs.setdefault(r, HolderSeq())

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from tests.pipeline import eventually
-from tests.test_ingest_faults import ANY, T, U, V, W, blk, expect, started, stored
-from tests.test_vllm_snapshot_wire import sequence
+from tests.test_ingest_faults import ANY, T, U, V, W, blk, expect, removed, started, stored
+from tests.test_vllm_snapshot_wire import index_digest, sequence, truth_digest
 
 from kvmesh.core.wire import EngineBatch, encode_batch
 from kvmesh.sim.publisher import EventPublisher
@@ -90,3 +91,32 @@ async def test_a_sequence_frame_of_another_length_is_counted_and_dropped(
         await expect(p, [T, U, V], [{"w/0": 2}, {"w/0": 0}, {"w/0": 2}])
         seq = sequence(p)
         assert (seq["restarts"], seq["gaps"], seq["resyncs"], seq["delivered"]) == (0, 0, 0, 2)
+
+
+async def test_an_epoch_flapping_between_two_values_stays_read_and_ends_rebuilt(
+    nats_url: str, uid: str, tmp_path: Path
+) -> None:
+    """Live frames whose publisher epoch flips between two values on every batch (two publishers answering on
+    one port, or a broken one): every flip is a restart (counted), the ingest keeps reading, and once the
+    epoch settles the rank is rebuilt from the snapshot: T's 3 blocks, U's 2 and the one V block the flips left
+    stored (119) match, and the index digest equals the engine's."""
+    record = tmp_path / "engine.rec"
+    pub = EventPublisher(ANY, snapshot_endpoint=ANY, record_path=record)
+    epochs = [pub._epoch, b"\x01" * 16]
+    async with started(nats_url, uid, {W: pub}, snapshot_endpoint=pub.snapshot_endpoint) as p:
+        pub.publish([stored([1, 2], blk(T, 0, 2))])
+        await expect(p, [T], [{"w/0": 2}])
+        flips = 20
+        for i in range(flips):
+            pub._epoch = epochs[(i + 1) % 2]
+            pub.publish([stored([100 + i], blk(V, 0))] if i % 2 else [removed(100 + i - 1)])
+        pub._epoch = epochs[0]
+        pub.publish([stored([3], blk(T, 2), parent=2)])
+        pub.publish([stored([11, 12], U)])
+        await expect(p, [T, U, V], [{"w/0": 3}, {"w/0": 2}, {"w/0": 1}])
+        assert await eventually(
+            lambda: asyncio.sleep(0, index_digest(p)), lambda d: d == truth_digest(record, p.model)
+        )
+        seq = sequence(p)
+        assert seq["restarts"] == flips
+        assert p.ingests[W].counters.decode_errors == 0

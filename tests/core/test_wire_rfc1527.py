@@ -199,7 +199,7 @@ def test_a_malformed_rfc_event_is_rejected_alone() -> None:
 
 def test_encoder_writes_what_the_master_writes() -> None:
     """`encode_rfc1527_batch` (and ``producer="mooncake"``) gives the master's maps, aliases on or off."""
-    events = (
+    events: tuple[wire.KVEvent, ...] = (
         *(
             wire.SequenceStored(seq_hashes=(h,), base_block_idx=0, medium="cpu", backend_id="node-1-pool")
             for h in SEQ[:2]

@@ -132,7 +132,7 @@ def test_split_cuts_long_removals_and_stored_runs_within_the_bound() -> None:
         sum(
             2 * len(e.engine_hashes) if isinstance(e, Stored) else len(e.engine_hashes)
             for e in part
-            if not isinstance(e, Cleared)
+            if isinstance(e, Stored | Removed)
         )
         for part in parts
     ]

@@ -19,7 +19,7 @@ from tests.test_ingest_faults import clean_pipeline, stored
 from kvmesh.client import BadRequestError, Router
 from kvmesh.core import protocol as p
 from kvmesh.core.errors import RequestError, UnknownModelError
-from kvmesh.core.events import EventsMessage, Stored
+from kvmesh.core.events import Event, EventsMessage, Stored
 from kvmesh.core.hashing import local_block_hashes
 from kvmesh.core.state import IndexState
 from kvmesh.sim.publisher import EventPublisher
@@ -60,7 +60,7 @@ LOCAL = std_local(PROMPT, BS)
 
 def _msg(worker: str, rank: int, events: list[Stored]) -> EventsMessage:
     return EventsMessage(
-        worker_id=worker, dp_rank=rank, model="m", block_size=BS, epoch=1, seq=1, events=events
+        worker_id=worker, dp_rank=rank, model="m", block_size=BS, epoch=1, seq=1, events=list[Event](events)
     )
 
 

@@ -4,14 +4,18 @@
 publisher answers with its end marker alone (vLLM ≥ 0.9 and SGLang ≥ 0.4.6: "a start seq past the newest
 gets only END", ../wire-protocol §2.4), a dead one answers nothing. `probe_http` GETs a URL (the engine's
 ``/health`` or ``/metrics`` page) for engines without a replay socket. `fetch_metrics` reads the engine's
-Prometheus page (`kvmesh.ingest.engine_sleep` looks for a sleep there).
+Prometheus page (`kvmesh.ingest.engine_sleep` looks for a sleep there) on the event loop itself, so a page
+that never finishes (a byte at a time) or is huge costs one connection for at most its timeout and at most
+`MAX_METRICS_BYTES`, never a thread left reading.
 """
 
 from __future__ import annotations
 
 import asyncio
 import http.client
+import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Final
 
@@ -20,12 +24,13 @@ import zmq.asyncio
 
 from kvmesh.core import wire
 from kvmesh.core.errors import WireError
-from kvmesh.runtime.vllm_metrics import fetch_text
 
 PROBE_SEQ: Final[int] = 2**63
 """The start sequence a replay probe asks for: past any engine's newest batch, so only END comes back."""
 PROBE_MAX_MESSAGE_BYTES: Final[int] = 1 << 16
 """Largest frame a replay probe reads (ZMQ drops a peer that sends more)."""
+MAX_METRICS_BYTES: Final[int] = 16 * 2**20
+"""Largest metrics page `fetch_metrics` reads (vLLM's is tens of KiB; a larger one is refused)."""
 
 
 async def probe_replay(ctx: zmq.asyncio.Context, endpoint: str, *, timeout_s: float) -> tuple[bool, str]:
@@ -91,11 +96,96 @@ async def probe_http(url: str, *, timeout_s: float) -> tuple[bool, str]:
     return (True, "") if status < 500 else (False, f"{url} answered HTTP {status}")
 
 
-async def fetch_metrics(url: str, timeout_s: float) -> str:
-    """GET the engine's Prometheus page and return its text (in a worker thread; at most ``timeout_s`` + 1 s).
+async def fetch_metrics(url: str, timeout_s: float, *, max_bytes: int = MAX_METRICS_BYTES) -> str:
+    """GET the engine's Prometheus page (``http://`` or ``https://``) and return its text, all of it within
+    ``timeout_s`` seconds (connecting included) and ``max_bytes`` bytes; the connection is closed either way.
 
     Raises:
-        OSError: connection or HTTP failure (also `TimeoutError`).
+        OSError: connection or HTTP failure (an HTTP status of 400 or more, a page over ``max_bytes``); also
+            `TimeoutError` when the whole page did not come within ``timeout_s``.
         http.client.HTTPException: an answer that is not HTTP, or one cut off.
     """
-    return await asyncio.wait_for(asyncio.to_thread(fetch_text, url, timeout_s), timeout_s + 1.0)
+    try:
+        return await asyncio.wait_for(_get_text(url, timeout_s, max_bytes), timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"{url}: the page did not come whole within {timeout_s} s") from None
+
+
+async def _get_text(url: str, timeout_s: float, max_bytes: int) -> str:
+    """One HTTP/1.1 GET of ``url`` read to its end (Content-Length, chunked, or until the server closes)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise OSError(f"{url}: not an http(s) URL")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    reader, writer = await asyncio.open_connection(
+        parts.hostname, port, ssl=ssl.create_default_context() if tls else None, limit=1 << 16
+    )
+    try:
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        host = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+        writer.write(
+            f"GET {target} HTTP/1.1\r\nHost: {host}\r\nAccept: text/plain\r\nConnection: close\r\n\r\n".encode()
+        )
+        await writer.drain()
+        status_line = await reader.readline()
+        fields = status_line.split(None, 2)
+        if len(fields) < 2 or not fields[0].startswith(b"HTTP/") or not fields[1].isdigit():
+            raise http.client.BadStatusLine(status_line[:80].decode("latin-1"))
+        status = int(fields[1])
+        headers: dict[str, str] = {}
+        for _ in range(100):
+            line = await reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        else:
+            raise http.client.HTTPException(f"{url}: more than 100 header lines")
+        if status >= 400:
+            raise OSError(f"{url} answered HTTP {status}")
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            body = await _read_chunked(reader, url, max_bytes)
+        elif "content-length" in headers:
+            try:
+                length = int(headers["content-length"])
+            except ValueError:
+                raise http.client.HTTPException(f"{url}: bad Content-Length") from None
+            if length > max_bytes:
+                raise OSError(f"{url}: page over {max_bytes} bytes ({length})")
+            try:
+                body = await reader.readexactly(length)
+            except asyncio.IncompleteReadError as exc:
+                raise http.client.IncompleteRead(exc.partial, length - len(exc.partial)) from None
+        else:
+            body = await reader.read(max_bytes + 1)
+            while len(body) <= max_bytes:
+                more = await reader.read(max_bytes + 1 - len(body))
+                if not more:
+                    break
+                body += more
+            if len(body) > max_bytes:
+                raise OSError(f"{url}: page over {max_bytes} bytes")
+        return body.decode("utf-8", "replace")
+    finally:
+        writer.close()  # not awaited: a timeout's cancellation must not wait on the peer
+
+
+async def _read_chunked(reader: asyncio.StreamReader, url: str, max_bytes: int) -> bytes:
+    """A chunked HTTP body, at most ``max_bytes`` of it."""
+    body = bytearray()
+    while True:
+        size_line = (await reader.readline()).split(b";", 1)[0].strip()
+        try:
+            size = int(size_line, 16)
+        except ValueError:
+            raise http.client.HTTPException(f"{url}: bad chunk size {size_line[:20]!r}") from None
+        if size == 0:
+            return bytes(body)
+        if len(body) + size > max_bytes:
+            raise OSError(f"{url}: page over {max_bytes} bytes")
+        try:
+            body += await reader.readexactly(size)
+            await reader.readexactly(2)  # the chunk's CRLF
+        except asyncio.IncompleteReadError as exc:
+            raise http.client.IncompleteRead(exc.partial) from None

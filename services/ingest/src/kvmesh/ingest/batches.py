@@ -267,15 +267,16 @@ class Batches:
         if not (rank.heartbeats_only and rank.coalescer.key is not None):
             self.flush(rank)
 
-    def snapshot_events(self, rank: Rank, chunks: Sequence[bytes]) -> list[Event]:
-        """Decode and normalise a snapshot's chunks (each a ``KVEventBatch``) into the rank's stream events.
+    def snapshot_events(self, rank: Rank, chunks: Sequence[bytes], *, start: int = 0) -> list[Event]:
+        """Decode and normalise a snapshot's chunks (each a ``KVEventBatch``; the first is chunk ``start`` of
+        the reply, for errors) into the rank's stream events.
 
         Raises:
             WireError: a chunk does not decode, or one of its events may have removed blocks and failed to
                 decode (the rebuilt holder could over-state): the snapshot is not to be used.
         """
         events: list[Event] = []
-        for i, chunk in enumerate(chunks):
+        for i, chunk in enumerate(chunks, start):
             batch = wire.decode_batch(chunk)
             result = rank.normalizer.normalize(batch)
             if result.lost:

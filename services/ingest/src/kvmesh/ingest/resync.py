@@ -21,12 +21,16 @@ import zmq.asyncio
 
 from kvmesh.core.engine_snapshot import SNAPSHOT_REQUEST, decode_snapshot_reply
 from kvmesh.core.errors import WireError
+from kvmesh.core.events import Event
 from kvmesh.core.sequencing import Action, Rebuild
 from kvmesh.ingest.batches import Batches, Rank
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.liveness import EngineWatch
 
 log = logging.getLogger("kvmesh.ingest")
+
+DECODE_SLICE_S = 0.05
+"""Longest the snapshot decode holds the event loop before it yields (seconds)."""
 
 
 class SnapshotFetcher:
@@ -85,7 +89,8 @@ class SnapshotFetcher:
             if tracker.publisher is not None and reply.epoch != tracker.publisher:
                 self._failed(rank, token, "snapshot_epoch", "the reply names another publisher epoch")
                 return
-            rank.snapshot_events = self.batches.snapshot_events(rank, reply.chunks)
+            events = await self._decode(rank, reply.chunks)
+            rank.snapshot_events = events
             log.info(
                 "worker %s rank %d: snapshot at seq %d, %d event(s) in %d chunk(s)",
                 s.worker_id,
@@ -123,6 +128,24 @@ class SnapshotFetcher:
         finally:
             rank.snapshot_events = None
             sock.close(linger=0)
+
+    async def _decode(self, rank: Rank, chunks: tuple[bytes, ...]) -> list[Event]:
+        """The snapshot's events, decoded and normalised chunk by chunk, giving the event loop a turn every
+        `DECODE_SLICE_S` (a snapshot of a large cache takes seconds: the other ranks, the publish loop and the
+        registry heartbeats go on meanwhile).
+
+        Raises:
+            WireError: as `kvmesh.ingest.batches.Batches.snapshot_events`.
+        """
+        loop = asyncio.get_running_loop()
+        events: list[Event] = []
+        since = loop.time()
+        for i, chunk in enumerate(chunks):
+            events += self.batches.snapshot_events(rank, (chunk,), start=i)
+            if loop.time() - since >= DECODE_SLICE_S:
+                await asyncio.sleep(0)
+                since = loop.time()
+        return events
 
     def _failed(self, rank: Rank, token: int, reason: str, why: str) -> None:
         s = self.settings

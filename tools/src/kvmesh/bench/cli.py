@@ -22,6 +22,8 @@ benchmarks:
             block, snapshot size and restore time; JSON and line plots
   dynamo    end to end vs Dynamo's standalone indexer (python -m dynamo.indexer) on the same vLLM ZMQ frames:
             block operations/s until queryable, CPU s per million operations, RSS, query latency, exactness
+  http      kvmesh http's RFC #1403 /query vs Dynamo's standalone indexer's on the same vLLM ZMQ frames: every
+            answer compared, p50/p99 latency of short and 4,096-token prompts
   soak      the fleet on a local 3-node cluster for N minutes, a random component killed -9 every S seconds:
             memory, consumers and connections over time, and whether the index still equals the engines' truth
 """
@@ -35,6 +37,7 @@ _COMMANDS: dict[str, str] = {
     "soak": "kvmesh.bench.soak",
     "scale": "kvmesh.bench.scale",
     "dynamo": "kvmesh.bench.dynamo_e2e",
+    "http": "kvmesh.bench.indexer_api",
 }
 
 

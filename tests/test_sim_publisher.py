@@ -12,6 +12,7 @@ import zmq.asyncio
 
 from kvmesh.core.wire import (
     SEQ_END,
+    BlockRemoved,
     BlockStored,
     EngineBatch,
     decode_batch,
@@ -371,3 +372,28 @@ async def test_sim_worker_dp_rank_offsets_the_endpoints_and_tags_batches(actx: z
             assert (decode_seq(seq), decode_batch(data).dp_rank) == (0, 1)
         finally:
             sock.close(linger=0)
+
+
+def test_only_a_publisher_with_a_snapshot_socket_keeps_the_engine_state() -> None:
+    """Without a snapshot socket the publisher keeps no snapshot state (decoding and folding every batch made
+    a long `kvmesh up` run slow down until the engine looked dead); with one, removals count down exactly."""
+    plain = EventPublisher("tcp://127.0.0.1:*", None)
+    try:
+        plain.publish(
+            [BlockStored(block_hashes=(1,), parent_block_hash=None, token_ids=(1, 2), block_size=2)]
+        )
+        with pytest.raises(RuntimeError, match="needs a snapshot_endpoint"):
+            plain.live_blocks()
+    finally:
+        plain.close()
+    snap = EventPublisher("tcp://127.0.0.1:*", None, snapshot_endpoint="tcp://127.0.0.1:*")
+    try:
+        stored = BlockStored(
+            block_hashes=(1, 2), parent_block_hash=None, token_ids=(1, 2, 3, 4), block_size=2
+        )
+        snap.publish([stored, stored])
+        snap.publish([BlockRemoved(block_hashes=(1, 2)), BlockRemoved(block_hashes=(2, 3))])
+        assert sorted(snap.live_blocks().values()) == [1]
+        assert [key[-1] for key in snap.live_blocks()] == [1]
+    finally:
+        snap.close()

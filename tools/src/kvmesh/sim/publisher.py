@@ -218,7 +218,9 @@ class EventPublisher:
         """Snapshot requests answered so far."""
         self._epoch_frames = publisher_epoch or snapshot_endpoint is not None
         self._epoch = uuid.uuid4().bytes if self._epoch_frames else b""
-        self._recorder = SnapshotRecorder()
+        # The engine's state for snapshot replies, kept only when a snapshot socket is served (it decodes
+        # every batch it records).
+        self._recorder = SnapshotRecorder() if snapshot_endpoint is not None else None
         self._chunk_events = max(1, snapshot_chunk_events)
 
         self._record: BinaryIO | None = None
@@ -333,7 +335,8 @@ class EventPublisher:
             seq = self._next_seq
             self._next_seq += 1
             self._buffer.append((seq, payload))
-            self._recorder.fold(seq, payload)  # recorded before it is sent, as vLLM's recorder
+            if self._recorder is not None:
+                self._recorder.fold(seq, payload)  # recorded before it is sent, as vLLM's recorder
             if self._record is not None:
                 self._record.write(seq.to_bytes(8, "big") + len(payload).to_bytes(4, "big") + payload)
             drop = self._drop_remaining > 0
@@ -378,7 +381,8 @@ class EventPublisher:
                 self._next_seq = 0
             self._buffer.clear()
             self._drop_remaining = 0
-            self._recorder.reset()
+            if self._recorder is not None:
+                self._recorder.reset()
             if self._epoch_frames:
                 self._epoch = uuid.uuid4().bytes
 
@@ -501,6 +505,7 @@ class EventPublisher:
         unavailable)."""
         with self._lock:
             self.snapshot_requests += 1
+            assert self._recorder is not None  # served only with a snapshot socket
             cut = self._recorder.reply_cut() if self.snapshot_available else -2
             if cut < -1:
                 return encode_snapshot_reply(cut, self._epoch)
@@ -521,8 +526,14 @@ class EventPublisher:
             return encode_snapshot_reply(cut, self._epoch, chunks)
 
     def live_blocks(self) -> dict[Key, int]:
-        """Resident copies per (medium, group, hash) as the snapshot state has them (the engine's truth)."""
+        """Resident copies per (medium, group, hash) as the snapshot state has them (the engine's truth).
+
+        Raises:
+            RuntimeError: the publisher serves no snapshot socket (it keeps no such state).
+        """
         with self._lock:
+            if self._recorder is None:
+                raise RuntimeError("live_blocks needs a snapshot_endpoint (the state is kept only then)")
             return dict(self._recorder.live)
 
     # ------------------------------------------------------------------ lifecycle

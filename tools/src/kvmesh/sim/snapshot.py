@@ -73,10 +73,13 @@ class SnapshotRecorder:
                 self._stores.append(ev)
                 self._live.update(_keys(ev))
         elif isinstance(ev, BlockRemoved):
+            live = self._live
             for key in _keys(ev):
-                if self._live[key] > 0:
-                    self._live[key] -= 1
-            self._live = +self._live
+                count = live.get(key, 0)
+                if count > 1:
+                    live[key] = count - 1
+                elif count:
+                    del live[key]
         else:  # AllBlocksCleared
             for key in [k for k in self._live if k[0] in _GPU_TIERS]:
                 del self._live[key]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tests.pipeline import eventually
 from tests.test_ingest_faults import ANY, T, U, V, W, blk, expect, removed, started, stored
-from tests.test_vllm_snapshot_wire import index_digest, sequence, truth_digest
+from tests.test_vllm_snapshot_wire import index_digest, sequence, subject_messages, truth_digest
 
 from kvmesh.core.wire import EngineBatch, encode_batch
 from kvmesh.sim.publisher import EventPublisher
@@ -169,3 +169,28 @@ async def test_a_large_snapshot_does_not_stall_the_ingest(nats_url: str, uid: st
             await watcher
         assert max(lags) < 0.5
         await expect(p, [T, [10**6 % 2**31, 1, 2, 3]], [{"w/0": 4}, {"w/0": 1}])
+
+
+async def test_heartbeats_alone_make_one_empty_message_per_coalescing_bound(nats_url: str, uid: str) -> None:
+    """An engine that sends nothing but heartbeats (200 of them, coalescing bound 64): no events are invented,
+    the stream gets one empty message per 64 heartbeats (seqs 63, 127, 191: the cursor stays recent) and the 8
+    after the last wait, covered by the next message; nothing counts as a batch, a gap or a restart."""
+    pub = EventPublisher(ANY, publisher_epoch=True)
+    async with started(nats_url, uid, {W: pub}, max_coalesced_batches=64) as p:
+        for _ in range(200):
+            pub.heartbeat()
+        await eventually(lambda: asyncio.sleep(0, sequence(p)), lambda s: s["delivered"] == 200)
+        await asyncio.sleep(0.3)
+        msgs = await subject_messages(p)
+        assert [(f, s, ev) for _e, f, s, ev in msgs] == [
+            (None, -1, []),
+            (0, 63, []),
+            (64, 127, []),
+            (128, 191, []),
+        ]
+        seq = sequence(p)
+        assert (seq["heartbeats"], seq["gaps"], seq["restarts"]) == (200, 0, 0)
+        assert p.ingests[W].counters.batches == 0
+        pub.publish([stored([1, 2], blk(T, 0, 2))])
+        await expect(p, [T], [{"w/0": 2}])
+        assert [(f, s) for _e, f, s, _ev in await subject_messages(p)][-1] == (192, 200)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import socket
 import sys
@@ -149,6 +150,21 @@ async def test_jetstream_publisher_end_to_end(nats_url: str, uid: str) -> None:
             last = await last_message(nats_url, p, 1)
             # rank 1's two calls share one stream message (made in one turn of the loop)
             assert (last.epoch, last.first_seq, last.seq, last.events[-1]) == (0, 0, 1, Cleared("engine"))
+
+
+async def test_aclose_stops_the_publish_loop_at_once(
+    nats_url: str, uid: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After publishing, `aclose` stops the publish loop when asked: nats-py's publish can swallow the
+    cancellation, and the loop then waited for the next batch until the supervisor left it behind (a
+    warning "publish loop did not stop within 5 s" at every close)."""
+    async with clean_pipeline(nats_url, uid) as p:
+        with caplog.at_level(logging.WARNING, logger="kvmesh"):
+            async with jetstream(p) as pub:
+                scenario(pub)  # closed at once, with the batches still buffered
+        assert [r.getMessage() for r in caplog.records if "did not stop" in r.getMessage()] == []
+        last = await last_message(nats_url, p, 1)  # and what was buffered was published
+        assert (last.epoch, last.seq, last.events[-1]) == (0, 1, Cleared("engine"))
 
 
 async def test_zmq_publisher_feeds_an_unchanged_ingest(nats_url: str, uid: str) -> None:

@@ -231,8 +231,13 @@ class Publisher:
         size = self.settings.max_pending_acks
         backoff = 0.1
         connection = self._connections
+        me = asyncio.current_task()
         try:
             while True:
+                if me is not None and me.cancelling():
+                    # nats-py's publish_async can swallow a cancellation; without this check the loop would
+                    # go on to wait for the next batch and never end (a stopping ingest left it behind).
+                    raise asyncio.CancelledError
                 if not nc.is_connected or connection != self._connections:
                     # A reconnect can be quicker than this loop: the connection count tells it happened.
                     while not nc.is_connected and not nc.is_closed:  # noqa: ASYNC110

@@ -124,3 +124,27 @@ def test_sigterm_stops_up_promptly() -> None:
     assert "interrupted; stopping every process" in out
     assert "Traceback" not in out + err
     assert took < 5, took
+
+
+def test_a_failed_run_shows_each_childs_last_errors(tmp_path: Path) -> None:
+    """What a failed `kvmesh up` prints before its temporary logs go: the last ERROR lines of each child's
+    log (JSON or text), at most three per child, named by the log file."""
+    from kvmesh.up import last_errors
+
+    (tmp_path / "ingest-1.log").write_text(
+        "\n".join(
+            [
+                '{"level": "INFO", "msg": "ready"}',
+                *(f'{{"level": "ERROR", "msg": "engine stale {i}"}}' for i in range(5)),
+            ]
+        )
+        + "\n"
+    )
+    (tmp_path / "router.log").write_text("2026-12-02 10:00:00 ERROR kvmesh.router: no stream\nplain line\n")
+    (tmp_path / "sim.log").write_text('{"level": "WARNING", "msg": "slow"}\n')
+    assert last_errors(tmp_path) == [
+        "ingest-1: engine stale 2",
+        "ingest-1: engine stale 3",
+        "ingest-1: engine stale 4",
+        "router: 2026-12-02 10:00:00 ERROR kvmesh.router: no stream",
+    ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -471,6 +472,26 @@ def cancel_on_signals() -> Iterator[list[int]]:
             loop.remove_signal_handler(sig)
 
 
+def last_errors(log_dir: Path, per_file: int = 3) -> list[str]:
+    """The last ERROR lines of each child's log in ``log_dir`` (``name: message``), oldest file first: what
+    a failed run shows before its temporary logs are removed."""
+    out: list[str] = []
+    for path in sorted(log_dir.glob("*.log")):
+        found: list[str] = []
+        with contextlib.suppress(OSError):
+            for raw in path.read_text(errors="replace").splitlines():
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    if " ERROR " in raw:
+                        found.append(raw.strip())
+                    continue
+                if isinstance(record, dict) and record.get("level") == "ERROR":
+                    found.append(str(record.get("msg", "")))
+        out.extend(f"{path.stem}: {msg}" for msg in found[-per_file:])
+    return out
+
+
 async def _run(up: Up, url: str | None, trace: list[TraceRequest], outcome: Outcome) -> None:
     """Check the server, start everything, replay; SIGINT and SIGTERM end it at once (exit 130 and 143)."""
     nc: Client | None = None
@@ -491,7 +512,11 @@ async def _run(up: Up, url: str | None, trace: list[TraceRequest], outcome: Outc
             up.say(f"kvmesh up: {exc}", err=True)
             outcome.code = 1
         except Exception as exc:
-            up.say(f"\nkvmesh up failed: {exc}", err=True)
+            up.say(f"\nkvmesh up failed: {type(exc).__name__}: {exc}", err=True)
+            for line in last_errors(up.log_dir):
+                up.say(f"  {line}", err=True)
+            if not up.args.log_dir:
+                up.say("  (--log-dir DIR keeps every process's log after the run)", err=True)
             outcome.code = 1
         finally:
             if nc is not None:

@@ -29,6 +29,7 @@ import shlex
 import shutil
 import signal
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -492,8 +493,21 @@ Start {engine} with KV-cache events on (PUB and replay sockets, every data-paral
 ingest attached to it; stop both together and exit with the engine's status. Everything after `--` goes to
 the engine; kvmesh adds --kv-events-config{extra}.
 
+Read from the engine's own flags (after `--`): {read}. Every node of a
+multi-node deployment gets the same --events-port; rank r is read on port + r (the engine offsets by the
+global rank), and each node's ingest reads only its own ranks.
+
 example: kvmesh {name} --worker-id w0 --nats-url nats://nats:4222 -- {example}
 """
+_VLLM_READS = (
+    "the model and --served-model-name, --data-parallel-size, --data-parallel-size-local (-dpl), "
+    "--data-parallel-start-rank (-dpr), --data-parallel-rank, --block-size, --max-model-len (context "
+    "length), --num-gpu-blocks-override (KV capacity)"
+)
+_SGLANG_READS = (
+    "--model-path and --served-model-name, --dp-size, --nnodes and --node-rank (this node's ranks), "
+    "--page-size, --context-length, --max-total-tokens (KV capacity)"
+)
 
 
 def split_wrapper_args(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
@@ -520,7 +534,11 @@ def wrapper_parser(
     executable flag is ``bin_flag`` (e.g. ``--vllm-bin``)."""
     environ = os.environ
     parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog,
+        description="\n\n".join(
+            textwrap.fill(" ".join(p.split()), 108, break_on_hyphens=False) for p in description.split("\n\n")
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--worker-id", required=True, help="worker id, as route replies name it")
     parser.add_argument("--model-name", default=None, help=model_help)
@@ -529,9 +547,12 @@ def wrapper_parser(
         default=environ.get("KVMESH_NATS_URL", DEFAULT_NATS_URL),
         help="NATS URL [env KVMESH_NATS_URL]",
     )
-    parser.add_argument(bin_flag, dest="engine_bin", default=bin_default, help=bin_help)
+    parser.add_argument(bin_flag, dest="engine_bin", metavar="PATH", default=bin_default, help=bin_help)
     parser.add_argument(
-        "--events-port", type=int, default=DEFAULT_EVENTS_PORT, help="rank 0's PUB port (+ rank)"
+        "--events-port",
+        type=int,
+        default=DEFAULT_EVENTS_PORT,
+        help="rank 0's PUB port; rank r on port + r (default %(default)s)",
     )
     parser.add_argument("--replay-port", type=int, default=None, help=replay_help)
     parser.add_argument("--host", default="127.0.0.1", help="address the ingest reaches the engine on")
@@ -616,6 +637,7 @@ def _command(argv: Sequence[str] | None, prog: str, *, engine: str) -> int:
             engine="vLLM" if vllm else "SGLang",
             name=engine,
             extra=" and --enable-prefix-caching" if vllm else "",
+            read=_VLLM_READS if vllm else _SGLANG_READS,
             example="serve meta-llama/Llama-3.1-8B --data-parallel-size 2"
             if vllm
             else "--model-path meta-llama/Llama-3.1-8B --dp-size 2 --enable-dp-attention",

@@ -68,10 +68,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
+import xxhash
 
 from kvmesh.core.errors import BlockAlignmentError, EventRejectedError, RequestError
 from kvmesh.core.events import Cleared, Event, Placed, Removed, Stored, StoredKeys
-from kvmesh.core.hashing import local_block_hashes, sequence_hashes
+from kvmesh.core.hashing import SEED, local_block_hashes, sequence_hashes
 from kvmesh.core.wire import (
     RFC_STORED,
     AllBlocksCleared,
@@ -182,8 +183,9 @@ class Normalizer:
     block_size: int | None = None
     non_full_groups: set[int] = field(default_factory=set)
     stats: NormalizeStats = field(default_factory=NormalizeStats)
-    chain_salts: dict[int, str | None] = field(default_factory=dict)
-    """Engine key of a recent event's last block → its chain's salt (oldest first, `CHAIN_SALTS_KEPT`)."""
+    chain_salts: dict[int, int | None] = field(default_factory=dict)
+    """Engine key of a recent event's last block → the XXH3-64 digest of its chain's salt (None: unsalted;
+    oldest first, `CHAIN_SALTS_KEPT`): salts come from requests and may be long, a digest tells them apart."""
 
     def normalize(self, batch: EngineBatch) -> NormalizeResult:
         """Convert one decoded batch.
@@ -269,7 +271,9 @@ class Normalizer:
         st.stored_blocks += n
         parent = engine_key(ev.parent_block_hash) if ev.parent_block_hash is not None else None
         keys = [engine_key(h) for h in ev.block_hashes]
-        chain_salt = salt if first_block else self._chain_salt(parent, ev.cache_salt)
+        chain_salt = (
+            _salt_digest(salt) if first_block else self._chain_salt(parent, _salt_digest(ev.cache_salt))
+        )
         if keys:
             self._remember(keys[-1], chain_salt)
         return Stored(keys, parent, local, ev.medium)
@@ -319,7 +323,7 @@ class Normalizer:
             raise BlockSizeMismatchError(expected=self.block_size, got=size)
         return size
 
-    def _chain_salt(self, parent: int | None, salt: str | None) -> str | None:
+    def _chain_salt(self, parent: int | None, salt: int | None) -> int | None:
         """The salt of the chain a child event extends; counts a child whose own salt differs from it."""
         if parent is None or parent not in self.chain_salts:
             return salt  # the chain's start is not remembered: take the event's word for it
@@ -328,7 +332,7 @@ class Normalizer:
             self.stats.salt_mismatch += 1
         return known
 
-    def _remember(self, key: int, salt: str | None) -> None:
+    def _remember(self, key: int, salt: int | None) -> None:
         salts = self.chain_salts
         salts.pop(key, None)
         salts[key] = salt
@@ -344,6 +348,13 @@ class NormalizeResult:
     rejections: list[EventRejectedError | RequestError]
     lost: bool
     """An event that may have removed blocks failed to decode: clear the holder (its index may over-state)."""
+
+
+def _salt_digest(salt: str | None) -> int | None:
+    """XXH3-64 (seed 1337) of a salt's UTF-8 bytes; None for no salt."""
+    return (
+        None if salt is None else xxhash.xxh3_64_intdigest(salt.encode("utf-8", "surrogatepass"), seed=SEED)
+    )
 
 
 def _split_extra_keys(ev: BlockStored, *, first_block: bool) -> tuple[str | None, list[bytes | None] | None]:

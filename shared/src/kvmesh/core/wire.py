@@ -243,8 +243,8 @@ def decode_batch(payload: bytes) -> EngineBatch:
 
     Returns:
         The batch with its events decoded. Events with an unknown string tag are counted in
-        ``unknown_events``; events of the wrong shape or field type are reported in ``errors`` (index and
-        tag) and left out, without affecting the other events.
+        ``unknown_events``; events of the wrong shape or field type, or holding a string that is not UTF-8,
+        are reported in ``errors`` (index and tag) and left out, without affecting the other events.
 
     Raises:
         PayloadDecodeError: the bytes are not one complete msgpack value (malformed, truncated, trailing

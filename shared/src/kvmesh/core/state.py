@@ -740,36 +740,12 @@ class IndexState:
         Raises:
             UnknownModelError: no worker of that model is known.
         """
-        live = self._live_indexes(model)
-        sized = {bs: ix for bs, ix in live.items() if bs}
-        if block_size is None:
-            block_size = _majority_size(sized) if sized else 0
-        found: dict[Holder, HolderMatch] = {}
-        index = sized.get(block_size)
-        if index is not None:
-            overlaps = index.match_tiers(iter_prefix_keys(local_hashes))
-            for h in index.holders():
-                if not self._is_removed(h.worker_id):
-                    found[h] = self._holder_match(index, h, overlaps.get(h), block_size)
-            self._add_backends(index, lambda: prefix_keys(local_hashes), found)
-        for bs, other in sorted(live.items()):
-            if other is index:
-                continue
-            for h in other.holders():
-                if h not in found and not self._is_removed(h.worker_id):
-                    found[h] = HolderMatch(
-                        worker_id=h.worker_id,
-                        dp_rank=h.dp_rank,
-                        overlap_blocks=0,
-                        cached_blocks=other.block_count(h) if bs else 0,
-                        block_size=bs,
-                        health=self._holder_health(h),
-                    )
-        return MatchResult(
-            index_seq=self.applied_seq,
-            block_size=block_size,
-            prompt_blocks=len(local_hashes),
-            candidates=tuple(found[h] for h in sorted(found)),
+        return self._match_keys(
+            model,
+            iter_prefix_keys(local_hashes),
+            lambda: prefix_keys(local_hashes),
+            len(local_hashes),
+            block_size,
         )
 
     def match_sequence_hashes(
@@ -796,6 +772,18 @@ class IndexState:
             UnknownModelError: no worker of that model is known.
         """
         keys = _checked_seq_hashes(seq_hashes)
+        return self._match_keys(model, keys, lambda: keys, len(keys), block_size)
+
+    def _match_keys(
+        self,
+        model: str,
+        keys: Iterable[int],
+        all_keys: Callable[[], Sequence[int]],
+        prompt_blocks: int,
+        block_size: int | None,
+    ) -> MatchResult:
+        """The match of a prompt given as its prefix keys (``keys``, consumed lazily; ``all_keys`` gives them
+        all, for the backend pools) in one block size: `match_local_hashes` and `match_sequence_hashes`."""
         live = self._live_indexes(model)
         sized = {bs: ix for bs, ix in live.items() if bs}
         if block_size is None:
@@ -807,7 +795,7 @@ class IndexState:
             for h in index.holders():
                 if not self._is_removed(h.worker_id):
                     found[h] = self._holder_match(index, h, overlaps.get(h), block_size)
-            self._add_backends(index, lambda: keys, found)
+            self._add_backends(index, all_keys, found)
         for bs, other in sorted(live.items()):
             if other is index:
                 continue
@@ -824,7 +812,7 @@ class IndexState:
         return MatchResult(
             index_seq=self.applied_seq,
             block_size=block_size,
-            prompt_blocks=len(keys),
+            prompt_blocks=prompt_blocks,
             candidates=tuple(found[h] for h in sorted(found)),
         )
 

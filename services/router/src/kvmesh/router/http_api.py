@@ -96,22 +96,6 @@ class QueryBody(msgspec.Struct, kw_only=True, frozen=True):
     cache_salt: str | None = None
 
 
-class RegisterBody(msgspec.Struct, kw_only=True, frozen=True):
-    """``/register``: a KV event publisher to ingest (RFC #1403; Dynamo's ``model_name`` accepted)."""
-
-    endpoint: str | None = None
-    replay_endpoint: str | None = None
-    type: str | None = None
-    modelname: str | None = None
-    model_name: str | None = None
-    lora_name: str | None = None
-    tenant_id: str | None = None
-    instance_id: str | int | None = None
-    block_size: int | None = None
-    dp_rank: int | None = None
-    additionalsalt: str | None = None
-
-
 class UnregisterBody(msgspec.Struct, kw_only=True, frozen=True):
     """``/unregister``: removes the registration of ``(instance_id, tenant_id, dp_rank)``."""
 
@@ -123,6 +107,15 @@ class UnregisterBody(msgspec.Struct, kw_only=True, frozen=True):
     instance_id: str | int | None = None
     block_size: int | None = None
     dp_rank: int | None = None
+
+
+class RegisterBody(UnregisterBody, kw_only=True, frozen=True):
+    """``/register``: a KV event publisher to ingest (RFC #1403; Dynamo's ``model_name`` accepted): the
+    fields naming a registration, plus where its events are."""
+
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    additionalsalt: str | None = None
 
 
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {

@@ -1101,6 +1101,16 @@ class PrefixIndex:
         """The prompt's leading run of indexed keys, in chunks: (keys, their ``p_val``s) per compiled lookup
         of 16, 32, 64, ... keys, taking keys from a lazy iterator only as far as the run goes. A ``p_val`` is
         a cache id, or `tables.SHARED` (the key's holders are in ``_shared``)."""
+        if isinstance(keys, np.ndarray):  # every key already computed: one compiled lookup of the whole run
+            if keys.dtype != np.uint64:
+                keys = keys.astype(np.uint64)
+            if not keys.shape[0]:
+                return
+            out = self._st if len(self._st) >= keys.shape[0] else self._scratch(keys.shape[0])[0]
+            found = tables.lookup_run(self._pk, self._pv, keys, out)
+            if found:
+                yield keys[:found].tolist(), out[:found].tolist()
+            return
         it = iter(keys)
         size = _FIRST_CHUNK
         out = self._st

@@ -24,18 +24,20 @@ bytes; a shared prefix costs one blocks slot per holder and one prefixes slot (p
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvmesh.core.hashing import SEED
+from kvmesh.core.hashing import SEED, local_block_hashes, lora_seed, pack_tokens
 
 U64 = npt.NDArray[np.uint64]
 I32 = npt.NDArray[np.int32]
 U32 = npt.NDArray[np.uint32]
 I64 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint8]
 
 EMPTY: Final[int] = -3
 """``p_val`` of a free prefixes slot."""
@@ -255,6 +257,254 @@ def chain(local: U64, parent: np.uint64, has_parent: bool, out: U64) -> None:
     for i in range(1, local.shape[0]):
         prev = xxh3_pair(prev, local[i])
         out[i] = prev
+
+
+# XXH3-64 of any input of whole 32-bit words (a block's token ids), with a seed: every length class of the XXH3
+# specification that a block of 1 or more tokens reaches (4 – 8, 9 – 16, 17 – 128, 129 – 240 bytes and the long
+# path), computed over the uint32 words so every read is at a 4-byte offset. The secret is read at byte offsets
+# that are not multiples of 8 (3, 7, 11, …), so it is given as a table ``sec[o]`` = the little-endian uint64
+# at byte ``o`` (`secret_table`). `tests/core/test_tables.py` checks every length class against ``xxhash``.
+_KSECRET: Final[bytes] = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
+    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
+    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
+    "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
+    "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
+)
+"""XXH3's default 192-byte secret (``kSecret`` of the specification)."""
+_P32_1 = np.uint64(0x9E3779B1)
+_P32_2 = np.uint64(0x85EBCA77)
+_P32_3 = np.uint64(0xC2B2AE3D)
+_P64_1 = np.uint64(0x9E3779B185EBCA87)
+_P64_2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_P64_3 = np.uint64(0x165667B19E3779F9)
+_P64_4 = np.uint64(0x85EBCA77C2B2AE63)
+_P64_5 = np.uint64(0x27D4EB2F165667C5)
+_MX2 = np.uint64(0x9FB21C651E98DF25)
+_S28, _S29, _S35, _S47 = np.uint64(28), np.uint64(29), np.uint64(35), np.uint64(47)
+_S24, _S49, _S40, _S15 = np.uint64(24), np.uint64(49), np.uint64(40), np.uint64(15)
+
+
+def secret_table(seed: int) -> tuple[U64, U64]:
+    """The secrets an XXH3-64 with ``seed`` reads, as byte-offset tables (see the comment above): the default
+    secret (the paths up to 240 bytes mix the seed in as they read it) and the secret derived from the seed
+    (the long path: each 16 bytes ``(lo + seed, hi - seed)``)."""
+    mask = 2**64 - 1
+    derived = bytearray()
+    for i in range(0, len(_KSECRET), 16):
+        lo = int.from_bytes(_KSECRET[i : i + 8], "little")
+        hi = int.from_bytes(_KSECRET[i + 8 : i + 16], "little")
+        derived += ((lo + seed) & mask).to_bytes(8, "little") + ((hi - seed) & mask).to_bytes(8, "little")
+
+    def table(secret: bytes) -> U64:
+        return np.array(
+            [int.from_bytes(secret[o : o + 8], "little") for o in range(len(secret) - 7)], dtype=np.uint64
+        )
+
+    return table(_KSECRET), table(bytes(derived))
+
+
+@_jit
+def _rd64(w: U32, i: int) -> np.uint64:
+    """The little-endian uint64 of the two words at ``i``."""
+    return np.uint64(w[i]) | (np.uint64(w[i + 1]) << _S32)
+
+
+@_jit
+def _avalanche(h: np.uint64) -> np.uint64:
+    h ^= h >> _S37
+    h *= _MX1
+    h ^= h >> _S32
+    return h
+
+
+@_jit
+def _mix16(w: U32, i: int, sec: U64, o: int, seed: np.uint64) -> np.uint64:
+    return _mul128_fold64(_rd64(w, i) ^ (sec[o] + seed), _rd64(w, i + 2) ^ (sec[o + 8] - seed))
+
+
+@_jit
+def _swap32(x: np.uint64) -> np.uint64:
+    return (
+        ((x << _S24) & np.uint64(0xFF000000))
+        | ((x << np.uint64(8)) & np.uint64(0x00FF0000))
+        | ((x >> np.uint64(8)) & np.uint64(0x0000FF00))
+        | ((x >> _S24) & np.uint64(0x000000FF))
+    )
+
+
+@_jit
+def _xxh3_words(w: U32, s: int, n: int, seed: np.uint64, sec: U64, derived: U64) -> np.uint64:  # noqa: PLR0917 - compiled kernels take their arrays positionally
+    """XXH3-64 with ``seed`` of the ``n`` ≥ 1 little-endian words ``w[s : s + n]`` (``4 n`` bytes); ``sec`` and
+    ``derived`` are `secret_table` ``(seed)``."""
+    nbytes = 4 * n
+    length = np.uint64(nbytes)
+    if nbytes <= 8:  # 4 – 8 bytes
+        seed2 = seed ^ (_swap32(seed & _M32) << _S32)
+        h = (np.uint64(w[s + n - 1]) + (np.uint64(w[s]) << _S32)) ^ ((sec[8] ^ sec[16]) - seed2)
+        h ^= ((h << _S49) | (h >> _S15)) ^ ((h << _S24) | (h >> _S40))
+        h *= _MX2
+        h ^= (h >> _S35) + length
+        h *= _MX2
+        h ^= h >> _S28
+        return h  # type: ignore[no-any-return]  # a uint64 in compiled code
+    if nbytes <= 16:  # 9 – 16 bytes
+        lo = _rd64(w, s) ^ ((sec[24] ^ sec[32]) + seed)
+        hi = _rd64(w, s + n - 2) ^ ((sec[40] ^ sec[48]) - seed)
+        return _avalanche(length + _swap64(lo) + hi + _mul128_fold64(lo, hi))
+    if nbytes <= 128:  # 17 – 128 bytes: pairs of 16-byte lanes from both ends
+        acc = length * _P64_1
+        e = s + n  # one past the last word
+        if nbytes > 32:
+            if nbytes > 64:
+                if nbytes > 96:
+                    acc += _mix16(w, s + 12, sec, 96, seed)
+                    acc += _mix16(w, e - 16, sec, 112, seed)
+                acc += _mix16(w, s + 8, sec, 64, seed)
+                acc += _mix16(w, e - 12, sec, 80, seed)
+            acc += _mix16(w, s + 4, sec, 32, seed)
+            acc += _mix16(w, e - 8, sec, 48, seed)
+        acc += _mix16(w, s, sec, 0, seed)
+        acc += _mix16(w, e - 4, sec, 16, seed)
+        return _avalanche(acc)
+    if nbytes <= 240:  # 129 – 240 bytes
+        acc = length * _P64_1
+        rounds = nbytes // 16
+        for i in range(8):
+            acc += _mix16(w, s + 4 * i, sec, 16 * i, seed)
+        acc = _avalanche(acc)
+        for i in range(8, rounds):
+            acc += _mix16(w, s + 4 * i, sec, 16 * (i - 8) + 3, seed)
+        acc += _mix16(w, s + n - 4, sec, 136 - 17, seed)
+        return _avalanche(acc)
+    return _xxh3_long(w, s, n, derived)
+
+
+@_jit
+def _stripe(acc: U64, w: U32, i: int, sec: U64, o: int) -> None:
+    """Accumulate the 64-byte stripe at word ``i`` with the secret at byte ``o``."""
+    for j in range(8):
+        value = _rd64(w, i + 2 * j)
+        key = value ^ sec[o + 8 * j]
+        acc[j ^ 1] += value
+        acc[j] += (key & _M32) * (key >> _S32)
+
+
+@_jit
+def _xxh3_long(w: U32, s: int, n: int, sec: U64) -> np.uint64:
+    """The long path (> 240 bytes) over the derived secret ``sec`` (192 bytes: 16 stripes per 1,024-byte block)."""
+    nbytes = 4 * n
+    acc = np.empty(8, dtype=np.uint64)
+    acc[0], acc[1], acc[2], acc[3] = _P32_3, _P64_1, _P64_2, _P64_3
+    acc[4], acc[5], acc[6], acc[7] = _P64_4, _P32_2, _P64_5, _P32_1
+    blocks = (nbytes - 1) // 1024
+    for b in range(blocks):
+        base = s + 256 * b
+        for k in range(16):
+            _stripe(acc, w, base + 16 * k, sec, 8 * k)
+        for j in range(8):  # scramble with the secret's last 64 bytes
+            a = acc[j]
+            a ^= a >> _S47
+            a ^= sec[128 + 8 * j]
+            acc[j] = a * _P32_1
+    base = s + 256 * blocks
+    for k in range(((nbytes - 1) - 1024 * blocks) // 64):
+        _stripe(acc, w, base + 16 * k, sec, 8 * k)
+    _stripe(acc, w, s + n - 16, sec, 192 - 64 - 7)
+    result = np.uint64(nbytes) * _P64_1
+    for j in range(4):
+        result += _mul128_fold64(acc[2 * j] ^ sec[11 + 16 * j], acc[2 * j + 1] ^ sec[11 + 16 * j + 8])
+    return _avalanche(result)
+
+
+@_jit
+def block_keys(  # noqa: PLR0917 - compiled kernels take their arrays positionally
+    tokens: U32,
+    block_size: int,
+    seed: np.uint64,
+    sec: U64,
+    derived: U64,
+    first: np.uint64,
+    has_first: bool,
+    out: U64,
+) -> None:
+    """The prefix keys (standard sequence hashes) of every full block of ``tokens`` into ``out`` (one per
+    block): each block's local hash (XXH3-64 of its token ids as little-endian uint32, with ``seed``), chained
+    (`chain`). ``first``, when ``has_first``, replaces block 0's local hash (a salted block 0)."""
+    prev = np.uint64(0)
+    for b in range(out.shape[0]):
+        local = (
+            first
+            if b == 0 and has_first
+            else _xxh3_words(tokens, b * block_size, block_size, seed, sec, derived)
+        )
+        prev = local if b == 0 else xxh3_pair(prev, local)
+        out[b] = prev
+
+
+@_jit
+def block_locals(tokens: U32, block_size: int, seed: np.uint64, sec: U64, derived: U64, out: U64) -> None:  # noqa: PLR0917 - compiled kernels take their arrays positionally
+    """The local hash of every full block of ``tokens`` into ``out`` (one per block), as `block_keys` hashes them."""
+    for b in range(out.shape[0]):
+        out[b] = _xxh3_words(tokens, b * block_size, block_size, seed, sec, derived)
+
+
+@_jit
+def json_token_ids(raw: U8, out: U32) -> int:
+    """Scan a JSON array of token ids (``[1, 2, 3]``: decimal integers in ``[0, 2**32)``, JSON whitespace
+    anywhere between tokens) into ``out`` (at least ``(len(raw) + 1) // 2`` long); returns their count.
+
+    Returns -1 for anything else (a sign, a fraction or exponent, a leading zero, a value of 2**32 or more,
+    a string, a nested value, a missing or extra comma, bytes after the closing bracket): the caller then
+    decodes the array with a full JSON decoder, which accepts what JSON allows and names what it refuses.
+    """
+    # states: 0 before "[", 1 after "[", 2 in a number, 3 after a number, 4 after ",", 5 after "]"
+    state = 0
+    count = 0
+    value = np.int64(0)
+    width = 0
+    for i in range(raw.shape[0]):
+        c = np.int64(raw[i])
+        if state == 2:
+            if 48 <= c <= 57:
+                if width == 1 and value == 0:
+                    return -1  # a leading zero
+                value = value * 10 + (c - 48)
+                width += 1
+                if width > 10:
+                    return -1
+                continue
+            if value > 4294967295:
+                return -1
+            out[count] = value
+            count += 1
+            state = 3
+        if c == 32 or c == 10 or c == 13 or c == 9:  # noqa: PLR1714 - JSON whitespace (compiled: no tuple)
+            continue
+        if state == 0:
+            if c != 91:
+                return -1
+            state = 1
+        elif state == 1 or state == 4:  # noqa: PLR1714
+            if 48 <= c <= 57:
+                value = c - 48
+                width = 1
+                state = 2
+            elif c == 93 and state == 1:
+                state = 5
+            else:
+                return -1
+        elif state == 3:
+            if c == 44:
+                state = 4
+            elif c == 93:
+                state = 5
+            else:
+                return -1
+        else:
+            return -1  # bytes after the closing bracket
+    return count if state == 5 else -1
 
 
 @_jit
@@ -534,6 +784,78 @@ def new_prefixes(capacity: int) -> tuple[U64, I32]:
     return _array(capacity, np.uint64, 0), _array(capacity, np.int32, EMPTY)
 
 
+_SECRETS: dict[int, tuple[U64, U64]] = {}
+"""`secret_table` per seed (the base model's and each LoRA adapter's seen so far; at most `_MAX_SECRETS`)."""
+_MAX_SECRETS: Final[int] = 256
+
+
+def token_array(token_ids: Sequence[int] | U32) -> U32:
+    """The token ids as a uint32 array (no copy for an ``array("I")`` or a uint32 array).
+
+    Raises:
+        RequestError: a token id is not an int in ``[0, 2**32)`` (``field="token_ids"``).
+    """
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.dtype == np.uint32:
+            return token_ids
+        ids: Sequence[int] = token_ids.tolist()  # other dtypes are range-checked as ints
+    else:
+        ids = token_ids
+    if isinstance(ids, array) and ids.typecode == "I" and ids.itemsize == 4:
+        return np.frombuffer(ids, dtype=np.uint32)
+    return np.frombuffer(pack_tokens(ids), dtype="<u4").astype(np.uint32, copy=False)
+
+
+def scan_token_ids(raw: bytes) -> U32 | None:
+    """The token ids of a JSON array (`json_token_ids`), or None when it is not the plain form that scan reads
+    (decode it with a full JSON decoder then)."""
+    out = np.empty((len(raw) + 1) // 2, dtype=np.uint32)
+    count = json_token_ids(np.frombuffer(raw, dtype=np.uint8), out)
+    return None if count < 0 else out[:count]
+
+
+def prompt_keys(
+    tokens: U32, block_size: int, *, lora_name: str | None = None, cache_salt: str | None = None
+) -> U64:
+    """The index prefix keys of a prompt's full blocks in one compiled call: the same values as
+    `kvmesh.core.hashing.prompt_prefix_keys` (the standard sequence hashes), 5 – 7 µs for 4,096 tokens where
+    the pure-Python chain takes 30 – 130 µs (section 8 of docs/benchmarks.md).
+
+    Args:
+        tokens: token ids (`token_array`).
+        block_size: tokens per block (> 0).
+        lora_name: LoRA adapter (seeds every block), or None for the base model.
+        cache_salt: tenant salt, mixed into block 0 (`kvmesh.core.hashing.local_block_hashes`).
+
+    Returns:
+        ``len(tokens) // block_size`` uint64 keys; a trailing partial block is dropped.
+
+    Raises:
+        ValueError: ``block_size`` is not positive.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_blocks = tokens.shape[0] // block_size
+    out = np.empty(n_blocks, dtype=np.uint64)
+    if not n_blocks:
+        return out
+    seed = lora_seed(lora_name)
+    secrets = _SECRETS.get(seed)
+    if secrets is None:
+        if len(_SECRETS) >= _MAX_SECRETS:
+            _SECRETS.clear()
+        secrets = _SECRETS[seed] = secret_table(seed)
+    first = 0
+    if cache_salt:  # block 0 carries the salt: its local hash from the one place that rule lives
+        first = local_block_hashes(
+            tokens[:block_size].tolist(), block_size, lora_name=lora_name, cache_salt=cache_salt
+        )[0]
+    block_keys(
+        tokens, block_size, np.uint64(seed), secrets[0], secrets[1], np.uint64(first), bool(cache_salt), out
+    )
+    return out
+
+
 def capacity_for(entries: int) -> int:
     """The capacity a table is rebuilt to for ``entries`` entries (`GROWTH` × room at `MAX_LOAD`)."""
     return max(MIN_CAPACITY, int(entries * GROWTH / MAX_LOAD) + 1)
@@ -550,6 +872,8 @@ def compile_all() -> None:
     index.store(b, [5], None, [3])
     index.store(a, [6], 2, [7])
     index.match([3, 4])
+    index.match(prompt_keys(token_array([1, 2, 3, 4]), 2, cache_salt="s"))
+    scan_token_ids(b"[1, 2]")
     index.holds(a, 1)
     index.digest()
     PrefixIndex.from_export(index.export())

@@ -139,3 +139,22 @@ def test_an_exponent_that_msgspec_reads_as_an_int_still_answers() -> None:
     with pytest.raises(ApiError) as err:
         answer_query(STATE, body, by_hash=False, tenants={})
     assert err.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # given twice (msgspec keeps the last), under an escaped name, and among members of every kind
+        b'{"model": "m", "block_size": 16, "token_ids": [1, 2], "token_ids": '
+        + msgspec.json.encode(PROMPTS[2])
+        + b"}",
+        b'{"model": "m", "block_size": 16, "token\\u005fids": ' + msgspec.json.encode(PROMPTS[2]) + b"}",
+        b'{"tenant_id": "default", "model": "m", "x": {"y": ["}", 1.5]}, "token_ids": '
+        + msgspec.json.encode(PROMPTS[2])
+        + b', "block_size": 16, "cache_salt": null}',
+    ],
+)
+def test_odd_but_valid_bodies_answer_as_msgspec_decodes_them(body: bytes) -> None:
+    got = answer_query(STATE, body, by_hash=False, tenants={})
+    assert got == _slow(body)
+    assert {w: v["longest_matched"] for w, v in got["default"].items()} == {"w0": 640, "w1": 400, "w2": 144}

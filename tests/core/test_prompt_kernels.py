@@ -177,3 +177,84 @@ def test_scan_equals_msgspec_on_any_spacing(ids: list[int], spaces: list[str]) -
     got = tables.scan_token_ids(raw)
     assert got is not None
     assert got.tolist() == msgspec.json.decode(raw, type=list[int]) == ids
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"token_ids": [1, 2]}',
+        b' { "model" : "m" , "token_ids" : [1,2] } ',
+        b'{"model": "a \\" } ] [ { \\\\", "token_ids": [1, 2], "block_size": 16}',
+        b'{"x": {"y": [1, {"z": "}"}], "w": []}, "token_ids": [1, 2], "n": null, "t": true, "f": -1.5e3}',
+        b'{"x": [[[]]], "token_ids": [1,2], "y": {}}',
+        b'{"token_idsx": [9], "token_ids": [1, 2], "token_id": [8]}',
+    ],
+)
+def test_body_scan_finds_token_ids_among_any_members(body: bytes) -> None:
+    got = tables.scan_body_token_ids(body)
+    assert got is not None
+    ids, start, end = got
+    assert ids.tolist() == [1, 2] == msgspec.json.decode(body)["token_ids"]
+    assert msgspec.json.decode(body[start:end]) == [1, 2]
+    assert body[start : start + 1] == b"["
+    assert body[end - 1 : end] == b"]"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"token_ids": [1], "token_ids": [2]}',  # given twice: the full decoder decides which counts
+        b'{"token\\u005fids": [1]}',  # an escaped name could spell the key
+        b'{"model": "m", "token\\u005fids": [2], "token_ids": [1]}',
+        b'{"model": "m"}',
+        b"{}",
+        b"[1, 2]",
+        b'{"token_ids": [1.5]}',
+        b'{"token_ids": "1"}',
+        b'{"token_ids": null}',
+        b'{"token_ids": [1]',
+        b'{"token_ids": [1]} x',
+        b'{"token_ids" [1]}',
+        b'{"model": "m" "token_ids": [1]}',
+        b'{"model": "unterminated, "token_ids": [1]}',
+        b'{"x": [1, "token_ids": [1]}',
+        b'{model: "m", "token_ids": [1]}',
+        b"",
+    ],
+)
+def test_body_scan_refuses_what_the_full_decoder_must_decide(body: bytes) -> None:
+    assert tables.scan_body_token_ids(body) is None
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    others=st.dictionaries(st.text(max_size=10).filter(lambda k: k != "token_ids"), _json_values, max_size=4),
+    ids=st.lists(st.integers(0, 2**32 - 1), max_size=30),
+    at=st.integers(0, 4),
+)
+def test_body_scan_equals_msgspec_on_any_object(others: dict[str, object], ids: list[int], at: int) -> None:
+    items = list(others.items())
+    items.insert(min(at, len(items)), ("token_ids", ids))
+    body = b"{" + b", ".join(msgspec.json.encode(k) + b": " + msgspec.json.encode(v) for k, v in items) + b"}"
+    got = tables.scan_body_token_ids(body)
+    if any("\\" in msgspec.json.encode(k).decode() for k in others):
+        assert got is None  # an escaped member name: left to the full decoder
+        return
+    assert got is not None
+    scanned, start, end = got
+    assert scanned.tolist() == ids
+    rest = msgspec.json.decode(body[:start] + b"[]" + body[end:])
+    assert rest == {**dict(items), "token_ids": []}

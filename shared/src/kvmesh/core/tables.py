@@ -451,6 +451,68 @@ def block_locals(tokens: U32, block_size: int, seed: np.uint64, sec: U64, derive
 
 
 @_jit
+def _is_ws(c: int | np.integer[Any]) -> bool:
+    return c == 32 or c == 10 or c == 13 or c == 9  # noqa: PLR1714 - JSON whitespace (no tuple: compiled)
+
+
+@_jit
+def _skip_ws(raw: U8, i: int) -> int:
+    n = raw.shape[0]
+    while i < n and _is_ws(raw[i]):
+        i += 1
+    return i
+
+
+@_jit
+def _scan_ids(raw: U8, i: int, out: U32, span: I64) -> int:
+    """Scan the JSON array of token ids that starts at ``raw[i]`` (``[``) into ``out``: returns their count and
+    sets ``span[1]`` one past its ``]``; -1 for any other form (see `json_token_ids`)."""
+    # states: 1 after "[", 2 in a number, 3 after a number, 4 after ","
+    if i >= raw.shape[0] or raw[i] != 91:  # "["
+        return -1
+    state = 1
+    count = 0
+    value = np.int64(0)
+    width = 0
+    for j in range(i + 1, raw.shape[0]):
+        c = np.int64(raw[j])
+        if state == 2:
+            if 48 <= c <= 57:  # the bytes "0" to "9"
+                if width == 1 and value == 0:
+                    return -1  # a leading zero
+                value = value * 10 + (c - 48)
+                width += 1
+                if width > 10:  # 2**32 has 10 digits
+                    return -1
+                continue
+            if value > 4294967295:  # 2**32 - 1
+                return -1
+            out[count] = value
+            count += 1
+            state = 3
+        if _is_ws(c):
+            continue
+        if state == 1 or state == 4:  # noqa: PLR1714
+            if 48 <= c <= 57:
+                value = c - 48
+                width = 1
+                state = 2
+            elif c == 93 and state == 1:  # "]": an empty array
+                span[1] = j + 1
+                return count
+            else:
+                return -1
+        elif c == 44:  # ","
+            state = 4
+        elif c == 93:  # "]"
+            span[1] = j + 1
+            return count
+        else:
+            return -1
+    return -1
+
+
+@_jit
 def json_token_ids(raw: U8, out: U32) -> int:
     """Scan a JSON array of token ids (``[1, 2, 3]``: decimal integers in ``[0, 2**32)``, JSON whitespace
     anywhere between tokens) into ``out`` (at least ``(len(raw) + 1) // 2`` long); returns their count.
@@ -459,52 +521,120 @@ def json_token_ids(raw: U8, out: U32) -> int:
     a string, a nested value, a missing or extra comma, bytes after the closing bracket): the caller then
     decodes the array with a full JSON decoder, which accepts what JSON allows and names what it refuses.
     """
-    # states: 0 before "[", 1 after "[", 2 in a number, 3 after a number, 4 after ",", 5 after "]"
-    state = 0
-    count = 0
-    value = np.int64(0)
-    width = 0
-    for i in range(raw.shape[0]):
-        c = np.int64(raw[i])
-        if state == 2:
-            if 48 <= c <= 57:
-                if width == 1 and value == 0:
-                    return -1  # a leading zero
-                value = value * 10 + (c - 48)
-                width += 1
-                if width > 10:
+    span = np.zeros(2, dtype=np.int64)
+    count = _scan_ids(raw, _skip_ws(raw, 0), out, span)
+    if count < 0 or _skip_ws(raw, span[1]) != raw.shape[0]:
+        return -1
+    return count
+
+
+@_jit
+def _skip_string(raw: U8, i: int) -> int:
+    """One past the closing quote of the JSON string opening at ``raw[i]``; -1 if it does not close."""
+    j = i + 1
+    while j < raw.shape[0]:
+        c = raw[j]
+        if c == 92:  # a backslash: the next byte is escaped
+            j += 2
+            continue
+        if c == 34:  # '"'
+            return j + 1
+        j += 1
+    return -1
+
+
+@_jit
+def _skip_value(raw: U8, i: int) -> int:
+    """One past the JSON value starting at ``raw[i]`` (strings and nesting followed, nothing validated: the
+    full decoder checks the value later); -1 if it runs off the end."""
+    n = raw.shape[0]
+    c = raw[i]
+    if c == 34:  # a string
+        return _skip_string(raw, i)
+    if c == 123 or c == 91:  # noqa: PLR1714 - "{" or "["
+        depth = 0
+        j = i
+        while j < n:
+            c = raw[j]
+            if c == 34:
+                j = _skip_string(raw, j)
+                if j < 0:
                     return -1
                 continue
-            if value > 4294967295:
+            if c == 123 or c == 91:  # noqa: PLR1714
+                depth += 1
+            elif c == 125 or c == 93:  # noqa: PLR1714 - "}" or "]"
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return -1
+    j = i  # a number or a literal: up to the next separator
+    while j < n and not _is_ws(raw[j]) and raw[j] != 44 and raw[j] != 125 and raw[j] != 93:
+        j += 1
+    return j if j > i else -1
+
+
+@_jit
+def json_member_token_ids(raw: U8, key: U8, out: U32, span: I64) -> int:
+    """Find member ``key`` of the JSON object ``raw`` and scan its value as `json_token_ids` does, in one pass
+    over the body: returns the count and sets ``span`` to the value's ``[start, end)`` bytes.
+
+    Returns -1 when the body is not an object, the member is absent or given twice, any member name holds an
+    escape (it could spell ``key``), or the value is not the plain array form: the caller then decodes the
+    whole body with a full JSON decoder. Members other than ``key`` are skipped, not validated.
+    """
+    n = raw.shape[0]
+    k = key.shape[0]
+    i = _skip_ws(raw, 0)
+    if i >= n or raw[i] != 123:  # "{"
+        return -1
+    i = _skip_ws(raw, i + 1)
+    count = -1
+    if i < n and raw[i] == 125:  # "{}"
+        return -1
+    while i < n:
+        if raw[i] != 34:  # a member name
+            return -1
+        end = _skip_string(raw, i)
+        if end < 0:
+            return -1
+        for j in range(i + 1, end - 1):
+            if raw[j] == 92:  # an escaped name
                 return -1
-            out[count] = value
-            count += 1
-            state = 3
-        if c == 32 or c == 10 or c == 13 or c == 9:  # noqa: PLR1714 - JSON whitespace (compiled: no tuple)
-            continue
-        if state == 0:
-            if c != 91:
+        is_key = end - i - 2 == k
+        if is_key:
+            for j in range(k):
+                if raw[i + 1 + j] != key[j]:
+                    is_key = False
+                    break
+        i = _skip_ws(raw, end)
+        if i >= n or raw[i] != 58:  # ":"
+            return -1
+        i = _skip_ws(raw, i + 1)
+        if i >= n:
+            return -1
+        if is_key:
+            if count >= 0:
+                return -1  # given twice
+            span[0] = i
+            count = _scan_ids(raw, i, out, span)
+            if count < 0:
                 return -1
-            state = 1
-        elif state == 1 or state == 4:  # noqa: PLR1714
-            if 48 <= c <= 57:
-                value = c - 48
-                width = 1
-                state = 2
-            elif c == 93 and state == 1:
-                state = 5
-            else:
-                return -1
-        elif state == 3:
-            if c == 44:
-                state = 4
-            elif c == 93:
-                state = 5
-            else:
-                return -1
+            i = span[1]
         else:
-            return -1  # bytes after the closing bracket
-    return count if state == 5 else -1
+            i = _skip_value(raw, i)
+            if i < 0:
+                return -1
+        i = _skip_ws(raw, i)
+        if i >= n:
+            return -1
+        if raw[i] == 125:  # "}"
+            return count if _skip_ws(raw, i + 1) == n else -1
+        if raw[i] != 44:  # ","
+            return -1
+        i = _skip_ws(raw, i + 1)
+    return -1
 
 
 @_jit
@@ -814,6 +944,19 @@ def scan_token_ids(raw: bytes) -> U32 | None:
     return None if count < 0 else out[:count]
 
 
+_TOKEN_IDS_KEY: Final = np.frombuffer(b"token_ids", dtype=np.uint8)
+
+
+def scan_body_token_ids(body: bytes) -> tuple[U32, int, int] | None:
+    """The ``token_ids`` member of a JSON object body, scanned in one pass (`json_member_token_ids`): the ids
+    and the ``[start, end)`` bytes of the array in ``body``; None when the body is not that plain form (decode
+    it with a full JSON decoder then)."""
+    out = np.empty((len(body) + 1) // 2, dtype=np.uint32)
+    span = np.zeros(2, dtype=np.int64)
+    count = json_member_token_ids(np.frombuffer(body, dtype=np.uint8), _TOKEN_IDS_KEY, out, span)
+    return None if count < 0 else (out[:count], int(span[0]), int(span[1]))
+
+
 def prompt_keys(
     tokens: U32, block_size: int, *, lora_name: str | None = None, cache_salt: str | None = None
 ) -> U64:
@@ -874,6 +1017,7 @@ def compile_all() -> None:
     index.match([3, 4])
     index.match(prompt_keys(token_array([1, 2, 3, 4]), 2, cache_salt="s"))
     scan_token_ids(b"[1, 2]")
+    scan_body_token_ids(b'{"a": [{"b": "c\\""}], "token_ids": [1]}')
     index.holds(a, 1)
     index.digest()
     PrefixIndex.from_export(index.export())

@@ -377,6 +377,8 @@ class PrefixIndex:
         self._max_orphans = max_orphans
         self._orphan_ttl_ops = orphan_ttl_ops
         self._holders: dict[Holder, _HolderState] = {}
+        self._sorted_holders: tuple[Holder, ...] | None = None
+        """`holders`, kept until a holder comes or goes (every match lists them)."""
         self._bk, self._bc, self._bp = tables.new_blocks(tables.MIN_CAPACITY)
         self._pk, self._pv = tables.new_prefixes(tables.MIN_CAPACITY)
         self._meta = np.zeros(3, dtype=np.int64)
@@ -679,6 +681,8 @@ class PrefixIndex:
         n = sum(self.clear(h) for h in gone)
         for h in gone:
             self._release(self._holders.pop(h))
+        if gone:
+            self._sorted_holders = None
         return n
 
     # ------------------------------------------------------------------ queries
@@ -711,7 +715,9 @@ class PrefixIndex:
 
     def holders(self) -> list[Holder]:
         """Return every holder with indexed blocks or held events, sorted."""
-        return sorted(self._holders)
+        if self._sorted_holders is None:
+            self._sorted_holders = tuple(sorted(self._holders))
+        return list(self._sorted_holders)
 
     def block_count(self, holder: Holder) -> int:
         """Return the number of blocks indexed for a holder, over every tier (one per tier a block is on)."""
@@ -1072,6 +1078,7 @@ class PrefixIndex:
 
     def _new_holder(self, holder: Holder) -> _HolderState:
         state = self._holders[holder] = _HolderState(holder, None, -1)
+        self._sorted_holders = None
         self._new_cid(state)
         return state
 

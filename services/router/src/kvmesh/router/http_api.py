@@ -291,25 +291,37 @@ def answer_query(
     q, scanned = decode_query(body)
     spec = _check_query(q, by_hash=by_hash)
     result = _match(state, q, spec, by_hash=by_hash, tokens=scanned)
-    cands: Iterable[HolderMatch] = result.candidates
     bs = spec.block_size if spec.block_size is not None else result.block_size
-    cands = [c for c in cands if c.block_size == bs]
-    if spec.instance is not None:
-        cands = [c for c in cands if c.worker_id == spec.instance]
-    cands = [c for c in cands if tenants.get(c.worker_id, DEFAULT_TENANT) == spec.tenant]
+    tenant, instance = spec.tenant, spec.instance
+    cands = [
+        c
+        for c in result.candidates
+        if c.block_size == bs
+        and (instance is None or c.worker_id == instance)
+        and tenants.get(c.worker_id, DEFAULT_TENANT) == tenant
+    ]
     if spec.dynamo:
         return _dynamo_reply(cands)
     instances: dict[str, dict[str, Any]] = {}
     for c in cands:
+        tokens = c.overlap_blocks * c.block_size
+        gpu, cpu, disk = (tokens, tokens, tokens) if c.tiers is None else media_tokens(c)
         entry = instances.get(c.worker_id)
         if entry is None:
-            entry = instances[c.worker_id] = {"longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "DP": {}}
-        tokens = c.overlap_blocks * c.block_size
+            instances[c.worker_id] = {
+                "longest_matched": tokens,
+                "GPU": gpu,
+                "CPU": cpu,
+                "DISK": disk,
+                "DP": {str(c.dp_rank): tokens},
+            }
+            continue
         entry["DP"][str(c.dp_rank)] = tokens
         entry["longest_matched"] = max(entry["longest_matched"], tokens)
-        for name, n in zip(_MEDIA, media_tokens(c), strict=True):
-            entry[name] = max(entry[name], n)
-    return {spec.tenant: instances}
+        entry["GPU"] = max(entry["GPU"], gpu)
+        entry["CPU"] = max(entry["CPU"], cpu)
+        entry["DISK"] = max(entry["DISK"], disk)
+    return {tenant: instances}
 
 
 def _dynamo_reply(cands: Iterable[HolderMatch]) -> dict[str, Any]:

@@ -22,6 +22,10 @@ Isolation rules (what changes the KV cache must change the key):
 
 Only full blocks are keys: a trailing partial block is ignored.
 
+This module is the reference, in Python over ``xxhash``; a router hashes prompts with the compiled
+equivalent, `kvmesh.core.tables.prompt_keys` (every XXH3 length class, checked against this module and
+``xxhash`` in ``tests/core/test_prompt_kernels.py``).
+
 **Index prefix keys** (`prefix_keys`, `prompt_prefix_keys`) — what `kvmesh.core.index.PrefixIndex` stores
 and looks up — are exactly the sequence hashes above, full 64 bits: a gateway, a Dynamo component or a
 Mooncake RFC #1527 publisher that hands kvmesh a standard sequence hash names the same prefix the index

@@ -44,8 +44,9 @@ The index keeps two kinds of key (the key scheme of snapshot format 4):
 
 * **prefix keys** are the standard 64-bit sequence hashes, `kvmesh.core.hashing.prefix_keys` (Dynamo's
   ``SequenceHash``; collision bound there: about ``n² / 2**65`` for *n* distinct prefixes, 2.7·10⁻⁸ at 1M,
-  2.7·10⁻⁶ at 10M); the matching side hashes prompts with `kvmesh.core.hashing.prompt_prefix_keys`, the
-  same rule, or takes a caller's sequence hashes as they are.
+  2.7·10⁻⁶ at 10M); the matching side hashes prompts with `kvmesh.core.tables.prompt_keys` (the rule of
+  `kvmesh.core.hashing.prompt_prefix_keys`, compiled), or takes a caller's sequence hashes as they are; a
+  match takes its keys as any iterable of ints or as one uint64 array (looked up in one compiled call).
 * **engine hashes** are folded to 60 bits on the way in (`engine_key60`: modulo ``2**60 - 93``, the largest
   prime below ``2**60``). Values below that prime are kept as they are, so small or sequential engine ids
   never collide with each other. For uniformly random 64-bit engine hashes — what every engine kvmesh reads

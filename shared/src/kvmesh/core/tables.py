@@ -17,6 +17,11 @@ over 85 % full, and shrunk when they fall under 20 %:
 
 ``meta`` is an int64 array ``[blocks in use, prefixes in use, prefix tombstones]``.
 
+The same compiled layer serves the match side: `prompt_keys` hashes a prompt's blocks (XXH3-64 of each
+block's token ids in every length class of the specification, then the sequence-hash chain) in one call, and
+`json_member_token_ids` reads a request body's ``token_ids`` straight into a uint32 array; both are exact
+equivalents of the Python reference (`kvmesh.core.hashing`, msgspec), which handles whatever they refuse.
+
 At the loads these tables run at (57 – 85 %), a block whose prefix key no other block has costs 33 – 49
 bytes; a shared prefix costs one blocks slot per holder and one prefixes slot (plus the caller's dict).
 """

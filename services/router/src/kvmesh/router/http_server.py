@@ -20,7 +20,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import msgspec
 
@@ -220,8 +220,7 @@ class _Connection(asyncio.Protocol):
         self._busy = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast("asyncio.Transport", transport)  # a stream transport (uvloop's is no subclass)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None

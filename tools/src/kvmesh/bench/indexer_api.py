@@ -17,6 +17,12 @@ prompts of ``--query-tokens`` tokens and as many of ``--short-tokens`` (each ans
 comparison), and ``--query-requests`` timed requests of each length. Reported per system: p50/p99 of each
 length; per (prompt, engine) pair: whether the two systems agree, and each against the engines' truth.
 Without Dynamo the kvmesh side runs alone and says so.
+
+``--in-process`` measures only the match path of ``/query`` inside one process, no HTTP: the body decoded,
+the prompt hashed and `kvmesh.core.index.PrefixIndex.match_tiers` walked, by the compiled path (the body
+scan and `kvmesh.core.tables.prompt_keys`) against the Python reference in the same run (msgspec into
+ints and `kvmesh.core.hashing.iter_prompt_prefix_keys`), interleaved call by call, with the whole
+`kvmesh.router.http_api.answer_query` beside them.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import dataclasses
 import http.client
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -47,6 +54,12 @@ from kvmesh.bench.dynamo_e2e import (
     make_frames,
 )
 from kvmesh.bench.trace import percentile
+from kvmesh.core import tables
+from kvmesh.core.events import EventsMessage, Stored
+from kvmesh.core.hashing import iter_prompt_prefix_keys, local_block_hashes
+from kvmesh.core.index import Holder, PrefixIndex
+from kvmesh.core.state import IndexState
+from kvmesh.router.http_api import QueryBody, answer_query, decode_body, decode_query
 
 __all__ = ["HttpRun", "command", "compare_answers"]
 
@@ -276,6 +289,61 @@ def _has_dynamo(python: str) -> bool:
     return done.returncode == 0
 
 
+def in_process(
+    *, prompts: int = 30, tokens: Sequence[int] = (64, 4096), calls: int = 6000
+) -> dict[int, dict[str, float]]:
+    """The ``--in-process`` comparison: 4 workers each holding a random leading part (64 – 255 blocks of 16) of
+    every one of ``prompts`` random 4,096-token prompts; per prompt length, the median µs of each path over
+    ``calls`` interleaved calls. Raises AssertionError if the two paths ever answer differently."""
+    rng = random.Random(1)
+    st = IndexState()
+    index = PrefixIndex()  # the same blocks, for the two match paths alone
+    texts = [[rng.randrange(50_000) for _ in range(4096)] for _ in range(prompts)]
+    for p, toks in enumerate(texts):
+        local = local_block_hashes(toks, BLOCK_SIZE)
+        for w in range(4):
+            n = rng.randrange(64, 256)
+            engine = [p * 1000 + i + w * 10**7 for i in range(n)]
+            msg = EventsMessage(worker_id=f"w{w}", dp_rank=0, model=MODEL, block_size=BLOCK_SIZE, epoch=1,
+                                seq=p + 1, events=[Stored(engine, None, local[:n])])  # fmt: skip
+            st.apply(p * 4 + w + 1, msg)
+            index.store(Holder(f"w{w}", 0), engine, None, local[:n])
+
+    def reference(body: bytes) -> object:
+        q = decode_body(body, QueryBody)
+        assert q.token_ids is not None
+        return index.match_tiers(iter_prompt_prefix_keys(q.token_ids, BLOCK_SIZE))
+
+    def compiled(body: bytes) -> object:
+        q, ids = decode_query(body)
+        tokens = tables.token_array(ids if ids is not None else q.token_ids or [])
+        return index.match_tiers(tables.prompt_keys(tokens, BLOCK_SIZE))
+
+    def whole(body: bytes) -> object:
+        return answer_query(st, body, by_hash=False, tenants={})
+
+    paths: dict[str, Callable[[bytes], object]] = {
+        "reference": reference,
+        "compiled": compiled,
+        "answer_query": whole,
+    }
+    out: dict[int, dict[str, float]] = {}
+    for n in tokens:
+        bodies = [
+            json.dumps({"model": MODEL, "block_size": BLOCK_SIZE, "token_ids": t[:n]}).encode() for t in texts
+        ]
+        assert all(reference(b) == compiled(b) for b in bodies), "the compiled path answered differently"
+        times: dict[str, list[int]] = {k: [] for k in paths}
+        for i in range(calls):
+            b = bodies[i % len(bodies)]
+            for k, f in paths.items():
+                t0 = time.perf_counter_ns()
+                f(b)
+                times[k].append(time.perf_counter_ns() - t0)
+        out[n] = {k: sorted(v)[len(v) // 2] / 1000 for k, v in times.items()}
+    return out
+
+
 def _pooled(runs: Sequence[HttpRun]) -> HttpRun | None:
     """One system's rounds as one run: latencies pooled, settled only if every round settled, the first
     round's answers (each round is checked against the truth the same way)."""
@@ -322,7 +390,20 @@ def command(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--log-dir", default=None, help="keep the child processes' logs here")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="measure only the match path of /query in this process, compiled against the Python reference "
+        "(no servers; see above)",
+    )
     a = p.parse_args(argv)
+    if a.in_process:
+        print("| prompt | reference (µs) | compiled (µs) | compiled / reference | whole answer_query (µs) |")
+        print("|---|---:|---:|---:|---:|")
+        for n, med in in_process().items():
+            print(f"| {n:,} tokens | {med['reference']:.1f} | {med['compiled']:.1f} "
+                  f"| {med['compiled'] / med['reference']:.2f}× | {med['answer_query']:.1f} |")  # fmt: skip
+        return 0
     if min(a.workers, a.requests, a.queries, a.query_tokens, a.short_tokens, a.query_requests, a.rounds) <= 0:
         p.error("every count must be positive")
     fr = make_frames(

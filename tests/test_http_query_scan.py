@@ -8,11 +8,21 @@ import random
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.core.events import Event, EventsMessage, Stored
 from kvmesh.core.hashing import local_block_hashes
 from kvmesh.core.state import IndexState
-from kvmesh.router.http_api import ApiError, QueryBody, answer_query, decode_body, decode_query
+from kvmesh.router.http_api import (
+    ApiError,
+    QueryBody,
+    _check_query,
+    _match,
+    answer_query,
+    decode_body,
+    decode_query,
+)
 
 BS = 16
 RNG = random.Random(3)
@@ -21,7 +31,7 @@ PROMPTS = [[RNG.randrange(150_000) for _ in range(40 * BS + 7)] for _ in range(6
 
 def _state() -> IndexState:
     """Three workers; each holds a different leading part of every prompt (w2 under a salt for prompt 0)."""
-    st = IndexState()
+    state = IndexState()
     stream_seq = 0
     for p, tokens in enumerate(PROMPTS):
         for w, n in enumerate((40, 25, 9)):
@@ -29,13 +39,13 @@ def _state() -> IndexState:
             local = local_block_hashes(tokens[: n * BS], BS, cache_salt=salt)
             stream_seq += 1
             events = list[Event]([Stored([10_000 * p + 100 * w + i for i in range(n)], None, local)])
-            st.apply(
+            state.apply(
                 stream_seq,
                 EventsMessage(
                     worker_id=f"w{w}", dp_rank=w, model="m", block_size=BS, epoch=1, seq=p + 1, events=events
                 ),
             )
-    return st
+    return state
 
 
 STATE = _state()
@@ -158,3 +168,50 @@ def test_odd_but_valid_bodies_answer_as_msgspec_decodes_them(body: bytes) -> Non
     got = answer_query(STATE, body, by_hash=False, tenants={})
     assert got == _slow(body)
     assert {w: v["longest_matched"] for w, v in got["default"].items()} == {"w0": 640, "w1": 400, "w2": 144}
+
+
+def _outcome(body: bytes, *, scanned: bool) -> tuple[object, ...]:
+    """The match (or the error) of a body by the scanning path or by msgspec alone."""
+    try:
+        if scanned:
+            q, tokens = decode_query(body)
+        else:
+            q, tokens = decode_body(body, QueryBody), None
+        spec = _check_query(q, by_hash=False)
+        return ("ok", _match(STATE, q, spec, by_hash=False, tokens=tokens))
+    except ApiError as exc:
+        return ("error", exc.status, exc.message)
+
+
+_BASES = [
+    msgspec.json.encode({"model": "m", "block_size": BS, "token_ids": PROMPTS[0][:40], "cache_salt": None}),
+    b'{"x": {"y": ["}", 1.5]}, "token_ids": [1, 2, 3], "model": "m", "block_size": 16}',
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    base=st.sampled_from(_BASES),
+    edits=st.lists(
+        st.tuples(
+            st.integers(0, 3), st.integers(0, 10_000), st.sampled_from(list(b' \t\n[]{}",:\\0159-.eEtn'))
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+)
+def test_any_mangled_body_answers_or_fails_as_msgspec_alone_would(
+    base: bytes, edits: list[tuple[int, int, int]]
+) -> None:
+    """Bytes deleted, inserted or replaced anywhere in a body: the scanning path gives the same match or the
+    same error (status and message) as decoding it with msgspec alone."""
+    body = bytearray(base)
+    for op, pos, byte in edits:
+        i = pos % (len(body) + 1)
+        if op == 0 and body:
+            del body[min(i, len(body) - 1)]
+        elif op == 1:
+            body.insert(i, byte)
+        elif body:
+            body[min(i, len(body) - 1)] = byte
+    assert _outcome(bytes(body), scanned=True) == _outcome(bytes(body), scanned=False)

@@ -26,20 +26,31 @@ token is out, ``finish`` at its last token.
   ``overlap_*`` counters compare the router's overlap for its chosen worker with that pool's truth).
 * ``round-robin``, ``random`` and ``least-loaded`` (fewest waiting + running requests) are computed
   in-process (they do not read the caches).
-* ``oracle`` knows every pool and queue instantly: the worker with the lowest estimated TTFT
-  (`kvmesh.sim.timing.TimedWorker.estimate_ttft_s` of the prompt's tokens not hit in that worker's pool, by
-  `kvmesh.sim.blockpool.BlockPool.match_prefix`).
+* ``oracle``, the TTFT reference: per request, the worker with the lowest estimated TTFT for *that*
+  request, ties to the lowest worker index. It knows, at the decision instant and exactly, each pool's
+  prefix hit for the prompt (`kvmesh.sim.blockpool.BlockPool.match_prefix`) and each engine's queue
+  (`kvmesh.sim.timing.TimedWorker.estimate_ttft_s`: when its prefill unit is free, the prompt lengths of
+  its waiting requests, and when a batch slot frees if the batch is full). It does not know, so does not
+  optimise: the hits of the requests already waiting (counted as none), what its choice does to later
+  requests (the blocks it evicts, the queue it builds), decode load (free in this fleet), or pool eviction
+  before admission. It is greedy, not an optimum: a policy can beat it on hits or TTFT.
 * ``kvmesh-exact`` (only with ``--policies``): kvmesh's decision (`kvmesh.core.route.decide` with a
-  `kvmesh.core.load.LoadLedger` fed the same lifecycle notes) on exact, instant state: each pool's true
+  `kvmesh.core.load.LoadLedger` fed the same lifecycle notes, each dated at its simulated time) on exact,
+  instant state: each pool's true
   overlap, no pipeline, no route latency. kvmesh against kvmesh-exact is what the pipeline costs; kvmesh-exact
   against the oracle is what the cost function costs.
-* ``longest-prefix`` (only with ``--policies``): the worker with the longest real prefix hit, ties to the
-  fewest active requests. On Mooncake traces every prompt starts with the same block, so it sends nearly
-  everything to one worker: it shows why a cache-aware router must weigh load.
+* ``longest-prefix`` (only with ``--policies``), the hits reference: per request, the worker with the
+  longest true prefix hit at the decision (`BlockPool.match_prefix`), whatever its load; ties to the fewest
+  waiting + running requests, then the lowest worker index. It maximises each request's hit as routed
+  (greedy: the hit the engine finally delivers can be less, as the pool may evict while the request
+  queues). Where every prompt shares a first block (the Mooncake conversation trace) it sends nearly
+  everything to one worker: it shows what hits cost when load is ignored. ``oracle`` and
+  ``longest-prefix`` are the two ends a load-aware router sits between.
 
 ``--overlap-weight`` / ``--decode-weight`` set the router's cost weights for ``kvmesh`` and ``kvmesh-exact``
-(default: the router's defaults, `kvmesh.core.route.Policy`); ``--router-arg`` passes any other flag to the
-router.
+(default: the router's defaults, `kvmesh.core.route.Policy`); ``--prefill-progress`` /
+``--no-prefill-progress`` set the load ledger's prefill progress estimate for both (default: the router's
+default, `kvmesh.core.load.LoadLedger`); ``--router-arg`` passes any other flag to the router.
 """
 
 from __future__ import annotations
@@ -272,7 +283,9 @@ class _Fleet:
 class _Chooser:
     """An in-process policy: picks a worker from the fleet's exact, current state."""
 
-    def __init__(self, policy: str, fleet: _Fleet, spec: FleetSpec, route_policy: Policy) -> None:
+    def __init__(
+        self, policy: str, fleet: _Fleet, spec: FleetSpec, route_policy: Policy, prefill_progress: bool | None
+    ) -> None:
         if policy not in POLICIES + EXTRA_POLICIES or policy == "kvmesh":
             raise ValueError(f"unknown policy {policy!r}")
         self.policy = policy
@@ -280,17 +293,21 @@ class _Chooser:
         self.rng = random.Random(spec.seed)
         self.block_size = spec.block_size
         self.route_policy = route_policy
-        self.ledger = LoadLedger(ttl_s=math.inf)
+        self.ledger = (
+            LoadLedger(ttl_s=math.inf)
+            if prefill_progress is None
+            else LoadLedger(ttl_s=math.inf, prefill_progress=prefill_progress)
+        )
 
     def observe(self, items: Sequence[_Item]) -> None:
         """Apply the lifecycle notes to the ledger (``kvmesh-exact``)."""
         if self.policy != "kvmesh-exact":
             return
-        for _t, _serial, _k, kind, payload in items:
+        for time_s, _serial, _k, kind, payload in items:
             if kind == _PREFILL_DONE:
-                self.ledger.prefill_done(payload)
+                self.ledger.prefill_done(payload, time_s)
             elif kind == _FINISHED:
-                self.ledger.finished(payload)
+                self.ledger.finished(payload, time_s)
 
     def choose(self, i: int, p: _Prepared) -> int:
         """Return the worker for request ``i``."""
@@ -328,7 +345,7 @@ class _Chooser:
         ]
         active: dict[Holder, ActiveLoad] = {}
         for c in cands:
-            a = self.ledger.load(c.worker_id, 0, excluding=p.request_id)
+            a = self.ledger.load(c.worker_id, 0, excluding=p.request_id, now_s=p.arrival_s)
             if a.requests:
                 active[Holder(c.worker_id, 0)] = a
         d = decide(
@@ -355,17 +372,23 @@ class _Chooser:
 
 
 def simulate_policy(
-    policy: str, trace: Sequence[TraceRequest], spec: FleetSpec, *, route_policy: Policy | None = None
+    policy: str,
+    trace: Sequence[TraceRequest],
+    spec: FleetSpec,
+    *,
+    route_policy: Policy | None = None,
+    prefill_progress: bool | None = None,
 ) -> PolicyResult:
     """Serve ``trace`` on a fresh fleet with an in-process policy (not ``kvmesh``), in simulated time.
 
     The decision is taken in the harness from the fleet's state at the request's arrival and costs no
     simulated time (routing delay 0). ``route_policy`` is the cost policy of ``kvmesh-exact`` (default
-    `Policy()`, the router's defaults).
+    `Policy()`, the router's defaults); ``prefill_progress`` its ledger's prefill progress estimate (None:
+    `LoadLedger`'s default, the router's).
     """
     result = PolicyResult(policy=policy, per_worker=[0] * spec.workers)
     fleet = _Fleet(spec, result)
-    chooser = _Chooser(policy, fleet, spec, route_policy or Policy())
+    chooser = _Chooser(policy, fleet, spec, route_policy or Policy(), prefill_progress)
     t0_ms = trace[0].timestamp_ms if trace else 0
     start = time.perf_counter()
     for i, req in enumerate(trace):
@@ -611,8 +634,10 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
     )
     weights = {"overlap_weight": args.overlap_weight, "decode_weight": args.decode_weight}
     route_policy = replace(Policy(), **{k: v for k, v in weights.items() if v is not None})
+    progress: bool | None = args.prefill_progress
     router_args = [
         *(a for k, v in weights.items() if v is not None for a in (f"--{k.replace('_', '-')}", repr(v))),
+        *(() if progress is None else ("--prefill-progress" if progress else "--no-prefill-progress",)),
         *args.router_arg,
     ]
     results: list[PolicyResult] = []
@@ -624,7 +649,7 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
                 router_args=router_args, say=say,
             )  # fmt: skip
         else:
-            r = simulate_policy(policy, trace, spec, route_policy=route_policy)
+            r = simulate_policy(policy, trace, spec, route_policy=route_policy, prefill_progress=progress)
         lat = (
             f", route p50 {1e3 * percentile(r.route_latency_s, 0.5):.2f} ms"
             f" p99 {1e3 * percentile(r.route_latency_s, 0.99):.2f} ms"
@@ -698,6 +723,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="the router's decode_weight (kvmesh and kvmesh-exact; default: the router's default)",
+    )
+    p.add_argument(
+        "--prefill-progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the load ledger's prefill progress estimate (kvmesh and kvmesh-exact; default: the router's "
+        "default)",
     )
     p.add_argument(
         "--router-arg",

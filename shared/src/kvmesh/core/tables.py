@@ -207,8 +207,16 @@ def _p_find(p_key: U64, p_val: I32, key: np.uint64) -> int:
 
 # XXH3-64 of a 16-byte input (two little-endian uint64), the length-9-to-16 path of the XXH3 specification:
 # the bit flips are the default secret's 64-bit words at offsets 24, 32, 40 and 48 combined with the seed.
-_SECRET_24_56 = bytes.fromhex("7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221b8084674f743248e")
-_W = [int.from_bytes(_SECRET_24_56[i : i + 8], "little") for i in range(0, 32, 8)]
+_KSECRET: Final[bytes] = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
+    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
+    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
+    "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
+    "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
+)
+"""XXH3's default 192-byte secret (``kSecret`` of the specification)."""
+_W = [int.from_bytes(_KSECRET[i : i + 8], "little") for i in range(24, 56, 8)]
 _BITFLIP1 = np.uint64(((_W[0] ^ _W[1]) + SEED) & 0xFFFFFFFFFFFFFFFF)
 _BITFLIP2 = np.uint64(((_W[2] ^ _W[3]) - SEED) & 0xFFFFFFFFFFFFFFFF)
 _M32 = np.uint64(0xFFFFFFFF)
@@ -269,15 +277,6 @@ def chain(local: U64, parent: np.uint64, has_parent: bool, out: U64) -> None:
 # path), computed over the uint32 words so every read is at a 4-byte offset. The secret is read at byte offsets
 # that are not multiples of 8 (3, 7, 11, …), so it is given as a table ``sec[o]`` = the little-endian uint64
 # at byte ``o`` (`secret_table`). `tests/core/test_tables.py` checks every length class against ``xxhash``.
-_KSECRET: Final[bytes] = bytes.fromhex(
-    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
-    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
-    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
-    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
-    "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
-    "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
-)
-"""XXH3's default 192-byte secret (``kSecret`` of the specification)."""
 _P32_1 = np.uint64(0x9E3779B1)
 _P32_2 = np.uint64(0x85EBCA77)
 _P32_3 = np.uint64(0xC2B2AE3D)
@@ -287,7 +286,7 @@ _P64_3 = np.uint64(0x165667B19E3779F9)
 _P64_4 = np.uint64(0x85EBCA77C2B2AE63)
 _P64_5 = np.uint64(0x27D4EB2F165667C5)
 _MX2 = np.uint64(0x9FB21C651E98DF25)
-_S28, _S29, _S35, _S47 = np.uint64(28), np.uint64(29), np.uint64(35), np.uint64(47)
+_S28, _S35, _S47 = np.uint64(28), np.uint64(35), np.uint64(47)
 _S24, _S49, _S40, _S15 = np.uint64(24), np.uint64(49), np.uint64(40), np.uint64(15)
 
 

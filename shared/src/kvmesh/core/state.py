@@ -849,17 +849,14 @@ class IndexState:
             raise UnknownModelError(model)
         return live
 
-    def _holder_match(self, index: PrefixIndex, h: Holder, o: Overlap | None, bs: int) -> HolderMatch:
-        """A holder's `HolderMatch` in its block size ``bs`` from its overlap (None: no leading block)."""
-        blocks = o.blocks if o is not None else 0
+    def _zero_match(self, index: PrefixIndex, h: Holder, bs: int) -> HolderMatch:
+        """A holder's `HolderMatch` of no leading block in its block size ``bs`` (`_with_overlap` adds one)."""
         return HolderMatch(
             worker_id=h.worker_id,
             dp_rank=h.dp_rank,
-            overlap_blocks=blocks,
+            overlap_blocks=0,
             cached_blocks=index.block_count(h),
-            tiers=o.tiers if o is not None else None,
             block_size=bs,
-            overlap_tokens=blocks * bs,
             health=self._holder_health(h),
         )
 
@@ -871,17 +868,14 @@ class IndexState:
             self._views_version = self._version
         view = self._views.get(index)
         if view is None:
-            holders = index.holders()
-            zeros = [
-                (h, self._holder_match(index, h, None, bs))
-                for h in holders
-                if not self._is_removed(h.worker_id)
-            ]
+            zeros: list[tuple[Holder, HolderMatch]] = []
             backends: dict[Holder, tuple[str, ...]] = {}
-            for h in holders:
+            for h in index.holders():
                 info = self._workers.get(h.worker_id)
                 if info is not None and info.readers:
                     backends[h] = info.readers
+                if not self._is_removed(h.worker_id):
+                    zeros.append((h, self._zero_match(index, h, bs)))
             view = self._views[index] = _IndexView(zeros, backends)
         return view
 
@@ -1161,15 +1155,8 @@ def _same_tier_removal(events: Sequence[Event], i: int, medium: str | None) -> b
 
 def _with_overlap(zero: HolderMatch, o: Overlap) -> HolderMatch:
     """A holder's match with overlap ``o``, from its match of no leading block (`IndexState._view`)."""
-    return HolderMatch(
-        worker_id=zero.worker_id,
-        dp_rank=zero.dp_rank,
-        overlap_blocks=o.blocks,
-        cached_blocks=zero.cached_blocks,
-        tiers=o.tiers,
-        block_size=zero.block_size,
-        overlap_tokens=o.blocks * zero.block_size,
-        health=zero.health,
+    return msgspec.structs.replace(
+        zero, overlap_blocks=o.blocks, tiers=o.tiers, overlap_tokens=o.blocks * zero.block_size
     )
 
 

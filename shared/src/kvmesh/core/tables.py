@@ -1020,7 +1020,6 @@ def compile_all() -> None:
     index.store(a, [6], 2, [7])
     index.match([3, 4])
     index.match(prompt_keys(token_array([1, 2, 3, 4]), 2, cache_salt="s"))
-    scan_token_ids(b"[1, 2]")
     scan_body_token_ids(b'{"a": [{"b": "c\\""}], "token_ids": [1]}')
     index.holds(a, 1)
     index.digest()

@@ -66,7 +66,6 @@ T = TypeVar("T")
 
 DEFAULT_TENANT: Final[str] = "default"
 MAX_U64: Final[int] = 2**64 - 1
-_MEDIA: Final[tuple[str, str, str]] = ("GPU", "CPU", "DISK")
 
 
 class ApiError(Exception):
@@ -305,7 +304,7 @@ def answer_query(
     instances: dict[str, dict[str, Any]] = {}
     for c in cands:
         tokens = c.overlap_blocks * c.block_size
-        gpu, cpu, disk = (tokens, tokens, tokens) if c.tiers is None else media_tokens(c)
+        gpu, cpu, disk = media_tokens(c)
         entry = instances.get(c.worker_id)
         if entry is None:
             instances[c.worker_id] = {

@@ -102,7 +102,7 @@ async def test_an_ingest_killed_during_a_snapshot_wait_is_rebuilt_by_the_next(
             procs.append(
                 ingest_process(log, nats_url, stream=p.stream, prefix=p.prefix, model=p.model, pub=pub)
             )
-            await pub.wait_for_subscribers(1, timeout_s=30.0)
+            await pub.wait_for_subscribers(2, timeout_s=30.0)  # the counter is cumulative: the second SUB
             await wait_for_lines(log, procs[1], "publishing to", 2)
             pub.publish([stored([4], blk(T, 3), parent=3), removed(4)])  # seq 5, live: the gap shows
             await expect(p, [T, U, V], [{"w/0": 3}, {"w/0": 1}, {"w/0": 2}], timeout_s=30)

@@ -81,7 +81,8 @@ Complexity (n = blocks in an event, h = holders, q = blocks in a query):
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -175,6 +176,14 @@ class _Cache:
     counts: dict[int, int] = field(default_factory=dict)
     tag: int = 0
     """The cache's digest tag: XXH3-64 (seed 1337) of ``worker\\0rank`` (and ``\\0TIER`` off the default tier)."""
+    order: U64 | None = None
+    """Store order (an index that keeps it, `PrefixIndex` ``keep_order``): engine keys in the order they were
+    newly indexed, live in ``order[head:tail]``, plus entries of keys removed since (``gone``)."""
+    head: int = 0
+    tail: int = 0
+    gone: array[int] | None = None
+    """Engine keys removed since the last compaction of ``order``, once per removal (``array('Q')``): each
+    cancels the oldest entry of its key in ``order``."""
 
 
 @dataclass(slots=True, eq=False)
@@ -280,7 +289,8 @@ class TierExport:
     medium: str
     """Normalized (upper-case) medium name."""
     engine: U64
-    """Engine keys of the tier's blocks (uint64, one per block, in no particular order)."""
+    """Engine keys of the tier's blocks (uint64, one per block; least recently stored first when the index
+    keeps store order, else in no particular order)."""
     prefixes: U64
     """The prefix key of each of those blocks (same length)."""
     counts: dict[int, int]
@@ -297,7 +307,8 @@ class HolderExport:
 
     Attributes:
         holder: the (worker, dp_rank).
-        engine: engine keys of every block on the default tier (uint64 array, a private copy).
+        engine: engine keys of every block on the default tier (uint64 array, a private copy; least recently
+            stored first when the index keeps store order, else in no particular order).
         prefixes: the prefix key of each of those blocks (uint64 array, same length).
         counts: engine key → store count, only for default-tier blocks stored more than once.
         orphans: held BlockStored events in hold order, each ``(serial, parent, engine_keys, local_hashes,
@@ -365,6 +376,8 @@ class PrefixIndex:
         max_orphans: bound on held BlockStored events per holder (oldest dropped first).
         orphan_ttl_ops: a held event expires after this many later `store` (or `place`) calls on the index.
         track_digest: accepted for compatibility; the digest is computed on demand (`digest`).
+        keep_order: keep each cache's store order (8 – 10 bytes more per block), which `evict_to` needs; an
+            index with a block bound (`kvmesh.core.state.IndexState` ``max_blocks``) keeps it.
     """
 
     def __init__(
@@ -373,8 +386,10 @@ class PrefixIndex:
         max_orphans: int = DEFAULT_MAX_ORPHANS,
         orphan_ttl_ops: int = DEFAULT_ORPHAN_TTL_OPS,
         track_digest: bool = False,
+        keep_order: bool = False,
     ) -> None:
         del track_digest
+        self._keep_order = keep_order
         self._max_orphans = max_orphans
         self._orphan_ttl_ops = orphan_ttl_ops
         self._holders: dict[Holder, _HolderState] = {}
@@ -597,6 +612,8 @@ class PrefixIndex:
                 self._unshare(slot, cache.cid)
             cache.n -= 1
             self._nb -= 1
+            if self._keep_order:
+                self._order_gone(cache, [h % ENGINE_KEY_PRIME])
             if not cache.n:
                 self._emptied(cache)
             elif self._nb < self._b_low:
@@ -636,6 +653,8 @@ class PrefixIndex:
                 )
             cache.n -= removed
             self._nb -= removed
+            if self._keep_order:
+                self._order_gone(cache, keys[codes != tables.REMOVED_UNKNOWN].tolist())
         self._unknown_removals += unknown
         if not cache.n:
             self._emptied(cache)
@@ -685,6 +704,74 @@ class PrefixIndex:
         if gone:
             self._sorted_holders = None
         return n
+
+    # ------------------------------------------------------------------ the block bound
+
+    @property
+    def block_total(self) -> int:
+        """Indexed (holder, tier, block) entries, duplicates counted once (O(1))."""
+        return self._nb
+
+    def cache_sizes(self) -> list[int]:
+        """Blocks of every (holder, tier) cache that has any, in no particular order (O(caches))."""
+        return [c.n for c in self._caches if c is not None and c.n]
+
+    def evict_to(self, level: int) -> int:
+        """Cut every (holder, tier) cache with more than ``level`` blocks down to ``level``, dropping its least
+        recently stored blocks first (every store count of each, as a removal of all its copies would).
+
+        The order is the order the blocks were newly indexed in (a repeated store of an indexed block does not
+        refresh it; a block removed and stored again counts from its new store), so every index fed the same
+        messages, or restored from the same export, drops the same blocks. A block dropped here and later
+        named by a BlockRemoved is an unknown removal; a BlockStored naming it as parent is held, as for any
+        unknown parent. Dropping never adds to a match: the leading run of a prompt can only get shorter.
+
+        Args:
+            level: blocks each cache keeps at most (≥ 0).
+
+        Returns:
+            the blocks dropped.
+
+        Raises:
+            ValueError: the index does not keep store order (``keep_order``), or ``level`` is negative.
+        """
+        if not self._keep_order:
+            raise ValueError("evict_to needs an index that keeps store order (keep_order=True)")
+        if level < 0:
+            raise ValueError(f"level must be >= 0, got {level}")
+        dropped = 0
+        for cache in [c for c in self._caches if c is not None and c.n > level]:
+            self._compact_order(cache)
+            assert cache.order is not None
+            cut = cache.n - level
+            keys = cache.order[cache.head : cache.head + cut].copy()
+            cache.head += cut
+            if cache.counts:
+                for h in keys.tolist():
+                    cache.counts.pop(h, None)
+            n = len(keys)
+            st, aux = self._scratch(n)
+            removed = tables.remove(
+                self._bk, self._bc, self._bp, self._pv, self._meta, cache.cid, keys, st, aux
+            )
+            assert removed == n, (removed, n)
+            codes = st[:n]
+            if np.count_nonzero(codes == tables.REMOVED_SHARED):
+                slots = aux[:n][codes == tables.REMOVED_SHARED]
+                self._unshare_many(
+                    slots.tolist(), self._pk[slots].tolist(), self._pv[slots].tolist(), cache.cid
+                )
+            cache.n -= n
+            self._nb -= n
+            dropped += n
+            if not cache.n:
+                self._order_reset(cache)
+                self._emptied(cache)
+        if dropped:
+            self._digest = None
+            if self._nb < self._b_low:
+                self._shrink()
+        return dropped
 
     # ------------------------------------------------------------------ queries
 
@@ -839,7 +926,15 @@ class PrefixIndex:
 
         def part(cache: _Cache) -> tuple[U64, U64]:
             a, b = int(begin[cache.cid]), int(begin[cache.cid] + cache.n)
-            return engine[a:b], prefixes[a:b]
+            e, p = engine[a:b], prefixes[a:b]
+            if not self._keep_order or not cache.n:
+                return e, p
+            self._compact_order(cache)  # changes nothing a later eviction would see
+            assert cache.order is not None
+            order = cache.order[cache.head : cache.tail]
+            by_key = np.argsort(e)
+            at = by_key[np.searchsorted(e, order, sorter=by_key)]
+            return e[at], p[at]  # least recently stored first: what `from_export` re-stores in order
 
         holders = []
         for holder, state in self._holders.items():
@@ -856,10 +951,9 @@ class PrefixIndex:
                     ),
                     orphan_serial=state.orphan_serial,
                     tiers=tuple(
-                        TierExport(
-                            medium=name, engine=part(c)[0], prefixes=part(c)[1], counts=c.counts.copy()
-                        )
+                        TierExport(medium=name, engine=te, prefixes=tp, counts=c.counts.copy())
                         for name, c in (state.tiers or {}).items()
+                        for te, tp in (part(c),)
                     ),
                 )
             )
@@ -873,10 +967,17 @@ class PrefixIndex:
         )
 
     @classmethod
-    def from_export(cls, export: IndexExport, *, track_digest: bool = False) -> PrefixIndex:
-        """Rebuild an index from `export()` (O(total blocks), compiled inserts; the export is not modified)."""
+    def from_export(
+        cls, export: IndexExport, *, track_digest: bool = False, keep_order: bool = False
+    ) -> PrefixIndex:
+        """Rebuild an index from `export()` (O(total blocks), compiled inserts; the export is not modified).
+
+        With ``keep_order`` each cache's blocks count as stored in the export's order: the store order of an
+        index that kept it, any order of one that did not (format-4 snapshots)."""
         del track_digest
-        index = cls(max_orphans=export.max_orphans, orphan_ttl_ops=export.orphan_ttl_ops)
+        index = cls(
+            max_orphans=export.max_orphans, orphan_ttl_ops=export.orphan_ttl_ops, keep_order=keep_order
+        )
         index._ops = export.ops
         index._orphans_expired = export.orphans_expired
         index._unknown_removals = export.unknown_removals
@@ -1021,7 +1122,60 @@ class PrefixIndex:
         attached = n - dups
         cache.n += attached
         self._nb += attached
+        if self._keep_order and attached:
+            self._order_add(cache, keys if not dups else keys[st[:n] != tables.STORED_DUPLICATE])
         return attached, dups
+
+    def _order_add(self, cache: _Cache, keys: U64) -> None:
+        """Append newly indexed engine keys to a cache's store order (grown by a quarter when full)."""
+        m = len(keys)
+        order = cache.order
+        if order is None or cache.tail + m > len(order):
+            live = 0 if order is None else cache.tail - cache.head
+            size = max(16, (live + m) * 5 // 4)
+            grown = np.empty(size, dtype=np.uint64)
+            if order is not None:
+                grown[:live] = order[cache.head : cache.tail]
+            cache.order, cache.head, cache.tail = grown, 0, live
+            order = grown
+        order[cache.tail : cache.tail + m] = keys
+        cache.tail += m
+
+    def _order_gone(self, cache: _Cache, keys: list[int]) -> None:
+        """Note engine keys that left a cache (each cancels the oldest entry of its key in the store order);
+        compact the order once they are more than a quarter of its blocks."""
+        if not cache.n:
+            self._order_reset(cache)
+            return
+        if cache.gone is None:
+            cache.gone = array("Q")
+        cache.gone.extend(keys)
+        if len(cache.gone) > cache.n // 4 + 64:
+            self._compact_order(cache)
+
+    def _order_reset(self, cache: _Cache) -> None:
+        cache.order, cache.head, cache.tail, cache.gone = None, 0, 0, None
+
+    def _compact_order(self, cache: _Cache) -> None:
+        """Drop the store-order entries that removals cancelled: afterwards ``order[head:tail]`` holds each of
+        the cache's engine keys once, least recently stored first."""
+        gone = cache.gone
+        if not gone or cache.order is None:
+            return
+        live = cache.order[cache.head : cache.tail]
+        need = Counter(gone)
+        keep = np.ones(len(live), dtype=np.bool_)
+        for pos in np.flatnonzero(np.isin(live, np.frombuffer(gone, dtype=np.uint64))).tolist():
+            k = int(live[pos])
+            left = need[k]
+            if left:
+                keep[pos] = False
+                need[k] = left - 1
+        kept = live[keep]
+        size = max(16, len(kept) * 5 // 4)
+        order = np.empty(size, dtype=np.uint64)
+        order[: len(kept)] = kept
+        cache.order, cache.head, cache.tail, cache.gone = order, 0, len(kept), None
 
     def _unshare_many(self, slots: list[int], keys: list[int], vals: list[int], cid: int) -> None:
         """`_unshare` of several slots (``keys`` and ``vals``: their prefix keys and ``p_val``s, read at once)."""

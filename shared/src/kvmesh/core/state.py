@@ -199,6 +199,8 @@ class _Counters:
     """Holds given up (the missing messages did not come within the bounds): applied with a gap."""
     incarnations: int = 0
     """Workers seen again under another model (a new incarnation)."""
+    evicted_blocks: int = 0
+    """Blocks dropped to keep the state within its ``max_blocks`` bound (`IndexState`)."""
     malformed_messages: int = 0
     """Messages refused as impossible for an ingest to make (``first_seq`` above ``seq``)."""
     placed_blocks: int = 0
@@ -305,9 +307,23 @@ class _IndexView:
 
 
 class IndexState:
-    """Every model's prefix index plus per-worker bookkeeping, as of one stream sequence."""
+    """Every model's prefix index plus per-worker bookkeeping, as of one stream sequence.
 
-    def __init__(self) -> None:
+    Args:
+        max_blocks: bound on indexed blocks over every model (`block_total`), or None for no bound. After a
+            message takes the state above it, the largest (holder, tier) caches lose their least recently
+            stored blocks until the state is `EVICT_SLACK` below it (`PrefixIndex.evict_to`; counted in
+            ``counters.evicted_blocks``). Every replica fed the same stream with the same bound drops the
+            same blocks.
+
+    Raises:
+        ValueError: ``max_blocks`` is not positive.
+    """
+
+    def __init__(self, *, max_blocks: int | None = None) -> None:
+        if max_blocks is not None and max_blocks <= 0:
+            raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+        self.max_blocks = max_blocks
         self._indexes: dict[str, dict[int, PrefixIndex]] = {}
         self._workers: dict[str, _WorkerInfo] = {}
         self.applied_seq = 0
@@ -349,6 +365,8 @@ class IndexState:
         else:
             self._apply_events(message)
         self._release_overdue()
+        if self.max_blocks is not None and self.block_total() > self.max_blocks:
+            self._evict(self.max_blocks)
 
     def skip(self, stream_seq: int) -> None:
         """Pass over a stream message that cannot be applied (undecodable, or its apply failed): the applied
@@ -417,7 +435,9 @@ class IndexState:
         by_size = self._indexes.setdefault(model, {})
         index = by_size.get(block_size)
         if index is None:
-            index = by_size[block_size] = PrefixIndex(track_digest=self._track_digest)
+            index = by_size[block_size] = PrefixIndex(
+                track_digest=self._track_digest, keep_order=self.max_blocks is not None
+            )
         return index
 
     def _apply_events(self, msg: EventsMessage) -> None:
@@ -1009,8 +1029,22 @@ class IndexState:
         )
 
     def block_total(self) -> int:
-        """Return the number of indexed (holder, block) entries over all models."""
-        return sum(ix.stats().blocks for by_size in self._indexes.values() for ix in by_size.values())
+        """Return the number of indexed (holder, block) entries over all models (O(indexes))."""
+        return sum(ix.block_total for by_size in self._indexes.values() for ix in by_size.values())
+
+    def _evict(self, bound: int) -> None:
+        """Bring the state down to ``bound − EVICT_SLACK`` blocks (at least one below the bound, never below
+        0): every cache above a common level is cut to it, the highest level that frees enough (the flood of
+        one misbehaving engine is paid by its own cache; caches under the level keep everything)."""
+        indexes = [ix for by_size in self._indexes.values() for ix in by_size.values()]
+        total = sum(ix.block_total for ix in indexes)
+        need = total - max(0, bound - max(1, int(bound * EVICT_SLACK)))
+        if need <= 0:
+            return
+        sizes = sorted((n for ix in indexes for n in ix.cache_sizes()), reverse=True)
+        level = _cut_level(sizes, need)
+        dropped = sum(ix.evict_to(level) for ix in indexes)
+        self.counters.evicted_blocks += dropped
 
     # ------------------------------------------------------------------ snapshots
 
@@ -1056,11 +1090,19 @@ class IndexState:
         )
 
     @classmethod
-    def from_export(cls, export: StateExport, *, track_digest: bool = False) -> IndexState:
+    def from_export(
+        cls, export: StateExport, *, track_digest: bool = False, max_blocks: int | None = None
+    ) -> IndexState:
         """Rebuild a state from `export()` (taking ownership of its dicts); O(total blocks). With
         ``track_digest`` the digests are computed during the rebuild (`track_digest`), else by the first
-        `digest` call."""
-        state = cls()
+        `digest` call. ``max_blocks`` bounds the rebuilt state as the constructor's does; an export above it
+        (taken without a bound, or with a larger one) is brought under it at once, each cache's blocks
+        counting as stored in the export's order.
+
+        Raises:
+            ValueError: ``max_blocks`` is not positive.
+        """
+        state = cls(max_blocks=max_blocks)
         state._track_digest = track_digest
         state.applied_seq = export.applied_seq
         state.reset_epoch = export.reset_epoch
@@ -1086,10 +1128,40 @@ class IndexState:
                 if hs.held:
                     heapq.heappush(state._holds, (since, w.worker_id, r))
         for model, bs, ix in export.indexes:
-            state._indexes.setdefault(model, {})[bs] = PrefixIndex.from_export(ix, track_digest=track_digest)
+            state._indexes.setdefault(model, {})[bs] = PrefixIndex.from_export(
+                ix, track_digest=track_digest, keep_order=max_blocks is not None
+            )
         state.gap_seq = export.gap_seq
         state._healed = {Holder(w, r) for w, r in export.healed}
+        if max_blocks is not None and state.block_total() > max_blocks:
+            state._evict(max_blocks)
         return state
+
+
+EVICT_SLACK: Final[float] = 1 / 64
+"""Share of ``max_blocks`` freed below the bound by one eviction, so a state at its bound does not evict on
+every message (at least one block)."""
+
+
+def _cut_level(sizes: Sequence[int], need: int) -> int:
+    """The highest level L such that cutting every size above L down to L frees at least ``need`` blocks.
+
+    Args:
+        sizes: the caches' block counts, largest first.
+        need: blocks to free (> 0, at most ``sum(sizes)``).
+
+    Returns:
+        L ≥ 0 (0 when only emptying every cache frees enough).
+    """
+    freed_above = 0  # blocks freed by cutting sizes[:i] down to sizes[i]
+    for i in range(1, len(sizes) + 1):
+        nxt = sizes[i] if i < len(sizes) else 0
+        freed = freed_above + i * (sizes[i - 1] - nxt)
+        if freed >= need:
+            # between nxt and sizes[i-1]: cutting the i largest to L frees freed_above + i·(sizes[i-1] − L)
+            return max(nxt, sizes[i - 1] - (need - freed_above + i - 1) // i)
+        freed_above = freed
+    return 0
 
 
 HOLD_MAX_MESSAGES: Final[int] = 4096

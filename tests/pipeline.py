@@ -80,7 +80,7 @@ class Pipeline:
         await asyncio.wait_for(svc.ready.wait(), 10)
         return svc
 
-    async def start_indexer(self) -> IndexerService:
+    async def start_indexer(self, **kw: Any) -> IndexerService:
         svc = IndexerService(
             IndexerSettings(
                 nats_url=self.nats_url,
@@ -88,6 +88,7 @@ class Pipeline:
                 events_prefix=self.prefix,
                 match_subject=self.match_subject,
                 replica_id=f"replica-{len(self.tasks)}",
+                **kw,
             )
         )
         self.indexer = svc
@@ -95,7 +96,7 @@ class Pipeline:
         await asyncio.wait_for(svc.ready.wait(), 10)
         return svc
 
-    async def start_router(self, index: str = "local") -> Router:
+    async def start_router(self, index: str = "local", **kw: Any) -> Router:
         svc = RouterService(
             RouterSettings(
                 nats_url=self.nats_url,
@@ -104,6 +105,7 @@ class Pipeline:
                 index=index,
                 stream=self.stream,
                 events_prefix=self.prefix,
+                **kw,
             )
         )
         self.router_service = svc

@@ -57,6 +57,7 @@ def _dict_status(st: IndexState, snapshots: dict[str, Any]) -> dict[str, Any]:
         "recovery": {},
         "snapshots": snapshots,
         "snapshot_writer": False,
+        "max_blocks": None,
     }
 
 

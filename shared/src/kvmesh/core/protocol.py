@@ -456,6 +456,9 @@ class IndexerStatus(Message, kw_only=True, frozen=True):
     recovery: dict[str, Any]
     snapshots: dict[str, Any]
     snapshot_writer: bool
+    max_blocks: int | None = None
+    """The replica's block bound (``--max-blocks``), None without one; its evictions are
+    ``counters["evicted_blocks"]``."""
 
 
 class HolderStatus(msgspec.Struct, kw_only=True, frozen=True):
@@ -488,6 +491,10 @@ class RouterIndexStats(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=
     decode_errors: int | None = None
     apply_errors: int | None = None
     recovery: dict[str, Any] | None = None
+    max_blocks: int | None = None
+    """The local replica's block bound (``--max-blocks``); absent without one."""
+    evicted_blocks: int | None = None
+    """Blocks the local replica dropped to stay within ``max_blocks``; absent without a bound."""
 
 
 class LedgerStats(msgspec.Struct, kw_only=True, frozen=True):

@@ -102,7 +102,7 @@ def _replicas(replicas: Sequence[ReplicaStatus]) -> list[str]:
             _yes(r.ready),
             _num(r.applied_seq),
             _num(r.lag),
-            _num(r.blocks),
+            _blocks(r.blocks, r.max_blocks, r.counters.get("evicted_blocks", 0)),
             r.digest,
             _yes(r.complete),
             "writer" if r.snapshot_writer else "",
@@ -205,7 +205,7 @@ def _routers(routers: Sequence[RouterSummary], rates: Mapping[str, float] | None
             r.route_mode + (f" ({r.degraded_reason})" if r.degraded_reason else ""),
             _num(r.applied_seq),
             _num(r.lag),
-            _num(r.blocks),
+            _blocks(r.blocks, r.max_blocks, r.evicted_blocks or 0),
             _num(r.routed),
         ]
         if rates is not None:
@@ -271,6 +271,13 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: set[
 
 
 # ---------------------------------------------------------------------------------------- cells
+
+
+def _blocks(blocks: int | None, bound: int | None, evicted: int) -> str:
+    """A replica's blocks, with its bound and evictions when it has a bound: ``"63 of 64, 4 evicted"``."""
+    if bound is None:
+        return _num(blocks)
+    return f"{_num(blocks)} of {bound:,}" + (f", {evicted:,} evicted" if evicted else "")
 
 
 def _num(value: int | None) -> str:

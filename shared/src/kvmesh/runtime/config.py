@@ -73,6 +73,7 @@ SHARED_FIELDS = (
             "stream",
             "health_file",
             "metrics_port",
+            "max_blocks",
         }
     )
     | AUTH_FIELDS

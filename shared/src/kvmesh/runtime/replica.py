@@ -103,6 +103,7 @@ class StreamReplica:
         stop: set by the owner to stop `follow` and `wait_caught_up`.
         on_message: called once per stream message read (before it is applied), e.g. to count towards
             the next snapshot.
+        max_blocks: the state's block bound (`kvmesh.core.state.IndexState`), or None for none.
     """
 
     def __init__(
@@ -115,8 +116,10 @@ class StreamReplica:
         name: str,
         stop: asyncio.Event,
         on_message: Callable[[], None] | None = None,
+        max_blocks: int | None = None,
     ) -> None:
-        self.state = IndexState()
+        self._max_blocks = max_blocks
+        self.state = IndexState(max_blocks=max_blocks)
         self._applier = StreamApplier()
         self.resubscribes = 0
         """Times the consumer stalled and was re-created (NATS restarts)."""
@@ -172,7 +175,7 @@ class StreamReplica:
             stream=identity,
         )
         self.stream_id = identity
-        self.state = plan.state()
+        self.state = plan.state(max_blocks=self._max_blocks)
         self.recovery = {
             "snapshot": plan.snapshot,
             "snapshot_seq": plan.snapshot_seq,

@@ -420,9 +420,14 @@ class RecoveryPlan:
     gap: list[int] | None = None
     """``[first, last]`` stream sequences that are gone and no snapshot covers, or None when whole."""
 
-    def state(self) -> IndexState:
-        """Build the starting state (takes ownership of the export); marks the gap if there is one."""
-        state = IndexState.from_export(self.export) if self.export is not None else IndexState()
+    def state(self, *, max_blocks: int | None = None) -> IndexState:
+        """Build the starting state (takes ownership of the export), bounded by ``max_blocks`` (None: no
+        bound); marks the gap if there is one."""
+        state = (
+            IndexState.from_export(self.export, max_blocks=max_blocks)
+            if self.export is not None
+            else IndexState(max_blocks=max_blocks)
+        )
         if self.gap is not None:
             state.mark_gap(self.gap[0] - 1)
         return state

@@ -46,6 +46,12 @@ class IndexerSettings(NatsAuth):
         0, "replicas of the snapshot, lease and registry buckets it creates (0: the events stream's)"
     )
     buckets_max_bytes: int = setting(-1, "size bound of the snapshot bucket in bytes (-1: none)")
+    max_blocks: int | None = setting(
+        None,
+        "bound on the blocks this replica's index holds, every model together: past it, the largest worker "
+        "caches lose their least recently stored blocks (counted as evicted_blocks in `kvmesh status`); give "
+        "every indexer and router the same bound (KVMESH_MAX_BLOCKS) or their digests differ (none: no bound)",
+    )
     log_level: str = setting("INFO", "log level")
     log_format: str = setting(
         "auto", "log lines: json, text, or auto (JSON when stderr is not a terminal, else text)"
@@ -68,6 +74,8 @@ class IndexerSettings(NatsAuth):
             problems.append("--lease-ttl-s and --worker-ttl-s must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
+        if self.max_blocks is not None and self.max_blocks < 1:
+            problems.append(f"--max-blocks must be ≥ 1 (none: no bound), got {self.max_blocks}")
         if self.log_format not in LOG_FORMATS:
             problems.append(f"--log-format must be auto, json or text, got {self.log_format!r}")
         return problems

@@ -161,6 +161,7 @@ def status_reply(
         recovery=reader.recovery if reader is not None else {},
         snapshots=snapshots,
         snapshot_writer=snapshot_writer,
+        max_blocks=st.max_blocks,
     )
 
 

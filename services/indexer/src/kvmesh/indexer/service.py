@@ -207,6 +207,7 @@ class IndexerService:
                 name=name,
                 stop=self._stop,
                 on_message=self._schedule.count,
+                max_blocks=s.max_blocks,
             )
             self._writer = writer = SnapshotWriter(
                 s,

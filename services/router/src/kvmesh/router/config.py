@@ -97,6 +97,13 @@ class RouterSettings(NatsAuth):
         "count as stale in explain and status, and a reply choosing one says mode 'degraded' (0: two "
         "heartbeat intervals, 2/3 of the registry bucket's TTL; < 0: off)",
     )
+    max_blocks: int | None = setting(
+        None,
+        "bound on the blocks the local index replica holds (--index local), every model together: past it, "
+        "the largest worker caches lose their least recently stored blocks (counted as evicted_blocks in "
+        "`kvmesh status`); give every indexer and router the same bound (KVMESH_MAX_BLOCKS) or their digests "
+        "differ (none: no bound)",
+    )
     log_level: str = setting("INFO", "log level")
     log_format: str = setting(
         "auto", "log lines: json, text, or auto (JSON when stderr is not a terminal, else text)"
@@ -155,6 +162,8 @@ class RouterSettings(NatsAuth):
             problems.append("--sync-timeout-s must be ≥ 0")
         if self.max_candidates < 1:
             problems.append("--max-candidates must be ≥ 1")
+        if self.max_blocks is not None and self.max_blocks < 1:
+            problems.append(f"--max-blocks must be ≥ 1 (none: no bound), got {self.max_blocks}")
         if self.max_lag_messages < 0:
             problems.append("--max-lag-messages must be ≥ 0")
         if not self.max_lag_s >= 0:

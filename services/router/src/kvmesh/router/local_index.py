@@ -74,7 +74,13 @@ class LocalIndex:
             return None
         store: SnapshotStore | None = opened or None
         self.replica = replica = StreamReplica(
-            js, stream=s.stream, events_prefix=s.events_prefix, store=store, name="router", stop=self._stop
+            js,
+            stream=s.stream,
+            events_prefix=s.events_prefix,
+            store=store,
+            name="router",
+            stop=self._stop,
+            max_blocks=s.max_blocks,
         )
         info = await step(lambda: js.stream_info(s.stream), f"read stream info of {s.stream}")
         start_seq = (
@@ -149,4 +155,6 @@ class LocalIndex:
             recovery=replica.recovery,
             lag_messages=messages,
             lag_s=seconds,
+            max_blocks=replica.state.max_blocks,
+            evicted_blocks=replica.state.counters.evicted_blocks,
         )

@@ -58,6 +58,8 @@ class ReplicaFigures:
     recovery: dict[str, Any]
     lag_messages: int
     lag_s: float
+    max_blocks: int | None = None
+    evicted_blocks: int = 0
 
 
 def index_stats(
@@ -100,6 +102,8 @@ def index_stats(
         decode_errors=replica.decode_errors,
         apply_errors=replica.apply_errors,
         recovery=replica.recovery,
+        max_blocks=replica.max_blocks,
+        evicted_blocks=None if replica.max_blocks is None else replica.evicted_blocks,
     )
 
 

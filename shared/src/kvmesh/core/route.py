@@ -59,7 +59,8 @@ import sys
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Final
+from operator import attrgetter
+from typing import Any, Final, Protocol
 
 import msgspec
 import xxhash
@@ -344,6 +345,26 @@ def route_seed(request_id: str | None, body: bytes) -> int:
 # ---------------------------------------------------------------------------------------- decision
 
 
+class CandidateLike(Protocol):
+    """One candidate as the decision reads it: a `Candidate`, or a holder of an index's match answer as it
+    comes (`kvmesh.core.state.HolderMatch`, an indexer's `kvmesh.core.protocol.MatchHolder`), not copied."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def dp_rank(self) -> int: ...
+    @property
+    def overlap_blocks(self) -> int: ...
+    @property
+    def cached_blocks(self) -> int: ...
+    @property
+    def tiers(self) -> Mapping[str, int] | None: ...
+    @property
+    def health(self) -> str | None: ...
+    @property
+    def block_size(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Candidate:
     """One (worker, dp rank) that may serve the request, with what the index knows of it."""
@@ -400,7 +421,7 @@ def _tiebreak(seed: int, worker_id: str, dp_rank: int) -> int:
 
 
 def score(
-    c: Candidate,
+    c: CandidateLike,
     *,
     prompt_tokens: int,
     block_size: int,
@@ -443,8 +464,263 @@ def score(
     )
 
 
+def rank(
+    candidates: Sequence[CandidateLike],
+    *,
+    prompt_tokens: int,
+    block_size: int,
+    policy: Policy | None = None,
+    active: Mapping[Holder, ActiveLoad] | None = None,
+    engine: Mapping[Holder, WorkerLoad] | None = None,
+    seed: int = 0,
+    allowed: Sequence[str] | None = None,
+) -> Ranking | None:
+    """Rank the candidates for a prompt: the decision of `decide`, with each `Score` built only when asked.
+
+    Args:
+        candidates, prompt_tokens, block_size, policy, active, engine, seed, allowed: as for `decide`.
+
+    Returns:
+        the ranking (`Ranking.winner` equals `decide`'s winner, `Ranking.scores` its scores), or None when no
+        candidate is left.
+
+    Cost: one pass over the candidates computing each one's cost as a float (a `Holder` and a load lookup
+    only for workers named in ``active`` or ``engine``), then a scan for the lowest cost; the seeded
+    tiebreak is hashed only for candidates tied on cost and cached blocks. With temperature > 0 the eligible
+    candidates are sorted (O(n log n)); nothing else is sorted until `Ranking.scores` asks for the order.
+    """
+    pol = policy or Policy()
+    act = active or {}
+    eng = engine or {}
+    allow = set(allowed) if allowed is not None else None
+    bs = max(block_size, 1)
+    gpu = pol.tier_weight(None)
+    ow, dw = pol.overlap_weight, pol.decode_weight
+    loaded = {h.worker_id for h in act}
+    loaded.update(h.worker_id for h in eng)
+    positions: Sequence[int]
+    chosen: Sequence[CandidateLike]
+    if allow is None:
+        positions = range(len(candidates))
+        chosen = candidates
+    else:
+        positions = [i for i, c in enumerate(candidates) if c.worker_id in allow]
+        chosen = [candidates[i] for i in positions]
+    if not positions:
+        return None
+    # Every cost as `score` computes it (the same operations in the same order, so the same floats), first
+    # with no load; then the candidates of workers with load or an engine report are computed again.
+    cached = [
+        float(c.overlap_blocks * (c.block_size if c.block_size > 0 else bs)) * gpu
+        if c.tiers is None
+        else _cached_tokens(c, bs, gpu, pol)
+        for c in chosen
+    ]
+    zero_prefill, zero_decode = ZERO_LOAD.prefill_tokens, float(ZERO_LOAD.blocks)
+    cost_of = {x: ow * ((prompt_tokens - x + zero_prefill) / bs) + dw * zero_decode for x in set(cached)}
+    costs = list(map(cost_of.__getitem__, cached))  # equal cached tokens, equal cost: each computed once
+    busy: list[int] = []
+    if loaded:
+        for k, c in enumerate(chosen):
+            if c.worker_id not in loaded:
+                continue
+            holder = Holder(c.worker_id, c.dp_rank)
+            a = act.get(holder, ZERO_LOAD)
+            costs[k] = ow * ((prompt_tokens - cached[k] + a.prefill_tokens) / bs) + dw * float(a.blocks)
+            e = eng.get(holder)
+            if e is not None and _busy(e, pol):
+                busy.append(k)
+    return Ranking(
+        candidates, positions, costs, busy, seed=seed, policy=pol, prompt_tokens=prompt_tokens,
+        block_size=block_size, active=act, engine=eng,
+    )  # fmt: skip
+
+
+def _cached_tokens(c: CandidateLike, block_size: int, gpu_weight: float, policy: Policy) -> float:
+    """A candidate's overlap in tokens weighted by tier (`score`'s ``cached_tokens``; ``block_size`` ≥ 1)."""
+    own = c.block_size if c.block_size > 0 else block_size
+    if c.tiers is None:
+        return float(c.overlap_blocks * own) * gpu_weight
+    return float(sum(n * own * policy.tier_weight(m) for m, n in c.tiers.items()))
+
+
+def _busy(engine: WorkerLoad, policy: Policy) -> bool:
+    """Whether an engine report makes its worker busy under ``policy`` (`score`'s rule)."""
+    return (engine.kv_usage is not None and engine.kv_usage >= policy.busy_kv_usage) or (
+        policy.busy_waiting > 0 and engine.waiting is not None and engine.waiting >= policy.busy_waiting
+    )
+
+
+_TIE_MARGIN: Final[float] = 2e-9
+"""Costs within this of the lowest may round (to 9 places) to the same value; only those are rounded."""
+
+
+class Ranking:
+    """The decision of one route over its candidates, held as plain numbers (built by `rank`).
+
+    The order is `decide`'s: eligible candidates (not busy, unless all are) before busy ones, each by cost
+    rounded to 9 places, then fewest cached blocks, then the seeded tiebreak ``xxh3_64(worker_id ‖ 0 ‖
+    dp_rank, seed)``, then the candidates' own order. With temperature > 0 the winner is sampled over the
+    eligible ones in that order, as `decide` says.
+
+    Cost: `winner` is computed once by `rank` (O(candidates)); `winner_score` builds one `Score`;
+    `passed_over` sorts the busy candidates only; `scores` sorts every candidate and builds a `Score` each
+    (what explain shows).
+    """
+
+    __slots__ = (
+        "_active",
+        "_block_size",
+        "_busy",
+        "_candidates",
+        "_costs",
+        "_eligible",
+        "_engine",
+        "_policy",
+        "_positions",
+        "_probabilities",
+        "_prompt_tokens",
+        "_seed",
+        "_winner",
+        "winner",
+    )
+
+    def __init__(
+        self,
+        candidates: Sequence[CandidateLike],
+        positions: Sequence[int],
+        costs: list[float],
+        busy: list[int],
+        *,
+        seed: int,
+        policy: Policy,
+        prompt_tokens: int,
+        block_size: int,
+        active: Mapping[Holder, ActiveLoad],
+        engine: Mapping[Holder, WorkerLoad],
+    ) -> None:
+        self._candidates = candidates
+        self._positions = positions
+        self._costs = costs
+        self._seed = seed
+        self._policy = policy
+        self._prompt_tokens = prompt_tokens
+        self._block_size = block_size
+        self._active = active
+        self._engine = engine
+        n = len(positions)
+        self._eligible: Sequence[int]
+        if busy and len(busy) < n:  # busy ones are skipped while any other is free
+            skip = set(busy)
+            self._eligible = [k for k in range(n) if k not in skip]
+            self._busy = busy
+        else:
+            self._eligible = range(n)
+            self._busy = []
+        self._probabilities: dict[int, float] | None = None
+        eligible = self._eligible
+        if policy.temperature <= 0 or len(eligible) == 1:
+            best = self._best(eligible)
+        else:
+            order = self._sorted(eligible)
+            probs = softmax_probabilities([costs[k] for k in order], policy.temperature)
+            self._probabilities = dict(zip(order, probs, strict=True))
+            r = random.Random(seed).random()
+            acc = 0.0
+            best = order[-1]
+            for k, p in zip(order, probs, strict=True):
+                acc += p or 0.0
+                if r < acc:
+                    best = k
+                    break
+        self.winner: CandidateLike = candidates[positions[best]]
+        """The chosen candidate."""
+        self._winner = best
+
+    def _tiebreak_of(self, k: int) -> int:
+        c = self._candidates[self._positions[k]]
+        return _tiebreak(self._seed, c.worker_id, c.dp_rank)
+
+    def _best(self, ks: Sequence[int]) -> int:
+        """The first of ``ks`` in decision order (they are all eligible, or all busy)."""
+        costs = self._costs
+        if len(ks) == len(costs):  # every candidate: C-level scans, one hash per candidate only on a tie
+            low = min(costs)
+            rounded = round(low, 9)
+            near = [v for v in set(costs) if v - low <= _TIE_MARGIN and round(v, 9) == rounded]
+            if len(near) == 1 and costs.count(near[0]) == 1:
+                return costs.index(near[0])
+            tied = [k for k, v in enumerate(costs) if v in near]
+        else:
+            low = min(costs[k] for k in ks)
+            rounded = round(low, 9)
+            tied = [k for k in ks if costs[k] - low <= _TIE_MARGIN and round(costs[k], 9) == rounded]
+        if len(tied) == 1:
+            return tied[0]
+        cands, pos = self._candidates, self._positions
+        fewest = min(cands[pos[k]].cached_blocks for k in tied)
+        tied = [k for k in tied if cands[pos[k]].cached_blocks == fewest]
+        if len(tied) == 1:
+            return tied[0]
+        return min(tied, key=lambda k: (self._tiebreak_of(k), k))
+
+    def _sorted(self, ks: Sequence[int]) -> list[int]:
+        """``ks`` in decision order (all eligible, or all busy)."""
+        costs, cands, pos = self._costs, self._candidates, self._positions
+        keyed = sorted((round(costs[k], 9), cands[pos[k]].cached_blocks, k) for k in ks)
+        out = [k for _, _, k in keyed]
+        i, n = 0, len(keyed)
+        while i < n:  # runs tied on cost and cached blocks: by the seeded tiebreak, then by position
+            j = i + 1
+            while j < n and keyed[j][:2] == keyed[i][:2]:
+                j += 1
+            if j - i > 1:
+                out[i:j] = sorted(out[i:j], key=lambda k: (self._tiebreak_of(k), k))
+            i = j
+        return out
+
+    def _score(self, k: int) -> Score:
+        c = self._candidates[self._positions[k]]
+        holder = Holder(c.worker_id, c.dp_rank)
+        s = score(
+            c,
+            prompt_tokens=self._prompt_tokens,
+            block_size=self._block_size,
+            policy=self._policy,
+            active=self._active.get(holder, ZERO_LOAD),
+            engine=self._engine.get(holder),
+        )
+        probs = self._probabilities
+        if probs is not None and k in probs:
+            s = replace(s, probability=probs[k])
+        return s
+
+    def winner_score(self) -> Score:
+        """Return the winner's `Score` (with its probability when sampled)."""
+        return self._score(self._winner)
+
+    def passed_over(self) -> list[CandidateLike]:
+        """Return the candidates skipped as busy while another was free, in decision order (empty when none
+        or all were busy)."""
+        cands, pos = self._candidates, self._positions
+        return [cands[pos[k]] for k in self._sorted(self._busy)] if self._busy else []
+
+    def _order(self) -> list[int]:
+        return self._sorted(self._eligible) + (self._sorted(self._busy) if self._busy else [])
+
+    def scores(self) -> tuple[Score, ...]:
+        """Return every candidate's `Score` in decision order: eligible ones first (best first), busy ones after."""
+        return tuple(self._score(k) for k in self._order())
+
+    def decision(self) -> Decision:
+        """Return the full `Decision` (`decide`'s answer: the winner's `Score` and every candidate's)."""
+        order = self._order()
+        scores = tuple(self._score(k) for k in order)
+        return Decision(winner=scores[order.index(self._winner)], scores=scores)
+
+
 def decide(
-    candidates: Sequence[Candidate],
+    candidates: Sequence[CandidateLike],
     *,
     prompt_tokens: int,
     block_size: int,
@@ -454,7 +730,7 @@ def decide(
     seed: int = 0,
     allowed: Sequence[str] | None = None,
 ) -> Decision | None:
-    """Pick the (worker, dp rank) for a prompt.
+    """Pick the (worker, dp rank) for a prompt, with every candidate's score (`rank`, all scores built).
 
     Args:
         candidates: every live (worker, dp rank) of the model with its overlap; see `merge_candidates`.
@@ -469,51 +745,11 @@ def decide(
     Returns:
         the decision, or None when no candidate is left.
     """
-    pol = policy or Policy()
-    act = active or {}
-    eng = engine or {}
-    allow = set(allowed) if allowed is not None else None
-    scores: list[Score] = []
-    for c in candidates:
-        if allow is not None and c.worker_id not in allow:
-            continue
-        holder = Holder(c.worker_id, c.dp_rank)
-        scores.append(
-            score(
-                c,
-                prompt_tokens=prompt_tokens,
-                block_size=block_size,
-                policy=pol,
-                active=act.get(holder, ZERO_LOAD),
-                engine=eng.get(holder),
-            )
-        )
-    if not scores:
-        return None
-    all_busy = all(s.busy for s in scores)
-    scores.sort(
-        key=lambda s: (
-            s.busy and not all_busy,
-            round(s.cost, 9),
-            s.cached_blocks,
-            _tiebreak(seed, s.worker_id, s.dp_rank),
-        )
-    )
-    eligible = [s for s in scores if all_busy or not s.busy]
-    if pol.temperature <= 0 or len(eligible) == 1:
-        return Decision(winner=scores[0], scores=tuple(scores))
-    probs = softmax_probabilities([s.cost for s in eligible], pol.temperature)
-    with_p = [replace(s, probability=p) for s, p in zip(eligible, probs, strict=True)]
-    # Sample over a replica-independent order: the sorted order above (cost, cached, seeded tiebreak).
-    r = random.Random(seed).random()
-    acc = 0.0
-    winner = with_p[-1]
-    for s in with_p:
-        acc += s.probability or 0.0
-        if r < acc:
-            winner = s
-            break
-    return Decision(winner=winner, scores=(*with_p, *scores[len(eligible) :]))
+    ranking = rank(
+        candidates, prompt_tokens=prompt_tokens, block_size=block_size, policy=policy, active=active,
+        engine=engine, seed=seed, allowed=allowed,
+    )  # fmt: skip
+    return None if ranking is None else ranking.decision()
 
 
 def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:
@@ -530,7 +766,7 @@ def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[fl
     return [w / total for w in weights]
 
 
-def available_tokens(candidates: Sequence[Candidate], ranks: RankSet | None, *, block_size: int) -> int:
+def available_tokens(candidates: Sequence[CandidateLike], ranks: RankSet | None, *, block_size: int) -> int:
     """Return the most leading prompt tokens any live candidate has cached (the route's *available* reuse).
 
     Args:
@@ -739,7 +975,8 @@ class RankSet:
 class Selection:
     """The candidates one route scores (`select_candidates`)."""
 
-    candidates: list[Candidate]
+    candidates: list[CandidateLike]
+    """The chosen candidates, in the order of preference (the index's own holder objects, not copied)."""
     total: int
     """Live candidates of the model: index holders kept by the registry plus registered ranks it lacks."""
     cut: int
@@ -753,8 +990,27 @@ class Selection:
     """Every stale registered rank of the model (held in the index or not)."""
 
 
+_BY_CACHED_HOLDER: Final = attrgetter("cached_blocks", "worker_id", "dp_rank")
+_BY_OVERLAP: Final = attrgetter("overlap_blocks")
+_BY_CACHED: Final = attrgetter("cached_blocks")
+
+
+def _tiebreak_runs(items: list[CandidateLike], seed: int) -> None:
+    """Order each run of equal ``cached_blocks`` of a list sorted by them by the seeded tiebreak (stable):
+    the list then stands sorted by (cached blocks, `_tiebreak`), hashing only candidates that tie."""
+    i, n = 0, len(items)
+    while i < n:
+        cached = items[i].cached_blocks
+        j = i + 1
+        while j < n and items[j].cached_blocks == cached:
+            j += 1
+        if j - i > 1:
+            items[i:j] = sorted(items[i:j], key=lambda c: _tiebreak(seed, c.worker_id, c.dp_rank))
+        i = j
+
+
 def select_candidates(
-    indexed: Sequence[Candidate],
+    indexed: Sequence[CandidateLike],
     ranks: RankSet | None,
     *,
     max_candidates: int = DEFAULT_MAX_CANDIDATES,
@@ -786,25 +1042,28 @@ def select_candidates(
         kept = list(indexed)
     else:
         kept = []
+        by_id = ranks._by_id
         for c in indexed:
-            if ranks.contains(c.worker_id, c.dp_rank):
+            w, r = by_id.get(c.worker_id), c.dp_rank
+            if w is not None and 0 <= r < w.dp_ranks and r not in w.stale:  # `RankSet.contains`, inline
                 kept.append(c)
                 continue
-            reason = ranks.stale_reason(c.worker_id, c.dp_rank)
+            reason = ranks.stale_reason(c.worker_id, r)
             if reason is not None and len(skipped) < MAX_SKIPPED_LISTED:
-                skipped.append((c.worker_id, c.dp_rank, reason))
-    keyed = {(c.worker_id, c.dp_rank) for c in kept}
-    with_overlap = sorted(
-        (c for c in kept if c.overlap_blocks > 0),
-        key=lambda c: (-c.overlap_blocks, c.cached_blocks, c.worker_id, c.dp_rank),
-    )
-    without = sorted(
-        (c for c in kept if c.overlap_blocks <= 0),
-        key=lambda c: (c.cached_blocks, _tiebreak(seed, c.worker_id, c.dp_rank)),
-    )
+                skipped.append((c.worker_id, r, reason))
+    with_overlap = [c for c in kept if c.overlap_blocks > 0]
+    without = [c for c in kept if c.overlap_blocks <= 0] if len(with_overlap) < len(kept) else []
+    # (−overlap, cached, worker, rank) as two stable sorts on C-level keys
+    with_overlap.sort(key=_BY_CACHED_HOLDER)
+    with_overlap.sort(key=_BY_OVERLAP, reverse=True)
+    # (cached, seeded tiebreak): the tiebreak hashed only within runs of equal cached blocks
+    without.sort(key=_BY_CACHED)
+    _tiebreak_runs(without, seed)
     chosen = (with_overlap + without)[:max_candidates]
     unindexed = 0
+    keyed: set[tuple[str, int]] = set()
     if ranks is not None:
+        keyed = {(c.worker_id, c.dp_rank) for c in kept}
         unindexed = ranks.live_count - len(keyed)
         held = {(w, r) for w, r, _ in skipped}
         skipped.extend(x for x in ranks.stale_listed if (x[0], x[1]) not in held)
@@ -812,8 +1071,8 @@ def select_candidates(
     room = max_candidates - len(chosen)
     bounded = len(kept) + min(unindexed, idle_candidates) > max_candidates
     if ranks is not None and room > 0 and unindexed > 0:
-        idle: list[Candidate] = []
-        busy: list[Candidate] = []
+        idle: list[CandidateLike] = []
+        busy: list[CandidateLike] = []
         want_idle = min(room, idle_candidates)
         for wid, r in ranks.walk(seed):
             if (wid, r) in keyed:

@@ -12,9 +12,14 @@ One route, in order:
    (`serves_unindexed`);
 3. `route_answer` — ``load_only`` zeroes the overlaps, workers whose registered context length the prompt
    exceeds leave the candidates (none left: ``context_length_exceeded``), the available reuse is taken over every live holder
-   (`kvmesh.core.route.available_tokens`), the request's ``candidates`` narrow them, the bound chooses (`kvmesh.core.route.select_candidates`), `kvmesh.core.route.decide` picks, each scored holder's
-   health (`kvmesh.router.health.holder_state`) may turn ``exact`` into ``degraded``, and the reply (with
-   explain when asked) is shaped.
+   (`kvmesh.core.route.available_tokens`), the request's ``candidates`` narrow them, the bound chooses (`kvmesh.core.route.select_candidates`), `kvmesh.core.route.rank` picks (the decision of
+   `kvmesh.core.route.decide` on plain numbers), the chosen holder's health
+   (`kvmesh.router.health.holder_state`) may turn ``exact`` into ``degraded``, and the reply (with explain
+   when asked) is shaped.
+
+The holders of a match answer are read as the index gave them (no copy per holder), and a `Score`, a health
+state and an explain row are built only for what the reply shows: the winner, and with explain every scored
+candidate.
 """
 
 from __future__ import annotations
@@ -50,14 +55,14 @@ from kvmesh.core.protocol import (
 )
 from kvmesh.core.route import (
     Candidate,
-    Decision,
+    CandidateLike,
     Policy,
     RankSet,
     Score,
     Selection,
     apply_override,
     available_tokens,
-    decide,
+    rank,
     route_seed,
     select_candidates,
 )
@@ -85,36 +90,53 @@ class HolderLike(Protocol):
     def health(self) -> str | None: ...
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class MatchAnswer:
-    """What the index says about a prompt, whichever index answered."""
+    """What the index says about a prompt, whichever index answered.
+
+    Two answers are equal when they say the same of the same holders, whatever objects carry it (`Candidate`,
+    `kvmesh.core.state.HolderMatch` or an indexer's `kvmesh.core.protocol.MatchHolder`).
+    """
 
     index_seq: int
     """Stream sequence the answering index had applied."""
     block_size: int
     """Tokens per block of the model's index (0: not known)."""
-    candidates: tuple[Candidate, ...]
-    """Every holder of the model the index knows, with its overlap."""
+    candidates: Sequence[CandidateLike]
+    """Every holder of the model the index knows, with its overlap, as the index gave it (not copied)."""
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MatchAnswer):
+            return NotImplemented
+        return (
+            self.index_seq == other.index_seq
+            and self.block_size == other.block_size
+            and [as_candidate(c) for c in self.candidates] == [as_candidate(c) for c in other.candidates]
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # holders carry dicts (tiers): not hashable
+
+
+def as_candidate(c: CandidateLike) -> Candidate:
+    """Return ``c`` as a `Candidate` (itself when it is one; else a copy of what the decision reads)."""
+    if isinstance(c, Candidate):
+        return c
+    return Candidate(
+        worker_id=c.worker_id,
+        dp_rank=c.dp_rank,
+        overlap_blocks=c.overlap_blocks,
+        cached_blocks=c.cached_blocks,
+        tiers=c.tiers,
+        health=c.health,
+        block_size=c.block_size,
+    )
 
 
 def match_answer(index_seq: int, block_size: int, holders: Iterable[HolderLike]) -> MatchAnswer:
-    """Return the match answer of an index at ``index_seq`` (the one place holders become `Candidate`s)."""
-    return MatchAnswer(
-        index_seq=index_seq,
-        block_size=block_size,
-        candidates=tuple(
-            Candidate(
-                worker_id=h.worker_id,
-                dp_rank=h.dp_rank,
-                overlap_blocks=h.overlap_blocks,
-                cached_blocks=h.cached_blocks,
-                tiers=h.tiers,
-                health=h.health,
-                block_size=h.block_size,
-            )
-            for h in holders
-        ),
-    )
+    """Return the match answer of an index at ``index_seq``; its holders are kept as they are (a tuple or list
+    is not copied): the route reads each one's fields, and builds a `Score` only for what it reports."""
+    kept = holders if isinstance(holders, tuple | list) else tuple(holders)
+    return MatchAnswer(index_seq=index_seq, block_size=block_size, candidates=kept)
 
 
 def parse_match_reply(data: bytes) -> MatchAnswer:
@@ -268,7 +290,7 @@ def route_answer(
         heartbeat_late_s: heartbeat age at which a holder is stale (0: off).
     """
     mode, mode_reason = index_mode
-    indexed: Sequence[Candidate] = match.candidates
+    indexed: Sequence[CandidateLike] = match.candidates
     if mode == "load_only":
         indexed = [
             Candidate(worker_id=c.worker_id, dp_rank=c.dp_rank, overlap_blocks=0, cached_blocks=0)
@@ -309,17 +331,8 @@ def route_answer(
             )
     selection = select_candidates(indexed, ranks, max_candidates=max_candidates, seed=seed, loaded=loaded)
     candidates = selection.candidates
-    holders = [Holder(c.worker_id, c.dp_rank) for c in candidates]
-    active: dict[Holder, ActiveLoad] = {}
-    engine: dict[Holder, WorkerLoad] = {}
-    for c, holder in zip(candidates, holders, strict=True):
-        a = ledger.load(c.worker_id, c.dp_rank, excluding=parsed.request_id, now_s=now)
-        if a.requests:
-            active[holder] = a
-        e = engine_loads.get(c.worker_id, c.dp_rank, now)
-        if e is not None:
-            engine[holder] = e
-    decision = decide(
+    active, engine = _loads(candidates, ledger, engine_loads, now=now, excluding=parsed.request_id)
+    ranking = rank(
         candidates,
         prompt_tokens=prompt_tokens,
         block_size=block_size,
@@ -329,7 +342,7 @@ def route_answer(
         seed=seed,
         allowed=parsed.candidates,
     )
-    if decision is None:
+    if ranking is None:
         if parsed.candidates is not None and too_short.intersection(parsed.candidates):
             shorter = sorted(too_short.intersection(parsed.candidates))
             return RouteOutcome(
@@ -346,12 +359,12 @@ def route_answer(
         return RouteOutcome(selection=selection, error=NoWorkersError(message))
     lagging = mode == "degraded"
     beats = records if ranks is not None else None
-    states = {
-        holder: holder_state(c, lagging=lagging, records=beats, heartbeat_late_s=heartbeat_late_s, wall=wall)
-        for c, holder in zip(candidates, holders, strict=True)
-    }
-    w = decision.winner
-    state, holder_why = states[Holder(w.worker_id, w.dp_rank)]
+
+    def state_of(c: CandidateLike) -> HolderState:
+        return holder_state(c, lagging=lagging, records=beats, heartbeat_late_s=heartbeat_late_s, wall=wall)
+
+    w = ranking.winner_score()
+    state, holder_why = state_of(ranking.winner)
     if mode == "exact" and state != "exact":
         mode = "degraded"
         mode_reason = f"the chosen holder {w.worker_id}/{w.dp_rank} is {state}: {holder_why}"
@@ -364,25 +377,51 @@ def route_answer(
             prefill_tokens=max(prompt_tokens - w.overlap_tokens, 0),
             blocks=-(-prompt_tokens // max(block_size, 1)),
         )
+    explained = None
+    if parsed.explain:
+        states = {Holder(c.worker_id, c.dp_rank): state_of(c) for c in candidates}
+        explained = [
+            explain_score(s, states.get(Holder(s.worker_id, s.dp_rank), ("exact", None)))
+            for s in ranking.scores()
+        ]
     reply = route_reply(
         parsed,
-        decision,
+        w,
         match,
-        states,
+        explained,
         mode=mode,
         degraded_reason=mode_reason,
         selection=explain_selection(selection) if parsed.explain else None,
         available_tokens=available,
     )
-    busy: list[Holder] = []
-    if not w.busy:  # busy candidates sort last when another is free
-        for s in reversed(decision.scores):
-            if not s.busy:
-                break
-            busy.append(Holder(s.worker_id, s.dp_rank))
-    return RouteOutcome(
-        selection=selection, mode=mode, reply=reply, routed=routed, busy_skipped=tuple(reversed(busy))
-    )
+    busy = () if w.busy else tuple(Holder(c.worker_id, c.dp_rank) for c in ranking.passed_over())
+    return RouteOutcome(selection=selection, mode=mode, reply=reply, routed=routed, busy_skipped=busy)
+
+
+def _loads(
+    candidates: Sequence[CandidateLike],
+    ledger: LoadLedger,
+    engine_loads: EngineLoads,
+    *,
+    now: float,
+    excluding: str | None,
+) -> tuple[dict[Holder, ActiveLoad], dict[Holder, WorkerLoad]]:
+    """Return the router-side load (leaving out ``excluding``'s own share) and the fresh engine report of
+    each candidate that has one; a `Holder` is built only for those."""
+    active: dict[Holder, ActiveLoad] = {}
+    engine: dict[Holder, WorkerLoad] = {}
+    load = ledger.load
+    for c in candidates:
+        a = load(c.worker_id, c.dp_rank, excluding=excluding, now_s=now)
+        if a.requests:
+            active[Holder(c.worker_id, c.dp_rank)] = a
+    if len(engine_loads):
+        get = engine_loads.get
+        for c in candidates:
+            e = get(c.worker_id, c.dp_rank, now)
+            if e is not None:
+                engine[Holder(c.worker_id, c.dp_rank)] = e
+    return active, engine
 
 
 # ---------------------------------------------------------------------------------------- reply
@@ -390,9 +429,9 @@ def route_answer(
 
 def route_reply(
     parsed: RouteRequest,
-    decision: Decision,
+    winner: Score,
     match: MatchAnswer,
-    states: Mapping[Holder, HolderState],
+    scores: list[ScoreExplain] | None,
     *,
     mode: str,
     degraded_reason: str | None,
@@ -400,8 +439,8 @@ def route_reply(
     available_tokens: int = 0,
 ) -> RouteReply:
     """Return the reply: the winner, the available reuse (at least the winner's cached tokens), the mode and
-    why not exact, and with explain each score and the selection."""
-    w = decision.winner
+    why not exact, and with explain each score (``scores``, in decision order) and the selection."""
+    w = winner
     return RouteReply(
         request_id=parsed.request_id,
         worker_id=w.worker_id,
@@ -411,12 +450,7 @@ def route_reply(
         available_tokens=max(available_tokens, w.overlap_tokens),
         block_size=match.block_size,
         index_seq=match.index_seq,
-        scores=[
-            explain_score(s, states.get(Holder(s.worker_id, s.dp_rank), ("exact", None)))
-            for s in decision.scores
-        ]
-        if parsed.explain
-        else None,
+        scores=scores if parsed.explain else None,
         mode=mode,
         degraded_reason=degraded_reason,
         selection=selection,

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from kvmesh.core.index import Holder
 from kvmesh.core.protocol import HolderStatus
-from kvmesh.core.route import Candidate
+from kvmesh.core.route import CandidateLike
 
 MAX_HOLDERS_LISTED = 100
 """Non-exact holders listed by name in the router's status (the rest are counted)."""
@@ -118,7 +118,7 @@ def heartbeat_late_after(setting_s: float, registry_ttl_s: Any) -> float:
 
 
 def holder_state(
-    c: Candidate,
+    c: CandidateLike,
     *,
     lagging: bool,
     records: Mapping[str, RecordLike] | None,

@@ -284,3 +284,32 @@ def test_restoring_an_unbounded_snapshot_under_a_bound_cuts_at_once() -> None:
 def test_a_bound_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_blocks must be positive, got 0"):
         IndexState(max_blocks=0)
+
+
+def test_a_long_history_compacts_the_order_on_the_way_and_still_cuts_exactly() -> None:
+    """20,000 seeded stores and removals over 300 keys on one cache (the order is compacted whenever its
+    cancelled entries pass a quarter of the blocks), cut every 1,000 operations: always the reference's cut."""
+    import random
+
+    rng = random.Random(7)
+    index = PrefixIndex(keep_order=True)
+    ref: dict[int, int] = {}
+    for i in range(1, 20_001):
+        keys = [rng.randrange(300) for _ in range(rng.randrange(1, 5))]
+        if rng.random() < 0.55:
+            index.store_sequence(A, keys, [k + 5000 for k in keys])
+            for k in keys:
+                ref[k] = ref.get(k, 0) + 1
+        else:
+            index.remove(A, keys)
+            for k in keys:
+                if k in ref:
+                    ref[k] -= 1
+                    if not ref[k]:
+                        del ref[k]
+        if i % 1000 == 0:
+            level = len(ref) * 3 // 4
+            assert index.evict_to(level) == len(ref) - level
+            ref = dict(list(ref.items())[len(ref) - level :])
+        if i % 50 == 0:
+            assert _keys(index).get((A, "GPU"), {}) == ref

@@ -82,7 +82,7 @@ Complexity (n = blocks in an event, h = holders, q = blocks in a query):
 from __future__ import annotations
 
 from array import array
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -613,7 +613,7 @@ class PrefixIndex:
             cache.n -= 1
             self._nb -= 1
             if self._keep_order:
-                self._order_gone(cache, [h % ENGINE_KEY_PRIME])
+                self._order_gone(cache, h % ENGINE_KEY_PRIME)
             if not cache.n:
                 self._emptied(cache)
             elif self._nb < self._b_low:
@@ -654,7 +654,7 @@ class PrefixIndex:
             cache.n -= removed
             self._nb -= removed
             if self._keep_order:
-                self._order_gone(cache, keys[codes != tables.REMOVED_UNKNOWN].tolist())
+                self._order_gone(cache, keys[codes != tables.REMOVED_UNKNOWN])
         self._unknown_removals += unknown
         if not cache.n:
             self._emptied(cache)
@@ -1141,7 +1141,7 @@ class PrefixIndex:
         order[cache.tail : cache.tail + m] = keys
         cache.tail += m
 
-    def _order_gone(self, cache: _Cache, keys: list[int]) -> None:
+    def _order_gone(self, cache: _Cache, keys: U64 | int) -> None:
         """Note engine keys that left a cache (each cancels the oldest entry of its key in the store order);
         compact the order once they are more than a quarter of its blocks."""
         if not cache.n:
@@ -1149,7 +1149,10 @@ class PrefixIndex:
             return
         if cache.gone is None:
             cache.gone = array("Q")
-        cache.gone.extend(keys)
+        if isinstance(keys, int):
+            cache.gone.append(keys)
+        else:
+            cache.gone.frombytes(keys.astype(np.uint64, copy=False).tobytes())
         if len(cache.gone) > cache.n // 4 + 64:
             self._compact_order(cache)
 
@@ -1158,19 +1161,24 @@ class PrefixIndex:
 
     def _compact_order(self, cache: _Cache) -> None:
         """Drop the store-order entries that removals cancelled: afterwards ``order[head:tail]`` holds each of
-        the cache's engine keys once, least recently stored first."""
+        the cache's engine keys once, least recently stored first.
+
+        Each removed key cancels the oldest of its entries, as many as it was removed: numpy only (the
+        candidate entries grouped by key in position order, each group's first ``removals`` dropped)."""
         gone = cache.gone
         if not gone or cache.order is None:
             return
         live = cache.order[cache.head : cache.tail]
-        need = Counter(gone)
+        removed, times = np.unique(np.frombuffer(gone, dtype=np.uint64), return_counts=True)
+        pos = np.flatnonzero(np.isin(live, removed))
         keep = np.ones(len(live), dtype=np.bool_)
-        for pos in np.flatnonzero(np.isin(live, np.frombuffer(gone, dtype=np.uint64))).tolist():
-            k = int(live[pos])
-            left = need[k]
-            if left:
-                keep[pos] = False
-                need[k] = left - 1
+        if len(pos):
+            by_key = np.argsort(live[pos], kind="stable")  # grouped by key, each group in position order
+            keys = live[pos][by_key]
+            first = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+            rank = np.arange(len(keys)) - np.repeat(first, np.diff(np.append(first, len(keys))))
+            cancelled = rank < times[np.searchsorted(removed, keys)]
+            keep[pos[by_key[cancelled]]] = False
         kept = live[keep]
         size = max(16, len(kept) * 5 // 4)
         order = np.empty(size, dtype=np.uint64)

@@ -262,6 +262,7 @@ def _time_matches(side: Side, queries: Sequence[Any], fn: Callable[[Any], dict[i
 
 KVMESH: Final[str] = "kvmesh PrefixIndex"
 BASELINE: Final[str] = "kvmesh PrefixIndex (--baseline)"
+ORDERED: Final[str] = "kvmesh PrefixIndex keeping store order (--max-blocks)"
 DYNAMO: Final[str] = "Dynamo RadixTree (ai-dynamo-runtime)"
 NAIVE: Final[str] = "naive dict index"
 
@@ -284,8 +285,12 @@ def run_index(
     repeat: int = 3,
     say: Callable[[str], None] = print,
     baseline: Any = None,
+    keep_order: bool = False,
 ) -> list[Side]:
     """Feed the workload to every index, time apply and match, and collect every query's answer.
+
+    ``keep_order``: also time kvmesh's index keeping each cache's store order (what ``--max-blocks`` needs;
+    no bound is reached here, so it measures the bookkeeping alone), on apply only, in the same rounds.
 
     ``baseline``: another version of the index module (`load_index_module`), timed on apply only, in the same
     interleaved rounds (its keys may differ from this version's, so its matches are not compared).
@@ -307,10 +312,13 @@ def run_index(
     encoded = msgspec.msgpack.encode(wl.events)
     events: list[Any] = []
 
-    def apply_kvmesh() -> tuple[PrefixIndex, int]:
+    def apply_ordered() -> tuple[PrefixIndex, int]:
+        return apply_kvmesh(ordered=True)
+
+    def apply_kvmesh(*, ordered: bool = False) -> tuple[PrefixIndex, int]:
         # As `kvmesh.core.state.IndexState.apply` does with a stream message: consecutive removals of one
         # worker (one engine step's BlockRemoved per block) in one call.
-        index = PrefixIndex()
+        index = PrefixIndex(keep_order=ordered)
         store, remove = index.store, index.remove
         pending: list[int] = []
         who = -1
@@ -362,6 +370,8 @@ def run_index(
         return index, 0
 
     runners: list[tuple[Side, Callable[[], tuple[Any, int]]]] = [(Side(KVMESH), apply_kvmesh)]
+    if keep_order:
+        runners.append((Side(ORDERED), apply_ordered))
     if baseline is not None:
         base_holders = [baseline.Holder(f"w{w}", 0) for w in range(wl.workers)]
         runners.append((Side(BASELINE), apply_baseline))
@@ -425,13 +435,19 @@ def disagreements(sides: Sequence[Side], wl: Workload) -> list[str]:
 
 MEMORY_INDEXES: Final[dict[str, str]] = {
     "kvmesh": "kvmesh PrefixIndex",
+    "kvmesh-ordered": "kvmesh PrefixIndex keeping store order (--max-blocks)",
     "naive": "naive dict index",
     "dynamo": "Dynamo RadixTree",
 }
 
 
 def memory_per_block(
-    blocks: int = 1_000_000, workers: int = 8, seed: int = 0, *, with_dynamo: bool = True
+    blocks: int = 1_000_000,
+    workers: int = 8,
+    seed: int = 0,
+    *,
+    with_dynamo: bool = True,
+    with_order: bool = False,
 ) -> dict[str, float]:
     """Bytes per stored block with ``blocks`` blocks indexed (chains of 256 blocks from block 0, 8 workers).
 
@@ -442,9 +458,10 @@ def memory_per_block(
     costs: pymalloc's 16-byte size classes (a 64-bit int asks for 36 bytes and takes 48; tracemalloc
     reports the 36), dict tables at their real fill, and the ints the index keeps from the events it was
     given (the engine hashes become its dict keys), which a measurement over pre-built inputs would not
-    count. Dynamo's tree lives in Rust memory, which only this method sees.
+    count. Dynamo's tree lives in Rust memory, which only this method sees. ``with_order`` adds kvmesh's
+    index keeping each cache's store order, what a ``--max-blocks`` bound needs.
     """
-    names = ["kvmesh", "naive"]
+    names = ["kvmesh", *(["kvmesh-ordered"] if with_order else []), "naive"]
     if with_dynamo and _load_dynamo() is not None:
         names.append("dynamo")
     out: dict[str, float] = {}
@@ -462,8 +479,8 @@ def _memory_child(name: str, blocks: int, workers: int, seed: int) -> None:
     bits = rng.getrandbits
     holders = [Holder(f"w{w}", 0) for w in range(workers)]
     add: Callable[[int, list[int], list[int]], object]
-    if name == "kvmesh":
-        index = PrefixIndex()
+    if name.startswith("kvmesh"):
+        index = PrefixIndex(keep_order=name == "kvmesh-ordered")
         add = lambda w, hashes, local: index.store(holders[w], hashes, None, local)  # noqa: E731
     elif name == "naive":
         naive = NaiveIndex()
@@ -480,8 +497,8 @@ def _memory_child(name: str, blocks: int, workers: int, seed: int) -> None:
 
     # One-time process costs (loading the compiled kernels of kvmesh's tables, Dynamo's first event) are not
     # per block: a throwaway instance pays them before the measurement starts.
-    if name == "kvmesh":
-        warm = PrefixIndex()
+    if name.startswith("kvmesh"):
+        warm = PrefixIndex(keep_order=True)
         warm.store(holders[0], [1, 2], None, [3, 4])
         warm.match([3])
         warm.remove(holders[0], [1, 2])
@@ -535,6 +552,10 @@ def command(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--keep-order", action="store_true",
+        help="also time the index keeping store order (what --max-blocks needs), apply only",
+    )  # fmt: skip
+    p.add_argument(
         "--baseline", metavar="PATH",
         help="another version of kvmesh/core/index.py (e.g. `git show REV:shared/src/kvmesh/core/index.py`) "
         "to time on apply in the same rounds, for before/after figures",
@@ -557,7 +578,9 @@ def command(argv: Sequence[str] | None = None) -> int:
             f"\n## eviction {eviction}, engine hashes {hashes}: {len(wl.events):,} events, {wl.stored_blocks:,} stored + "
             f"{wl.removed_blocks:,} removed blocks (generated in {time.perf_counter() - t0:.1f} s)"
         )
-        sides = run_index(wl, with_dynamo=not a.no_dynamo, repeat=a.repeat, baseline=baseline)
+        sides = run_index(
+            wl, with_dynamo=not a.no_dynamo, repeat=a.repeat, baseline=baseline, keep_order=a.keep_order
+        )
         kv = sides[0]
         print(f"(apply: best of {a.repeat} interleaved rounds)")
         print("| index | apply (block ops/s) | vs kvmesh | match p50 (µs) | match p99 (µs) | apply errors |")
@@ -581,6 +604,6 @@ def command(argv: Sequence[str] | None = None) -> int:
         print(
             "\n## memory per stored block at 1,000,000 blocks (resident-set growth, a fresh process per index)"
         )
-        for name, b in memory_per_block(seed=a.seed, with_dynamo=not a.no_dynamo).items():
+        for name, b in memory_per_block(seed=a.seed, with_dynamo=not a.no_dynamo, with_order=True).items():
             print(f"- {name}: {b:.1f} bytes/block")
     return status

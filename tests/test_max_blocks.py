@@ -11,12 +11,14 @@ block for block, and keep agreeing as more floods in.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
 from tests.pipeline import Pipeline, eventually
 from tests.test_ingest_faults import ANY, BS, T, clean_pipeline, snapshot, stored
 
+from kvmesh.cli import replay_command
 from kvmesh.ops.view import _blocks
 from kvmesh.sim.publisher import EventPublisher
 
@@ -39,7 +41,9 @@ def figures(p: Pipeline, *indexers: Any) -> list[tuple[int, int, int, int]]:
     return [(s.applied_seq, s.block_total(), s.counters.evicted_blocks, s.digest()) for s in states]
 
 
-async def test_a_flood_is_bounded_and_every_replica_drops_the_same_blocks(nats_url: str, uid: str) -> None:
+async def test_a_flood_is_bounded_and_every_replica_drops_the_same_blocks(
+    nats_url: str, uid: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     s_pub, f_pub = EventPublisher(ANY, ANY), EventPublisher(ANY, ANY)
     try:
         async with clean_pipeline(nats_url, uid) as p:
@@ -91,6 +95,13 @@ async def test_a_flood_is_bounded_and_every_replica_drops_the_same_blocks(nats_u
                 lambda: asyncio.sleep(0, figures(p, indexer, second)), settled_again, timeout_s=30
             )
             assert rows[0][1:3] == (BOUND, 50)
+            # `kvmesh replay --max-blocks` rebuilds the same bounded index offline: the same digest.
+            for args, same in (([], False), (["--max-blocks", str(BOUND)], True)):
+                capsys.readouterr()
+                argv = ["--nats-url", nats_url, "--stream", p.stream, "--events-prefix", p.prefix, *args]
+                assert await asyncio.to_thread(replay_command, argv) == 0
+                replayed = json.loads(capsys.readouterr().out)
+                assert (replayed["digest"] == f"{indexer.state.digest():016x}") is same, replayed
             assert (await snapshot(p, [flood_tokens(50), flood_tokens(51)])) == [
                 {"s/0": 0, "f/0": 0},
                 {"s/0": 0, "f/0": 1},

@@ -478,7 +478,15 @@ def replay_command(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--timeout-s", type=float, default=30.0, help="give up when the stream stalls this long"
     )
+    parser.add_argument(
+        "--max-blocks",
+        type=int,
+        default=None,
+        help="the replicas' block bound (their --max-blocks), so the digest compares with theirs (default: none)",
+    )
     a = parser.parse_args(argv)
+    if a.max_blocks is not None and a.max_blocks < 1:
+        parser.error(f"--max-blocks must be ≥ 1, got {a.max_blocks}")
     spec = a.from_snapshot.strip().lower()
     if spec not in ("none", "latest") and not spec.isdigit():
         parser.error("--from-snapshot must be none, latest or a stream sequence")
@@ -493,6 +501,7 @@ def replay_command(argv: Sequence[str]) -> int:
             to_seq=a.to_seq,
             prefix=a.events_prefix,
             timeout_s=a.timeout_s,
+            max_blocks=a.max_blocks,
         ),
     )
 

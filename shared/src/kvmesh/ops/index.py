@@ -182,6 +182,7 @@ async def replay(
     to_seq: int = 0,
     prefix: str | None = None,
     timeout_s: float = 30.0,
+    max_blocks: int | None = None,
 ) -> ReplayResult:
     """Rebuild an index in this process from the stream (with an ordered consumer: changes nothing).
 
@@ -193,6 +194,7 @@ async def replay(
         to_seq: stop at this stream sequence (0, or past the stream's last: the last).
         prefix: the stream's events subject prefix (None: `events_prefix` of the stream).
         timeout_s: give up when no message arrives for this many seconds.
+        max_blocks: the block bound of the replicas to compare with (`kvmesh.core.state.IndexState`), or None.
 
     Raises:
         StreamUnavailableError: the stream does not exist.
@@ -216,7 +218,7 @@ async def replay(
             f"no usable snapshot at seq {only} (skipped: {plan.skipped or 'not found'})"
         )
     t0 = time.perf_counter()
-    state = plan.state()
+    state = plan.state(max_blocks=max_blocks)
     restore_s = time.perf_counter() - t0
     with _transport(f"replay of stream {stream}"):
         stats = await replay_stream(

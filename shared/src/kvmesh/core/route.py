@@ -46,7 +46,10 @@ way while different requests spread over tied workers. With ``temperature > 0`` 
 probabilities ∝ ``exp(−normalised_cost / temperature)`` (costs scaled to 0–1 over the eligible candidates)
 from `random.Random(seed)`, so replicas still agree.
 
-Cost: O(candidates) per decision (plus a sort of the candidates); nothing here touches the index.
+Cost: O(candidates) per decision, in plain floats and ints (`rank`: one pass for the costs, a scan for the
+lowest; the seeded tiebreak is hashed only for candidates tied on cost and cached blocks, and a `Score` is
+built only for the winner and for what explain lists); a sort of the candidates only with temperature > 0 or
+explain. Nothing here touches the index.
 """
 
 from __future__ import annotations

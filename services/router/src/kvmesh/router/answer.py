@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvmesh.core.errors import (
     BadRequestError,
@@ -71,25 +70,6 @@ from kvmesh.router.health import HolderState, RecordLike, holder_state
 # ---------------------------------------------------------------------------------------- match answer
 
 
-class HolderLike(Protocol):
-    """One holder of a match answer, as the local index (`HolderMatch`) or an indexer reply row gives it."""
-
-    @property
-    def worker_id(self) -> str: ...
-    @property
-    def dp_rank(self) -> int: ...
-    @property
-    def overlap_blocks(self) -> int: ...
-    @property
-    def cached_blocks(self) -> int: ...
-    @property
-    def tiers(self) -> Mapping[str, int] | None: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def health(self) -> str | None: ...
-
-
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class MatchAnswer:
     """What the index says about a prompt, whichever index answered.
@@ -132,7 +112,7 @@ def as_candidate(c: CandidateLike) -> Candidate:
     )
 
 
-def match_answer(index_seq: int, block_size: int, holders: Iterable[HolderLike]) -> MatchAnswer:
+def match_answer(index_seq: int, block_size: int, holders: Iterable[CandidateLike]) -> MatchAnswer:
     """Return the match answer of an index at ``index_seq``; its holders are kept as they are (a tuple or list
     is not copied): the route reads each one's fields, and builds a `Score` only for what it reports."""
     kept = holders if isinstance(holders, tuple | list) else tuple(holders)

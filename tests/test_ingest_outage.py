@@ -19,6 +19,7 @@ import pytest
 from tests.pipeline import Pipeline, eventually, pipeline
 from tests.test_ingest_faults import ANY, BS, T, U, W, blk, clean_pipeline, removed, snapshot, stored
 
+import kvmesh.ingest.publish
 from kvmesh.core.wire import BlockStored
 from kvmesh.harness.server import NatsServer
 from kvmesh.ingest.service import IngestService
@@ -188,8 +189,13 @@ async def test_batch_larger_than_max_payload_is_split_with_its_chain_intact(tmp_
 # ---------------------------------------------------------------------------------------------- outage
 
 
-async def test_nats_outage_buffers_and_publishes_everything_in_order(tmp_path: Path, uid: str) -> None:
+async def test_nats_outage_buffers_and_publishes_everything_in_order(
+    tmp_path: Path, uid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """NATS frozen, killed with publishes in flight and restarted: the engine never waits and every store and removal lands once, in order."""
+    # The 20 publishes sent while NATS is frozen must still be in flight when it is killed: on a loaded
+    # machine the check could come after the 5 s ack timeout had already sent them back to the outbox.
+    monkeypatch.setattr(kvmesh.ingest.publish, "ACK_TIMEOUT_S", 120.0)
     store = tmp_path / "js"
     server = Restartable(store)
     pub = EventPublisher(ANY, ANY)

@@ -640,21 +640,10 @@ class PrefixIndex:
                             del counts[h]
                         decremented += 1
                 keys = np.array(rest, dtype=np.uint64)
-        n = len(keys)
-        st, aux = self._scratch(n)
-        removed = tables.remove(self._bk, self._bc, self._bp, self._pv, self._meta, cache.cid, keys, st, aux)
-        unknown = n - removed
-        if removed:
-            codes = st[:n]
-            if np.count_nonzero(codes == tables.REMOVED_SHARED):
-                slots = aux[:n][codes == tables.REMOVED_SHARED]
-                self._unshare_many(
-                    slots.tolist(), self._pk[slots].tolist(), self._pv[slots].tolist(), cache.cid
-                )
-            cache.n -= removed
-            self._nb -= removed
-            if self._keep_order:
-                self._order_gone(cache, keys[codes != tables.REMOVED_UNKNOWN])
+        removed, codes = self._drop(cache, keys)
+        unknown = len(keys) - removed
+        if removed and self._keep_order:
+            self._order_gone(cache, keys[codes != tables.REMOVED_UNKNOWN])
         self._unknown_removals += unknown
         if not cache.n:
             self._emptied(cache)
@@ -749,21 +738,7 @@ class PrefixIndex:
             if cache.counts:
                 for h in keys.tolist():
                     cache.counts.pop(h, None)
-            n = len(keys)
-            st, aux = self._scratch(n)
-            removed = tables.remove(
-                self._bk, self._bc, self._bp, self._pv, self._meta, cache.cid, keys, st, aux
-            )
-            assert removed == n, (removed, n)
-            codes = st[:n]
-            if np.count_nonzero(codes == tables.REMOVED_SHARED):
-                slots = aux[:n][codes == tables.REMOVED_SHARED]
-                self._unshare_many(
-                    slots.tolist(), self._pk[slots].tolist(), self._pv[slots].tolist(), cache.cid
-                )
-            cache.n -= n
-            self._nb -= n
-            dropped += n
+            dropped += self._drop(cache, keys)[0]
             if not cache.n:
                 self._order_reset(cache)
                 self._emptied(cache)
@@ -1125,6 +1100,24 @@ class PrefixIndex:
         if self._keep_order and attached:
             self._order_add(cache, keys if not dups else keys[st[:n] != tables.STORED_DUPLICATE])
         return attached, dups
+
+    def _drop(self, cache: _Cache, keys: U64) -> tuple[int, I32]:
+        """Take engine keys (one copy each) out of a cache's tables: returns how many were indexed and the
+        remove code of each key (`tables.REMOVED` …, a view of the scratch array: read it before the next
+        table call)."""
+        n = len(keys)
+        st, aux = self._scratch(n)
+        removed = tables.remove(self._bk, self._bc, self._bp, self._pv, self._meta, cache.cid, keys, st, aux)
+        codes = st[:n]
+        if removed:
+            if np.count_nonzero(codes == tables.REMOVED_SHARED):
+                slots = aux[:n][codes == tables.REMOVED_SHARED]
+                self._unshare_many(
+                    slots.tolist(), self._pk[slots].tolist(), self._pv[slots].tolist(), cache.cid
+                )
+            cache.n -= removed
+            self._nb -= removed
+        return removed, codes
 
     def _order_add(self, cache: _Cache, keys: U64) -> None:
         """Append newly indexed engine keys to a cache's store order (grown by a quarter when full)."""

@@ -20,6 +20,7 @@ from tests.test_ingest_faults import ANY, BS, T, clean_pipeline, snapshot, store
 
 from kvmesh.cli import replay_command
 from kvmesh.ops.view import _blocks
+from kvmesh.runtime.metrics import ReplicaView, replica_samples
 from kvmesh.sim.publisher import EventPublisher
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.e2e]
@@ -71,6 +72,11 @@ async def test_a_flood_is_bounded_and_every_replica_drops_the_same_blocks(
                 {"s/0": 0, "f/0": 1},
                 {"s/0": 0, "f/0": 1},
             ]
+            view = ReplicaView(
+                state=indexer.state, stream_last_seq=0, lag_messages=0, lag_s=0.0, read_messages=0,
+                decode_errors=0, apply_errors=0, rebuilds=0, resubscribes=0,
+            )  # fmt: skip
+            assert replica_samples("k", view, {})["k_evicted_blocks"] == [({}, 40.0)]
             status = indexer.status_message()
             assert (status.max_blocks, status.blocks, status.counters["evicted_blocks"]) == (BOUND, 64, 40)
             router_index = p.router_service.stats_message().index if p.router_service else None

@@ -286,6 +286,9 @@ def replica_instruments(prefix: str) -> tuple[Instrument, ...]:
             f"{prefix}_held_messages", "counter", "{message}", "engine messages held until earlier ones came"
         ),
         Instrument(f"{prefix}_sequence_gaps", "counter", "{message}", "messages applied past an engine gap"),
+        Instrument(
+            f"{prefix}_evicted_blocks", "counter", "{block}", "blocks dropped to stay within --max-blocks"
+        ),
         Instrument(f"{prefix}_rebuilds", "counter", "{rebuild}", "rebuilds from a re-created stream"),
         Instrument(f"{prefix}_resubscribes", "counter", "{resubscribe}", "stalled consumers re-created"),
     )
@@ -382,6 +385,7 @@ def replica_samples(prefix: str, view: ReplicaView, labels: Mapping[str, str]) -
         f"{prefix}_held_orphans": [(base, float(orphans))],
         f"{prefix}_held_messages": [(base, float(c.held_messages))],
         f"{prefix}_sequence_gaps": [(base, float(c.sequence_gaps))],
+        f"{prefix}_evicted_blocks": [(base, float(c.evicted_blocks))],
         f"{prefix}_rebuilds": [(base, float(view.rebuilds))],
         f"{prefix}_resubscribes": [(base, float(view.resubscribes))],
     }

@@ -94,3 +94,33 @@ def test_against_dynamo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert targets["throughput_ratio"] == pytest.approx(kv["ops_per_s"] / dyn["ops_per_s"])
     text = capsys.readouterr().out
     assert "- throughput ≥ 0.6× Dynamo's:" in text and "- CPU per block operation ≤ 2× Dynamo's:" in text
+
+
+def test_memory_growth_per_held_block() -> None:
+    """Growth per held block: kvmesh's indexer and router apart (the larger over runs) against 64 B, Dynamo beside."""
+    fr = dynamo_e2e.make_frames(2, 10, num_blocks=1024, queries=1)
+    assert fr.held_blocks == 2702 - 836
+    kv = dynamo_e2e.RunResult(
+        system="kvmesh",
+        block_ops=10,
+        held_blocks=1000,
+        indexer_growth_bytes=40_000,
+        router_growth_bytes=64_000,
+    )
+    kv2 = dynamo_e2e.RunResult(system="kvmesh", block_ops=10, held_blocks=1000, indexer_growth_bytes=50_000)
+    dyn = dynamo_e2e.RunResult(system="dynamo", block_ops=10, held_blocks=1000, indexer_growth_bytes=90_000)
+    assert (kv.indexer_bytes_per_block, kv.router_bytes_per_block) == (40.0, 64.0)
+    assert dynamo_e2e.memory_growth([kv, kv2]) == {
+        "indexer_bytes_per_block": 50.0,
+        "router_bytes_per_block": 64.0,
+        "met": True,
+    }
+    kv3 = dynamo_e2e.RunResult(system="kvmesh", block_ops=10, held_blocks=1000, router_growth_bytes=64_001)
+    assert dynamo_e2e.memory_growth([dyn, kv3]) == {
+        "indexer_bytes_per_block": 0.0,
+        "router_bytes_per_block": 64.001,
+        "met": False,
+        "dynamo_bytes_per_block": 90.0,
+    }
+    assert dynamo_e2e.memory_growth([dyn]) == {}
+    assert kv.summary()["router_bytes_per_block"] == 64.0

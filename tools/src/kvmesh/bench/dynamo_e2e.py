@@ -8,7 +8,8 @@ alternating), fed the same frames by real ZMQ publishers (`kvmesh.sim.publisher.
 they can be sent:
 
 * **Dynamo**: ``python -m dynamo.indexer`` (the ``ai-dynamo-runtime`` wheel, the ``bench`` extra),
-  subscribed to every engine's ZMQ socket by ``--workers``, no NATS; queried over HTTP ``POST /query``
+  subscribed to every engine's ZMQ socket by ``--workers``, no NATS (run by ``--dynamo-python``, an
+  interpreter that has the wheel; default: this one); queried over HTTP ``POST /query``
   (``{"token_ids", "model_name"}`` → per-instance, per-rank scores), one kept-alive connection, the JSON
   bodies encoded before timing.
 * **kvmesh**: a private ``nats-server`` (JetStream on disk), one ``kvmesh ingest`` per engine, one
@@ -23,7 +24,12 @@ Figures per run:
 * **CPU seconds per million block operations**: user + system time of every process of the system (for
   kvmesh the ingests, the indexer, the router and nats-server) over the same interval, from
   ``/proc/PID/stat``;
-* **resident memory**: the sum of ``VmRSS`` of the same processes once queryable;
+* **resident memory**: the sum of ``VmRSS`` of the same processes once queryable; and the **growth per
+  indexed block** of the process that holds the index (Dynamo's indexer; kvmesh's indexer and router, each
+  apart): its ``VmRSS`` once queryable minus its ``VmRSS`` just before the first frame (both ready and
+  answering), divided by the blocks the engines hold at the end (stored minus removed). With
+  ``--num-blocks`` above what an engine ever stores nothing is evicted, and the figure is each process's
+  cost of the blocks that arrived (``--workers 8 --num-blocks 262144``: about 1M blocks);
 * **query latency** p50/p99: ``--query-requests`` queries at concurrency 1 of ``--query-tokens``-token
   prompts (the first tokens of served prompts, picked at random);
 * **exactness gap**: for ``--queries`` of those prompts, every worker's overlap in blocks as the system
@@ -61,12 +67,17 @@ from kvmesh.sim.blockpool import BlockPool, PoolExhaustedError
 from kvmesh.sim.publisher import EventPublisher
 from kvmesh.sim.trace import default_trace_path, expand_tokens, load_trace
 
-__all__ = ["Frames", "RunResult", "command", "dynamo_available", "make_frames", "run_dynamo", "run_kvmesh"]
+__all__ = [
+    "Frames", "RunResult", "command", "dynamo_available", "dynamo_available_in", "make_frames", "memory_growth",
+    "run_dynamo", "run_kvmesh",
+]  # fmt: skip
 
 MODEL: Final[str] = "bench-model"
 BLOCK_SIZE: Final[int] = 16
 THROUGHPUT_TARGET: Final[float] = 0.6
 CPU_TARGET: Final[float] = 2.0
+MEMORY_TARGET_B: Final[float] = 64.0
+"""Target resident growth per indexed block of kvmesh's indexer process and of its router process, in bytes."""
 DYNAMO: Final[str] = "dynamo"
 KVMESH: Final[str] = "kvmesh"
 SKIP_MESSAGE: Final[str] = (
@@ -91,6 +102,20 @@ def dynamo_available() -> bool:
         return False
 
 
+def dynamo_available_in(python: str) -> bool:
+    """Whether ``python -m dynamo.indexer`` can run with the interpreter ``python`` (a path or a name on
+    ``PATH``); this interpreter is asked in process (`dynamo_available`)."""
+    if python == sys.executable:
+        return dynamo_available()
+    try:
+        done = subprocess.run(
+            [python, "-c", "import dynamo.indexer"], capture_output=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
 @dataclass(slots=True)
 class Frames:
     """Pre-encoded vLLM 0.33 frames of every engine, with what the engines hold at the end."""
@@ -109,6 +134,11 @@ class Frames:
     queries: list[list[int]] = field(default_factory=list)
     truth: list[list[int]] = field(default_factory=list)
     """Per query (then per probe, after the queries), every engine's overlap in blocks."""
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks the engines hold after the last frame (stored minus removed, over every engine)."""
+        return self.stored_blocks - self.removed_blocks
 
     @property
     def probe_truth(self) -> list[list[int]]:
@@ -235,6 +265,16 @@ class RunResult:
     cpu_s: float = 0.0
     rss_bytes: int = 0
     processes: int = 0
+    held_blocks: int = 0
+    """Blocks the engines hold at the end (`Frames.held_blocks`)."""
+    indexer_growth_bytes: int = 0
+    """``VmRSS`` growth of the index's process (Dynamo's indexer, kvmesh's indexer) from just before the
+    first frame to queryable."""
+    router_growth_bytes: int = 0
+    """The same for kvmesh's router (its local replica of the index); 0 for Dynamo."""
+    cpu_by_process: dict[str, float] = field(default_factory=dict)
+    """``cpu_s`` per kind of process (``"ingests"`` summed, ``"indexer"``, ``"router"``, ``"nats-server"``;
+    ``"dynamo.indexer"``)."""
     query_latencies_ms: list[float] = field(default_factory=list)
     query_errors: int = 0
     exact_pairs: int = 0
@@ -248,6 +288,16 @@ class RunResult:
         return self.block_ops / self.queryable_s if self.queryable_s > 0 else 0.0
 
     @property
+    def indexer_bytes_per_block(self) -> float:
+        """``indexer_growth_bytes`` per held block."""
+        return self.indexer_growth_bytes / self.held_blocks if self.held_blocks else 0.0
+
+    @property
+    def router_bytes_per_block(self) -> float:
+        """``router_growth_bytes`` per held block."""
+        return self.router_growth_bytes / self.held_blocks if self.held_blocks else 0.0
+
+    @property
     def cpu_s_per_million(self) -> float:
         """CPU seconds per million block operations."""
         return self.cpu_s / self.block_ops * 1e6 if self.block_ops else 0.0
@@ -259,6 +309,8 @@ class RunResult:
         d |= {
             "ops_per_s": self.ops_per_s,
             "cpu_s_per_million_ops": self.cpu_s_per_million,
+            "indexer_bytes_per_block": self.indexer_bytes_per_block,
+            "router_bytes_per_block": self.router_bytes_per_block,
             "query_requests": len(lat),
             "query_p50_ms": percentile(lat, 0.5),
             "query_p99_ms": percentile(lat, 0.99),
@@ -373,15 +425,17 @@ class _DynamoClient:
 
 
 def run_dynamo(
-    fr: Frames, *, query_requests: int, threads: int | None, timeout_s: float, log_dir: Path
+    fr: Frames, *, query_requests: int, threads: int | None, timeout_s: float, log_dir: Path,
+    python: str = sys.executable,
 ) -> RunResult:  # fmt: skip
-    """One run of Dynamo's standalone indexer on the frames (see the module docstring)."""
-    result = RunResult(system=DYNAMO, block_ops=fr.block_ops)
+    """One run of Dynamo's standalone indexer on the frames, with the interpreter ``python`` (see the module
+    docstring)."""
+    result = RunResult(system=DYNAMO, block_ops=fr.block_ops, held_blocks=fr.held_blocks)
     pubs = _publishers(fr.workers)
     port = _free_port()
     workers = ",".join(f"{w + 1}={pub.endpoint}" for w, pub in enumerate(pubs))
     argv = [
-        sys.executable, "-m", "dynamo.indexer", "--block-size", str(BLOCK_SIZE), "--port", str(port),
+        python, "-m", "dynamo.indexer", "--block-size", str(BLOCK_SIZE), "--port", str(port),
         "--model-name", MODEL, "--workers", workers,
     ]  # fmt: skip
     if threads is not None:
@@ -414,6 +468,7 @@ def run_dynamo(
                     raise
                 time.sleep(0.1)
         pids = [proc.pid]
+        rss0 = rss_bytes(pids)
         cpu0 = cpu_seconds(pids)
         settle = _Settle(fr.probe_truth, pids, timeout_s)
         _send_all(pubs, fr.frames)
@@ -422,7 +477,9 @@ def run_dynamo(
             time.sleep(0.02)
         result.queryable_s, result.settled = settle.queryable_s, settle.settled
         result.cpu_s = settle.cpu_s - cpu0
+        result.cpu_by_process = {"dynamo.indexer": result.cpu_s}
         result.rss_bytes = rss_bytes(pids)
+        result.indexer_growth_bytes = result.rss_bytes - rss0
         result.processes = len(pids)
         _score(result, [client.overlaps(q, fr.workers) for q in fr.queries], fr.truth[: len(fr.queries)])
         perf = time.perf_counter
@@ -507,6 +564,14 @@ async def _kvmesh(
         pids = [p.pid for _name, p in children.procs]
         if server.pid is not None:
             pids.append(server.pid)
+        index_pids = {name: p.pid for name, p in children.procs if name in ("indexer", "router")}
+        rss0 = {name: rss_bytes([pid]) for name, pid in index_pids.items()}
+        kinds: dict[str, list[int]] = {
+            "ingests": [p.pid for name, p in children.procs if name.startswith("ingest-")],
+            **{name: [pid] for name, pid in index_pids.items()},
+            "nats-server": [] if server.pid is None else [server.pid],
+        }
+        cpu0_by = {kind: cpu_seconds(kpids) for kind, kpids in kinds.items()}
         cpu0 = cpu_seconds(pids)
         settle = _Settle(fr.probe_truth, pids, timeout_s)
         _send_all(pubs, fr.frames)
@@ -521,7 +586,10 @@ async def _kvmesh(
             await asyncio.sleep(0.02)
         result.queryable_s, result.settled = settle.queryable_s, settle.settled
         result.cpu_s = settle.cpu_s - cpu0
+        result.cpu_by_process = {kind: cpu_seconds(kpids) - cpu0_by[kind] for kind, kpids in kinds.items()}
         result.rss_bytes = rss_bytes(pids)
+        result.indexer_growth_bytes = rss_bytes([index_pids["indexer"]]) - rss0["indexer"]
+        result.router_growth_bytes = rss_bytes([index_pids["router"]]) - rss0["router"]
         result.processes = len(pids)
         _score(result, [await overlaps(q) for q in fr.queries], fr.truth[: len(fr.queries)])
         for q in fr.queries[:20]:
@@ -548,7 +616,7 @@ async def _kvmesh(
 
 def run_kvmesh(fr: Frames, *, query_requests: int, timeout_s: float, log_dir: Path) -> RunResult:
     """One run of the kvmesh pipeline on the frames (see the module docstring)."""
-    result = RunResult(system=KVMESH, block_ops=fr.block_ops)
+    result = RunResult(system=KVMESH, block_ops=fr.block_ops, held_blocks=fr.held_blocks)
     asyncio.run(_kvmesh(fr, result, query_requests=query_requests, timeout_s=timeout_s, log_dir=log_dir))
     return result
 
@@ -578,12 +646,32 @@ def compare(runs: Sequence[RunResult]) -> dict[str, Any]:
     }
 
 
+def memory_growth(runs: Sequence[RunResult]) -> dict[str, Any]:
+    """kvmesh's indexer and router resident growth per held block (the largest over its runs) against
+    `MEMORY_TARGET_B`, with Dynamo's indexer beside it where it ran; empty without a kvmesh run."""
+    kv = [r for r in runs if r.system == KVMESH]
+    if not kv:
+        return {}
+    indexer = max(r.indexer_bytes_per_block for r in kv)
+    router = max(r.router_bytes_per_block for r in kv)
+    out: dict[str, Any] = {
+        "indexer_bytes_per_block": indexer,
+        "router_bytes_per_block": router,
+        "met": max(indexer, router) <= MEMORY_TARGET_B,
+    }
+    dyn = [r.indexer_bytes_per_block for r in runs if r.system == DYNAMO]
+    if dyn:
+        out["dynamo_bytes_per_block"] = max(dyn)
+    return out
+
+
 def table(runs: Sequence[RunResult]) -> str:
     """The Markdown table, one row per run."""
     lines = [
         "| run | system | block ops/s until queryable | settled | CPU s / M ops | RSS (MB) | processes "
-        "| query p50 (ms) | query p99 (ms) | off / over / under (of pairs) |",
-        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| query p50 (ms) | query p99 (ms) | off / over / under (of pairs) | indexer / router growth (B per "
+        "held block) |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, r in enumerate(runs, 1):
         lat = r.query_latencies_ms
@@ -591,7 +679,8 @@ def table(runs: Sequence[RunResult]) -> str:
         lines.append(
             f"| {i} | {r.system} | {r.ops_per_s:,.0f} | {'yes' if r.settled else 'NO'} | {r.cpu_s_per_million:.2f} "
             f"| {r.rss_bytes / 1e6:.0f} | {r.processes} | {percentile(lat, 0.5):.3f} | {percentile(lat, 0.99):.3f} "
-            f"| {r.off_pairs} / {r.over_pairs} / {r.under_pairs} (of {pairs}) |"
+            f"| {r.off_pairs} / {r.over_pairs} / {r.under_pairs} (of {pairs}) "
+            f"| {r.indexer_bytes_per_block:.1f} / {'–' if r.system == DYNAMO else f'{r.router_bytes_per_block:.1f}'} |"
         )
     return "\n".join(lines)
 
@@ -613,6 +702,11 @@ def command(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--order", default="dynamo,kvmesh", help="systems in run order (default dynamo,kvmesh)")
     p.add_argument("--rounds", type=int, default=1, help="times the order is run (default 1)")
     p.add_argument(
+        "--dynamo-python",
+        default=sys.executable,
+        help="interpreter with ai-dynamo-runtime (default: this one)",
+    )
+    p.add_argument(
         "--dynamo-threads", type=int, default=None, help="dynamo.indexer --threads (default: its own, 4)"
     )
     p.add_argument(
@@ -626,7 +720,7 @@ def command(argv: Sequence[str] | None = None) -> int:
         p.error("--order takes dynamo and kvmesh, comma-separated")
     if min(a.workers, a.requests, a.queries, a.query_tokens, a.rounds) <= 0 or a.query_requests < 0:
         p.error("--workers, --requests, --queries, --query-tokens and --rounds must be positive")
-    have_dynamo = dynamo_available()
+    have_dynamo = dynamo_available_in(a.dynamo_python)
     if not have_dynamo:
         print(SKIP_MESSAGE)
         order = [s for s in order if s != DYNAMO]
@@ -639,7 +733,8 @@ def command(argv: Sequence[str] | None = None) -> int:
     print(
         f"kvmesh bench dynamo: {fr.served} requests on {a.workers} engines of {a.num_blocks} blocks: "
         f"{sum(len(f) for f in fr.frames):,} vLLM 0.33 frames, {fr.stored_blocks:,} stored + "
-        f"{fr.removed_blocks:,} removed = {fr.block_ops:,} block operations (generated in "
+        f"{fr.removed_blocks:,} removed = {fr.block_ops:,} block operations, {fr.held_blocks:,} held at the "
+        f"end (generated in "
         f"{time.perf_counter() - t0:.1f} s)",
         flush=True,
     )
@@ -653,7 +748,7 @@ def command(argv: Sequence[str] | None = None) -> int:
                 if system == DYNAMO:
                     r = run_dynamo(
                         fr, query_requests=a.query_requests, threads=a.dynamo_threads, timeout_s=a.timeout_s,
-                        log_dir=log_dir,
+                        log_dir=log_dir, python=a.dynamo_python,
                     )  # fmt: skip
                 else:
                     r = run_kvmesh(
@@ -662,7 +757,11 @@ def command(argv: Sequence[str] | None = None) -> int:
                 runs.append(r)
                 print(
                     f"{system}: {r.ops_per_s:,.0f} block ops/s until queryable ({r.queryable_s:.2f} s), "
-                    f"{r.cpu_s:.2f} CPU s, {r.rss_bytes / 1e6:.0f} MB",
+                    f"{r.cpu_s:.2f} CPU s, {r.rss_bytes / 1e6:.0f} MB; growth per held block: indexer "
+                    f"{r.indexer_bytes_per_block:.1f} B"
+                    + (f", router {r.router_bytes_per_block:.1f} B" if system == KVMESH else "")
+                    + "; CPU s by process: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_by_process.items()),
                     flush=True,
                 )
     finally:
@@ -687,6 +786,18 @@ def command(argv: Sequence[str] | None = None) -> int:
         )
     elif not have_dynamo:
         print("\ntargets (issue 14): not checked, Dynamo's side was skipped")
+    mem = memory_growth(runs)
+    if mem:
+        print(
+            f"- resident growth per held block ≤ {MEMORY_TARGET_B:g} B ({fr.held_blocks:,} blocks held): "
+            f"indexer {mem['indexer_bytes_per_block']:.1f} B, router {mem['router_bytes_per_block']:.1f} B — "
+            f"{'meets' if mem['met'] else 'MISSES'}"
+            + (
+                f" (Dynamo's indexer {mem['dynamo_bytes_per_block']:.1f} B)"
+                if "dynamo_bytes_per_block" in mem
+                else ""
+            )
+        )
     if a.out:
         doc = {
             "config": {
@@ -697,6 +808,7 @@ def command(argv: Sequence[str] | None = None) -> int:
             },
             "runs": [r.summary() for r in runs],
             "targets": cmp,
+            "memory": mem,
         }  # fmt: skip
         Path(f"{a.out}.json").write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {a.out}.json")

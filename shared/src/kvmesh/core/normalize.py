@@ -86,6 +86,8 @@ from kvmesh.core.wire import (
 _STORED_TAGS: Final[frozenset[str | None]] = frozenset({"BlockStored", RFC_STORED})
 """Tags of events whose decode failure loses nothing but their own blocks (module docstring)."""
 
+_MASK64: Final[int] = (1 << 64) - 1
+
 FULL_ATTENTION_KINDS: Final[frozenset[str | None]] = frozenset({None, "full_attention", "mla_attention"})
 """``kv_cache_spec_kind`` values whose blocks are prefix-cache keys."""
 
@@ -201,7 +203,24 @@ class Normalizer:
         st = self.stats
         st.unknown_events += batch.unknown_events
         st.malformed_events += len(batch.errors)
+        non_full = self.non_full_groups
         for ev in batch.events:
+            # The common case first: vLLM sends one BlockRemoved per evicted block.
+            if type(ev) is BlockRemoved or isinstance(ev, BlockRemoved):
+                if ev.group_idx is not None and ev.group_idx in non_full:
+                    st.skipped_non_full += 1
+                    continue
+                hashes = ev.block_hashes
+                if not hashes:
+                    st.unkeyed_events += 1
+                    continue
+                st.removed_events += 1
+                st.removed_blocks += len(hashes)
+                if len(hashes) == 1 and type(hashes[0]) is int:
+                    out.append(Removed([hashes[0] & _MASK64], ev.medium))  # engine_key of an int
+                else:
+                    out.append(Removed([engine_key(h) for h in hashes], ev.medium))
+                continue
             if isinstance(ev, BlockStored | SequenceStored):
                 try:
                     stored = self._stored(ev) if isinstance(ev, BlockStored) else self._sequence(ev)
@@ -210,16 +229,6 @@ class Normalizer:
                     continue
                 if stored is not None:
                     out.append(stored)
-            elif isinstance(ev, BlockRemoved):
-                if ev.group_idx is not None and ev.group_idx in self.non_full_groups:
-                    st.skipped_non_full += 1
-                    continue
-                if not ev.block_hashes:
-                    st.unkeyed_events += 1
-                    continue
-                st.removed_events += 1
-                st.removed_blocks += len(ev.block_hashes)
-                out.append(Removed([engine_key(h) for h in ev.block_hashes], ev.medium))
             elif isinstance(ev, AllBlocksCleared):
                 st.cleared_events += 1
                 out.append(Cleared("engine"))

@@ -15,12 +15,12 @@ $(UV):
 	.uv/bin/pip install --quiet "uv>=0.5,<1"
 
 $(STAMP): $(UV) uv.lock pyproject.toml shared/pyproject.toml services/*/pyproject.toml tools/pyproject.toml
-	$(UV_ENV) $(UV) sync --frozen --all-packages
+	$(UV_ENV) $(UV) sync --frozen --all-packages --compile-bytecode  # no source compiled again per process start
 	$(VENV)/bin/python -c "from kvmesh.core.tables import compile_all; compile_all()"  # the index's kernels, once
 	touch $(STAMP)
 
 install-bench: $(STAMP)
-	$(UV_ENV) $(UV) sync --frozen --all-packages --extra bench
+	$(UV_ENV) $(UV) sync --frozen --all-packages --compile-bytecode --extra bench
 
 lock: $(UV)
 	$(UV_ENV) $(UV) lock

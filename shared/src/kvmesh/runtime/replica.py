@@ -3,7 +3,8 @@
 The indexer service and a router with a local index (``kvmesh router --index local``) both hold one. A
 `StreamReplica` is the async shell around the pure `kvmesh.core.state.IndexState`:
 
-1. `StreamReplica.recover` loads the newest snapshot of the group's Object Store bucket that verifies and
+1. `StreamReplica.recover` loads the index's compiled kernels (`kvmesh.core.tables.compile_all`, in a thread),
+   so that the first message applied does not pay for them, then the newest snapshot of the group's Object Store bucket that verifies and
    that the stream still continues (`kvmesh.runtime.snapshots.plan_recovery`; an older one, or the stream's
    first message with the state marked incomplete, when not);
 2. `StreamReplica.follow` reads the stream from the next sequence with an ordered push consumer (no durable
@@ -32,6 +33,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 
 from kvmesh.core.apply import Skipped, StreamApplier
 from kvmesh.core.state import IndexState
+from kvmesh.core.tables import compile_all
 from kvmesh.runtime import subjects, tracing
 from kvmesh.runtime.snapshots import SnapshotStore, plan_recovery, stream_id
 
@@ -162,9 +164,14 @@ class StreamReplica:
     async def recover(self, info: StreamInfo) -> int:
         """Load the newest usable snapshot into `state`; return the stream sequence to read from.
 
+        The index's compiled kernels are loaded first, in a thread (`kvmesh.core.tables.compile_all`: about
+        half a second from numba's cache, once per process; at once after that), so the first message applied
+        does not stall the event loop for them.
+
         Args:
             info: the stream's info as of start-up; its last sequence is the catch-up target.
         """
+        await asyncio.to_thread(compile_all)
         self._target_seq = info.state.last_seq
         identity = stream_id(info)
         plan = await plan_recovery(

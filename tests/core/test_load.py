@@ -35,6 +35,18 @@ def test_lifecycle_moves_prefill_then_blocks_off_the_worker() -> None:
     assert (s.active, s.routed, s.prefill_done, s.finished, s.unknown) == (0, 2, 1, 2, 1)
 
 
+def test_loaded_lists_the_pairs_with_requests_in_flight() -> None:
+    """`loaded` names each (worker, dp rank) with work once, and forgets one whose last request finished."""
+    led = LoadLedger()
+    assert led.loaded() == []
+    led.routed(routed("r1"), 0.0)
+    led.routed(routed("r2"), 0.0)
+    led.routed(routed("r3", w="b", dp=1), 0.0)
+    assert sorted(led.loaded()) == [("a", 0), ("b", 1)]
+    led.finished("r3")
+    assert led.loaded() == [("a", 0)]
+
+
 def test_routed_is_idempotent_and_moves_a_rerouted_request() -> None:
     """The same Routed twice counts once; a Routed to another worker moves the request there."""
     led = LoadLedger()

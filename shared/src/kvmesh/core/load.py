@@ -333,6 +333,11 @@ class LoadLedger:
         r = self._rates.get(Holder(worker_id, dp_rank))
         return r.per_s if r is not None else self.prefill_rate_prior
 
+    def loaded(self) -> list[Holder]:
+        """Return the (worker, dp rank) pairs with requests in flight, each once, in no particular order: the
+        only ones `load` can find non-zero (O(pairs with load), not O(fleet))."""
+        return list(self._workers)
+
     def load(
         self, worker_id: str, dp_rank: int, *, excluding: str | None = None, now_s: float | None = None
     ) -> ActiveLoad:

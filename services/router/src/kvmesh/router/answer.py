@@ -386,15 +386,16 @@ def _loads(
     now: float,
     excluding: str | None,
 ) -> tuple[dict[Holder, ActiveLoad], dict[Holder, WorkerLoad]]:
-    """Return the router-side load (leaving out ``excluding``'s own share) and the fresh engine report of
-    each candidate that has one; a `Holder` is built only for those."""
+    """Return the router-side load (leaving out ``excluding``'s own share) of every (worker, dp rank) with
+    requests in flight — candidates or not: the decision looks up only its candidates — and the fresh engine
+    report of each candidate that has one; a `Holder` is built only for those."""
     active: dict[Holder, ActiveLoad] = {}
     engine: dict[Holder, WorkerLoad] = {}
     load = ledger.load
-    for c in candidates:
-        a = load(c.worker_id, c.dp_rank, excluding=excluding, now_s=now)
+    for key in ledger.loaded():
+        a = load(key.worker_id, key.dp_rank, excluding=excluding, now_s=now)
         if a.requests:
-            active[Holder(c.worker_id, c.dp_rank)] = a
+            active[key] = a
     if len(engine_loads):
         get = engine_loads.get
         for c in candidates:

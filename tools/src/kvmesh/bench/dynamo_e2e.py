@@ -14,6 +14,8 @@ they can be sent:
   bodies encoded before timing.
 * **kvmesh**: a private ``nats-server`` (JetStream on disk), one ``kvmesh ingest`` per engine, one
   ``kvmesh indexer``, one ``kvmesh router``; queried with ``kvmesh.route`` (`kvmesh.client.Router.route`).
+  The first frame is sent once every ingest is subscribed and the indexer (a match request) and the router
+  (a route naming every engine) answer.
 
 Figures per run:
 
@@ -520,8 +522,10 @@ async def _kvmesh(
     fr: Frames, result: RunResult, *, query_requests: int, timeout_s: float, log_dir: Path
 ) -> None:  # fmt: skip
     from kvmesh.client import RouteError, Router  # noqa: PLC0415
+    from kvmesh.core import protocol  # noqa: PLC0415
     from kvmesh.harness.procs import ChildProcesses  # noqa: PLC0415
     from kvmesh.harness.server import NatsServer  # noqa: PLC0415
+    from kvmesh.runtime import subjects  # noqa: PLC0415
     from kvmesh.runtime.nats import connect  # noqa: PLC0415
 
     tmp = Path(tempfile.mkdtemp(prefix="kvmesh-bench-dynamo-"))
@@ -542,10 +546,20 @@ async def _kvmesh(
         children.spawn("router", "-m", "kvmesh.router", "--nats-url", url)
         nc = await connect(url, name="kvmesh-bench-dynamo")
         router = Router(nc, timeout_s=10.0)
+        match_body = protocol.encode(
+            protocol.MatchRequest(model=MODEL, token_ids=[0] * BLOCK_SIZE), format="msgpack"
+        )
+        indexer_ready = False
         deadline = time.monotonic() + 90.0
-        while True:  # every ingest subscribed and announced, the router answering
+        while True:  # every ingest subscribed and announced, the indexer and the router answering
             children.check()
-            if all(p.subscriptions >= 1 for p in pubs):
+            if not indexer_ready:
+                try:  # any reply: its match endpoint is up, so it has recovered (its kernels loaded)
+                    await nc.request(subjects.MATCH_SUBJECT, match_body, timeout=1.0)
+                    indexer_ready = True
+                except Exception:  # no responders or a timeout: not ready yet
+                    pass
+            if indexer_ready and all(p.subscriptions >= 1 for p in pubs):
                 try:
                     reply = await router.route(MODEL, [0] * BLOCK_SIZE, explain=True)
                     if reply.scores is not None and len(reply.scores) >= fr.workers:

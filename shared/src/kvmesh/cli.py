@@ -28,6 +28,7 @@ from nats.aio.client import Client
 from kvmesh import ops
 from kvmesh.core.errors import KvmeshError, RouteError
 from kvmesh.core.protocol import RouteRequest, SnapshotResult, encode
+from kvmesh.core.state import MAX_BLOCKS_LIMIT
 from kvmesh.ops.view import render_status, route_rates
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth, add_fields, load
@@ -487,6 +488,8 @@ def replay_command(argv: Sequence[str]) -> int:
     a = parser.parse_args(argv)
     if a.max_blocks is not None and a.max_blocks < 1:
         parser.error(f"--max-blocks must be ≥ 1, got {a.max_blocks}")
+    if a.max_blocks is not None and a.max_blocks > MAX_BLOCKS_LIMIT:
+        parser.error(f"--max-blocks must be ≤ {MAX_BLOCKS_LIMIT}, got {a.max_blocks}")
     spec = a.from_snapshot.strip().lower()
     if spec not in ("none", "latest") and not spec.isdigit():
         parser.error("--from-snapshot must be none, latest or a stream sequence")

@@ -317,12 +317,14 @@ class IndexState:
             same blocks.
 
     Raises:
-        ValueError: ``max_blocks`` is not positive.
+        ValueError: ``max_blocks`` is not positive, or above `MAX_BLOCKS_LIMIT`.
     """
 
     def __init__(self, *, max_blocks: int | None = None) -> None:
         if max_blocks is not None and max_blocks <= 0:
             raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+        if max_blocks is not None and max_blocks > MAX_BLOCKS_LIMIT:
+            raise ValueError(f"max_blocks must be at most {MAX_BLOCKS_LIMIT}, got {max_blocks}")
         self.max_blocks = max_blocks
         self._indexes: dict[str, dict[int, PrefixIndex]] = {}
         self._workers: dict[str, _WorkerInfo] = {}
@@ -358,15 +360,20 @@ class IndexState:
         self._version += 1
         self.applied_seq = stream_seq
         self.counters.messages += 1
-        if isinstance(message, WorkerRemoved):
-            self._remove_worker(message)
-        elif isinstance(message, IndexReset):
-            self._reset(message)
-        else:
-            self._apply_events(message)
-        self._release_overdue()
-        if self.max_blocks is not None and self.block_total() > self.max_blocks:
-            self._evict(self.max_blocks)
+        try:
+            if isinstance(message, WorkerRemoved):
+                self._remove_worker(message)
+            elif isinstance(message, IndexReset):
+                self._reset(message)
+            else:
+                self._apply_events(message)
+            self._release_overdue()
+        finally:
+            # Also after a message that failed half-way (the reader skips it, its first events stay applied):
+            # the bound holds after every stream message, and a replica restored from a snapshot taken now
+            # does not cut at another point of the stream than this one.
+            if self.max_blocks is not None and self.block_total() > self.max_blocks:
+                self._evict(self.max_blocks)
 
     def skip(self, stream_seq: int) -> None:
         """Pass over a stream message that cannot be applied (undecodable, or its apply failed): the applied
@@ -1137,6 +1144,10 @@ class IndexState:
             state._evict(max_blocks)
         return state
 
+
+MAX_BLOCKS_LIMIT: Final[int] = 2**63 - 1
+"""The largest ``max_blocks`` accepted: a replica reports its bound in its status replies (msgpack, whose
+ints stop at 2^64 − 1); any larger bound is no bound anyway."""
 
 EVICT_SLACK: Final[float] = 1 / 64
 """Share of ``max_blocks`` freed below the bound by one eviction, so a state at its bound does not evict on

@@ -6,6 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from kvmesh.core.state import MAX_BLOCKS_LIMIT
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth, setting
 from kvmesh.runtime.logs import LOG_FORMATS
@@ -76,6 +77,8 @@ class IndexerSettings(NatsAuth):
             problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
         if self.max_blocks is not None and self.max_blocks < 1:
             problems.append(f"--max-blocks must be ≥ 1 (none: no bound), got {self.max_blocks}")
+        if self.max_blocks is not None and self.max_blocks > MAX_BLOCKS_LIMIT:
+            problems.append(f"--max-blocks must be ≤ {MAX_BLOCKS_LIMIT}, got {self.max_blocks}")
         if self.log_format not in LOG_FORMATS:
             problems.append(f"--log-format must be auto, json or text, got {self.log_format!r}")
         return problems

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvmesh.core.load import DEFAULT_LOAD_TTL_S, DEFAULT_REQUEST_TTL_S
 from kvmesh.core.route import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_TOKENS, IDLE_CANDIDATES, Policy
+from kvmesh.core.state import MAX_BLOCKS_LIMIT
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth, setting
 from kvmesh.runtime.logs import LOG_FORMATS
@@ -164,6 +165,8 @@ class RouterSettings(NatsAuth):
             problems.append("--max-candidates must be ≥ 1")
         if self.max_blocks is not None and self.max_blocks < 1:
             problems.append(f"--max-blocks must be ≥ 1 (none: no bound), got {self.max_blocks}")
+        if self.max_blocks is not None and self.max_blocks > MAX_BLOCKS_LIMIT:
+            problems.append(f"--max-blocks must be ≤ {MAX_BLOCKS_LIMIT}, got {self.max_blocks}")
         if self.max_lag_messages < 0:
             problems.append("--max-lag-messages must be ≥ 0")
         if not self.max_lag_s >= 0:

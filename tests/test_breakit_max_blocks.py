@@ -123,3 +123,16 @@ def test_replay_refuses_a_bad_bound(value: str, message: str, capsys: pytest.Cap
         replay_command(["--nats-url", "nats://127.0.0.1:1", f"--max-blocks={value}"])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("cls", "service"), SERVICES)
+@pytest.mark.parametrize("value", ["", "none", "None", " NONE "])
+def test_none_or_empty_means_no_bound_as_the_help_says(
+    cls: type[IndexerSettings] | type[RouterSettings], service: str, value: str
+) -> None:
+    """The help reads "(none: no bound)": ``--max-blocks none`` and ``KVMESH_MAX_BLOCKS=none`` (or empty)
+    leave the bound unset, like every optional number's "none"."""
+    by_flag = _load_flag(cls, service, value)
+    by_env = load(cls, service=service, environ={"KVMESH_MAX_BLOCKS": value})
+    assert isinstance(by_flag, cls) and isinstance(by_env, cls)
+    assert (by_flag.max_blocks, by_env.max_blocks) == (None, None)

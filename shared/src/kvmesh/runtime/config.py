@@ -237,8 +237,8 @@ def _parse_text(text: str, f: dataclasses.Field[Any]) -> Any:
         return json.loads(text)
     if kind.startswith("list"):
         return [part.strip() for part in text.split(",") if part.strip()]
-    if text == "" and "None" in kind:
-        return None
+    if "None" in kind and (text == "" or (text.strip().lower() == "none" and not kind.startswith("str"))):
+        return None  # an optional number: empty or "none" (what the help's "none: off" says) is unset
     return text
 
 

@@ -19,7 +19,10 @@ Model of the data
   attached under the root or under another holder's chain.
 * vLLM can hold several physical copies of one block hash; it emits a BlockStored per copy and a
   BlockRemoved per eviction. A block stays indexed until removed as many times as it was stored (per tier).
-* A removal of an unknown block is counted and ignored; the rest of the removal still applies.
+* A removal of an unknown block is counted and ignored; the rest of the removal still applies. If the block
+  is held (in a BlockStored waiting for its parent), the held copy goes: the held event is split there, the
+  blocks after it waiting for the removed block, so a parent that arrives later never brings back a block the
+  engine removed.
 
 Storage tiers (``medium`` of BlockStored / BlockRemoved, vLLM ≥ 0.10.2, SGLang ≥ 0.5.9)
 -------------------------------------------------------------------------------------
@@ -607,6 +610,9 @@ class PrefixIndex:
             )
             if slot == -2:
                 self._unknown_removals += 1
+                held = self._holders[holder]
+                if held.orphans:
+                    self._cancel_held(held, cache.medium, [h % ENGINE_KEY_PRIME])
                 return _UNKNOWN_ONE
             if slot >= 0:
                 self._unshare(slot, cache.cid)
@@ -622,6 +628,9 @@ class PrefixIndex:
         keys = as_keys(engine_hashes)
         if cache is None:
             self._unknown_removals += len(keys)
+            known = self._holders.get(holder)
+            if known is not None and known.orphans and len(keys):
+                self._cancel_held(known, tier_name(medium), keys.tolist())
             return RemoveResult(0, 0, len(keys)) if len(keys) else _REMOVED_NONE
         decremented = 0
         counts = cache.counts
@@ -644,7 +653,11 @@ class PrefixIndex:
         unknown = len(keys) - removed
         if removed and self._keep_order:
             self._order_gone(cache, keys[codes != tables.REMOVED_UNKNOWN])
-        self._unknown_removals += unknown
+        if unknown:
+            self._unknown_removals += unknown
+            held = self._holders[holder]
+            if held.orphans:
+                self._cancel_held(held, cache.medium, keys[codes == tables.REMOVED_UNKNOWN].tolist())
         if not cache.n:
             self._emptied(cache)
         elif self._nb < self._b_low:
@@ -1396,6 +1409,49 @@ class PrefixIndex:
             dropped += 1
         self._orphans_expired += dropped
         return dropped
+
+    def _cancel_held(self, state: _HolderState, medium: str | None, keys: list[int]) -> None:
+        """Removals of blocks that are not indexed but held (in a BlockStored waiting for its parent, on tier
+        ``medium``): each takes one held copy of its block out, first in hold order. A held event loses the
+        block by being split there: the blocks before it stay held under the event's parent, those after it
+        are held under the removed block, so they attach only once the engine stores that block again (until
+        then no match could reach them). Without this, a parent stored later would bring back blocks the
+        engine had already removed, and a match would count them.
+
+        O(held blocks of the holder), only for removals of blocks the index does not have."""
+        wanted: dict[int, int] = {}
+        for k in keys:
+            wanted[k] = wanted.get(k, 0) + 1
+        for okey in list(state.orphans):
+            parent, orphan = state.orphans[okey]
+            hashes = orphan.engine_hashes
+            if orphan.medium != medium or wanted.keys().isdisjoint(hashes):
+                continue
+            pieces: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+            start, under = 0, parent
+            for i, h in enumerate(hashes):
+                if wanted.get(h):
+                    wanted[h] -= 1
+                    pieces.append((under, hashes[start:i], orphan.local_hashes[start:i]))
+                    start, under = i + 1, h
+            pieces.append((under, hashes[start:], orphan.local_hashes[start:]))
+            first = pieces[0]
+            if first[1]:  # the blocks before the first removed one keep the event's place in hold order
+                state.orphans[okey] = (parent, _Orphan(first[1], first[2], orphan.op, medium))
+            else:
+                del state.orphans[okey]
+            for under, part, local in pieces[1:]:
+                if part:
+                    state.orphan_serial += 1
+                    state.orphans[(under, state.orphan_serial)] = (
+                        under,
+                        _Orphan(part, local, orphan.op, medium),
+                    )
+            if not any(wanted.values()):
+                break
+        while len(state.orphans) > self._max_orphans:
+            state.orphans.popitem(last=False)
+            self._orphans_expired += 1
 
     def _expire(self, state: _HolderState) -> int:
         dropped = 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -17,8 +17,11 @@ from kvmesh.core.errors import MessageDecodeError
 SCHEMA_VERSION: Final[int] = 1
 
 
-class Stored(msgspec.Struct, tag="stored", array_like=True, frozen=True):
-    """Consecutive full blocks stored by a worker (a normalized BlockStored)."""
+class Stored(msgspec.Struct, tag="stored", array_like=True, frozen=True, gc=False):
+    """Consecutive full blocks stored by a worker (a normalized BlockStored).
+
+    Not tracked by the cycle collector (``gc=False``): it holds only lists of ints, an int and a string.
+    """
 
     engine_hashes: list[int]
     """The engine's block hashes as unsigned 64-bit keys (`kvmesh.core.wire.engine_key`)."""
@@ -30,8 +33,12 @@ class Stored(msgspec.Struct, tag="stored", array_like=True, frozen=True):
     """Storage tier as the engine named it ("GPU", "CPU", …), or None."""
 
 
-class Removed(msgspec.Struct, tag="removed", array_like=True, frozen=True):
-    """Blocks evicted by a worker (a normalized BlockRemoved)."""
+class Removed(msgspec.Struct, tag="removed", array_like=True, frozen=True, gc=False):
+    """Blocks evicted by a worker (a normalized BlockRemoved).
+
+    Like `Stored`, not tracked by the cycle collector (``gc=False``): it holds only a list of ints and a
+    string, so it can be in no reference cycle, and vLLM sends one per evicted block.
+    """
 
     engine_hashes: list[int]
     medium: str | None = None

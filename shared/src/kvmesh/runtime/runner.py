@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import signal
@@ -124,6 +125,11 @@ def run_async(svc: Service) -> int:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
+        # What start-up allocated (the modules, the settings) lives as long as the process: keep it out of the
+        # cyclic collector's passes, which a busy ingest triggers every few thousand decoded events (about a
+        # fifth of its decode time otherwise). The indexer and the router do the same again once recovered.
+        gc.collect()
+        gc.freeze()
         with contextlib.suppress(asyncio.CancelledError):
             await svc.run()
 

@@ -1,7 +1,8 @@
 # One image for every kvmesh service; the command picks the service (kvmesh ingest|indexer|router, or an
 # operator command such as provision, route, status).
 #   builder  python:3.11-slim + uv: the locked dependencies and the library and services, built as wheels
-#            into /app/.venv (uv sync --frozen --no-dev --no-editable) from pyproject.toml and uv.lock
+#            into /app/.venv (uv sync --frozen --no-dev --no-editable --compile-bytecode) from pyproject.toml
+#            and uv.lock
 #   sim      adds kvmesh-tools (the simulated engines) for docker-compose.yml's sim-0/sim-1 (`target: sim`)
 #   service  the default (last) target: python:3.11-slim with that venv only (no uv, no build tools, no
 #            tools/ sources, no simulator or benchmark code), run as the non-root user kvmesh (uid 1000)

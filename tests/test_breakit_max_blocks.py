@@ -136,3 +136,18 @@ def test_none_or_empty_means_no_bound_as_the_help_says(
     by_env = load(cls, service=service, environ={"KVMESH_MAX_BLOCKS": value})
     assert isinstance(by_flag, cls) and isinstance(by_env, cls)
     assert (by_flag.max_blocks, by_env.max_blocks) == (None, None)
+
+
+def test_a_services_own_variable_overrides_the_shared_one() -> None:
+    """``KVMESH_MAX_BLOCKS`` sets every replica's bound, ``KVMESH_INDEXER_MAX_BLOCKS`` the indexer's alone (and
+    so for every shared setting, such as the NATS URL); neither is ignored."""
+    env = {
+        "KVMESH_MAX_BLOCKS": "7",
+        "KVMESH_INDEXER_MAX_BLOCKS": "99",
+        "KVMESH_NATS_URL": "nats://a:4222",
+        "KVMESH_ROUTER_NATS_URL": "nats://b:4222",
+    }
+    indexer = load(IndexerSettings, service="indexer", environ=env)
+    router = load(RouterSettings, service="router", environ=env)
+    assert (indexer.max_blocks, indexer.nats_url) == (99, "nats://a:4222")
+    assert (router.max_blocks, router.nats_url) == (7, "nats://b:4222")

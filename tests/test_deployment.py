@@ -397,6 +397,7 @@ def test_dockerfile_service_environment_holds_no_tools(tmp_path: Path) -> None:
         "--frozen",
         "--no-dev",
         "--no-editable",
+        "--compile-bytecode",
         "--package",
         "kvmesh-ingest",
         "--package",

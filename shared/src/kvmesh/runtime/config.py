@@ -139,6 +139,15 @@ def env_name(service: str, name: str) -> str:
     return f"KVMESH_{service.upper()}_{name.upper()}"
 
 
+def _env_names(service: str, name: str) -> tuple[str, ...]:
+    """The variables a field reads, weakest first: a shared field reads ``KVMESH_<FIELD>`` and then, when a
+    service is named, ``KVMESH_<SERVICE>_<FIELD>`` (one service's own value over the fleet's)."""
+    own = f"KVMESH_{service.upper()}_{name.upper()}"
+    if name not in SHARED_FIELDS:
+        return (own,)
+    return (f"KVMESH_{name.upper()}", own) if service else (f"KVMESH_{name.upper()}",)
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], service: str) -> None:
     """Add one ``--flag`` per settings field, plus ``--config`` and ``--print-config``."""
     add_fields(parser, cls, service)
@@ -204,9 +213,9 @@ def load(
             else:
                 values[key] = value
     for name, f in fields.items():
-        var = env_name(service, name)
-        if var in environ:
-            values[name] = _parse_text(environ[var], f)
+        for var in _env_names(service, name):  # a shared field's own-service variable comes last and wins
+            if var in environ:
+                values[name] = _parse_text(environ[var], f)
     if args is not None:
         for name, f in fields.items():
             value = getattr(args, name, None)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import pytest
 from tests.pipeline import Pipeline, eventually
 from tests.test_ingest_faults import ANY, BS, T, clean_pipeline, snapshot, stored
 
+import kvmesh.runtime.replica
 from kvmesh.cli import replay_command
 from kvmesh.ops.view import _blocks
 from kvmesh.runtime.metrics import ReplicaView, replica_samples
@@ -43,8 +45,14 @@ def figures(p: Pipeline, *indexers: Any) -> list[tuple[int, int, int, int]]:
 
 
 async def test_a_flood_is_bounded_and_every_replica_drops_the_same_blocks(
-    nats_url: str, uid: str, capsys: pytest.CaptureFixture[str]
+    nats_url: str,
+    uid: str,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="kvmesh")
+    monkeypatch.setattr(kvmesh.runtime.replica, "EVICTION_LOG_INTERVAL_S", 3600.0)  # one warning per replica
     s_pub, f_pub = EventPublisher(ANY, ANY), EventPublisher(ANY, ANY)
     try:
         async with clean_pipeline(nats_url, uid) as p:
@@ -108,6 +116,11 @@ async def test_a_flood_is_bounded_and_every_replica_drops_the_same_blocks(
                 assert await asyncio.to_thread(replay_command, argv) == 0
                 replayed = json.loads(capsys.readouterr().out)
                 assert (replayed["digest"] == f"{indexer.state.digest():016x}") is same, replayed
+            # Each replica said so: the bound at start, the first eviction with the sequence and count.
+            said = [r.getMessage() for r in caplog.records]
+            assert sum("index bounded at 64 blocks (--max-blocks)" in m for m in said) == 3, said
+            # (each once: the first indexer, the router, and the second indexer at its first cut)
+            assert sum("reached its bound of 64 blocks at stream seq" in m for m in said) == 3, said
             assert (await snapshot(p, [flood_tokens(50), flood_tokens(51)])) == [
                 {"s/0": 0, "f/0": 0},
                 {"s/0": 0, "f/0": 1},

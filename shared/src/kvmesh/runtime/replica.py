@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -44,6 +45,8 @@ RECREATED_CHECK_S = 2.0
 RECREATED_CONFIRM = 3
 """Checks in a row that must see the stream behind the applied sequence (when its identity is unknown)."""
 STALL_S = 5.0
+EVICTION_LOG_INTERVAL_S = 60.0
+"""After the first, evictions by a ``--max-blocks`` bound are logged at most this often (seconds)."""
 """A consumer that applied nothing for this long while the stream holds more is re-created (seconds)."""
 STOP_TIMEOUT_S = 5.0
 """Bound on each shutdown step (seconds)."""
@@ -121,6 +124,9 @@ class StreamReplica:
         max_blocks: int | None = None,
     ) -> None:
         self._max_blocks = max_blocks
+        self._evicted_seen = 0
+        """Evictions already reported (`_log_evictions`)."""
+        self._evicted_logged = 0.0
         self.state = IndexState(max_blocks=max_blocks)
         self._applier = StreamApplier()
         self.resubscribes = 0
@@ -198,6 +204,9 @@ class StreamReplica:
                 plan.snapshot_seq,
                 self.state.block_total(),
             )
+        if self._max_blocks is not None:
+            log.info("%s: index bounded at %d blocks (--max-blocks)", self._name, self._max_blocks)
+        self._evicted_seen = self.state.counters.evicted_blocks
         return plan.start_seq
 
     async def wait_caught_up(self) -> None:
@@ -357,6 +366,25 @@ class StreamReplica:
                 tracing.end_apply(span, None if skipped is None else skipped.kind)
             if skipped is not None:
                 log_skipped(self._name, skipped, msg.subject)
+            if self.state.counters.evicted_blocks != self._evicted_seen:
+                self._log_evictions(seq)
+
+    def _log_evictions(self, seq: int) -> None:
+        """Warn when the bound first evicts, then at most once a minute (by monotonic time), with the count."""
+        evicted = self.state.counters.evicted_blocks
+        now = time.monotonic()
+        if self._evicted_seen and now - self._evicted_logged < EVICTION_LOG_INTERVAL_S:
+            return
+        log.warning(
+            "%s: the index reached its bound of %s blocks at stream seq %d: %d blocks evicted so far (the largest "
+            "caches lose their least recently stored blocks); a bound below what the engines hold makes routes "
+            "miss cached prefixes",
+            self._name,
+            self._max_blocks,
+            seq,
+            evicted,
+        )
+        self._evicted_seen, self._evicted_logged = evicted, now
 
 
 def log_skipped(name: str, skipped: Skipped, subject: str) -> None:

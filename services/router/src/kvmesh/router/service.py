@@ -234,6 +234,10 @@ class RouterService:
             "local index" if self.replica is not None else f"indexers on {s.match_subject}",
             self.synced_requests,
         )
+        if self.replica is None and s.max_blocks is not None:
+            log.warning(
+                "router: --max-blocks bounds a local index replica; with --index remote it has no effect"
+            )
         try:
             # A failed index replica, registry watch or lag watch fails the router rather than let it serve
             # a stale index or stale candidates.

@@ -148,3 +148,34 @@ def test_a_failed_run_shows_each_childs_last_errors(tmp_path: Path) -> None:
         "ingest-1: engine stale 4",
         "router: 2026-12-02 10:00:00 ERROR kvmesh.router: no stream",
     ]
+
+
+@pytest.mark.e2e
+def test_http_port_0_prints_the_address_the_router_serves() -> None:
+    """``--http-port 0`` used to print ``http://127.0.0.1:0``; now the printed address answers ``/health``."""
+    import json
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [KVMESH, "up", "--workers", "1", "--num-blocks", "4096", "--http-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        lines: list[str] = []
+        while not lines or not (lines[-1].startswith("RFC #1403 indexer API") or not lines[-1]):
+            lines.append(proc.stdout.readline())
+        found = re.match(r"RFC #1403 indexer API: (http://127\.0\.0\.1:(\d+)) ", lines[-1])
+        assert found is not None and int(found.group(2)) > 0, "".join(lines) + proc.stderr.read()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(found.group(1) + "/health", timeout=2) as resp:
+                    assert (resp.status, json.loads(resp.read())["status"]) == (200, "ok")
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+                time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)

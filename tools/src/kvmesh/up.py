@@ -243,11 +243,13 @@ class Up:
             self.server = NatsServer(store_dir=self.tmp / "nats").start()
             url = self.server.url
             self.say(f"started nats-server with JetStream at {url} (store in a temporary directory)")
-        base = a.base_port or _free_base_port(20 * a.workers + 13 + a.workers)
+        base = a.base_port or _free_base_port(20 * a.workers + 14 + a.workers)
         metrics = base + 20 * a.workers + 11  # one Prometheus port per service after the engines' ports
         ports = {"indexer": metrics, "router": metrics + 1} | {
             f"ingest-{i}": metrics + 2 + i for i in range(a.workers)
         }
+        # --http-port 0: the port after those, so the address printed below is the one served
+        http_port = metrics + 2 + a.workers if a.http_port == 0 else a.http_port
         self.children.spawn(
             "sim",
             "-m",
@@ -299,11 +301,11 @@ class Up:
             "--match-subject", ns.match_subject, "--route-subject", ns.route_subject,
             "--requests-prefix", ns.requests_prefix, "--load-prefix", ns.load_prefix,
             "--metrics-port", str(ports["router"]),
-            *(["--http-port", str(a.http_port)] if a.http_port is not None else []),
+            *(["--http-port", str(http_port)] if http_port is not None else []),
         )  # fmt: skip
-        if a.http_port is not None:
+        if http_port is not None:
             self.say(
-                f"RFC #1403 indexer API: http://127.0.0.1:{a.http_port} (POST /query with "
+                f"RFC #1403 indexer API: http://127.0.0.1:{http_port} (POST /query with "
                 f'{{"model": "{MODEL}", "block_size": {a.block_size}, "token_ids": [...]}})'
             )
         self.say(
@@ -635,7 +637,8 @@ def build_parser(prog: str = "kvmesh up") -> argparse.ArgumentParser:
         default=None,
         metavar="PORT",
         help="serve the RFC #1403 indexer API (Mooncake's conductor, Dynamo's standalone indexer: POST /query, "
-        "/query_by_hash, /register, ...) from the router on 127.0.0.1:PORT (default: off)",
+        "/query_by_hash, /register, ...) from the router on 127.0.0.1:PORT (0: a free one, printed; default: "
+        "off)",
     )
     p.add_argument(
         "--cluster",

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import pytest
 import yaml
 from tests.test_ingest_faults import ANY, BS, T, U, blk, stored
@@ -373,7 +374,16 @@ async def test_every_metric_the_dashboard_queries_is_exported(
         try:
             match = MatchRequest(model="m", token_ids=list(T))
             await nc.request(match_subject, protocol.encode(match, format="msgpack"), timeout=5)
-            await nc.request(route_subject, b"not a route request", timeout=5)  # an error reply
+            # The router's metrics (and its replica) come up before its route subscription, which waits for
+            # the replica to catch up: ask until it answers (an error reply).
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    await nc.request(route_subject, b"not a route request", timeout=5)
+                    break
+                except nats.errors.NoRespondersError:
+                    assert time.monotonic() < deadline, "the router never subscribed to its route subject"
+                    await asyncio.sleep(0.1)
             client = Router(nc, subject=route_subject, requests_prefix=f"{prefix}.requests")
             reply = await client.route("m", list(T), request_id="r1")
             assert (reply.worker_id, reply.cached_tokens) == ("w", len(T))

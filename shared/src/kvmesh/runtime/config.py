@@ -17,7 +17,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -225,7 +225,9 @@ def load(
         try:
             msgspec.convert({name: value}, _single(cls, name), strict=False)
         except msgspec.ValidationError as exc:
-            problems.append(f"--{name.replace('_', '-')} / {env_name(service, name)}: {exc}")
+            problems.append(
+                f"--{name.replace('_', '-')} / {env_name(service, name)}: {_type_problem(fields[name], value, exc)}"
+            )
             values.pop(name)
     if problems:
         raise ConfigError(problems)
@@ -238,6 +240,25 @@ def load(
     if problems:
         raise ConfigError(problems)
     return settings
+
+
+_KINDS: Final[dict[str, str]] = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "text",
+}
+
+
+def _type_problem(f: dataclasses.Field[Any], value: Any, exc: msgspec.ValidationError) -> str:
+    """What is wrong with a value of the wrong type, in the setting's words (``must be an integer (or none),
+    got 'abc'``); msgspec's own message for the other types (lists, maps)."""
+    kind = str(f.type)
+    optional = kind.endswith(" | None")
+    wanted = _KINDS.get(kind.removesuffix(" | None"))
+    if wanted is None:
+        return str(exc)
+    return f"must be {wanted}{' (or none)' if optional else ''}, got {value!r}"
 
 
 def _parse_text(text: str, f: dataclasses.Field[Any]) -> Any:

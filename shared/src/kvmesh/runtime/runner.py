@@ -18,6 +18,7 @@ import gc
 import json
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Final, Protocol, TypeVar
@@ -84,8 +85,9 @@ def run_service(
     args = parser.parse_args(argv)
     try:
         settings = load(cls, service=service, environ=environ, args=args)
-    except ConfigError as exc:
-        parser.error(str(exc))
+    except ConfigError as exc:  # a value, not the command line's shape: the problems alone, no usage
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     if args._print_config:
         print(json.dumps(to_dict(settings), indent=2, default=str))
         return 0

@@ -193,8 +193,9 @@ class Normalizer:
         """Convert one decoded batch.
 
         Returns:
-            the stream events in order, and every rejection (the event and why), so the caller can log and
-            count them. ``lost`` is True when an event that failed to decode (``batch.errors``) may have
+            the stream events in order (consecutive BlockRemoved events of one medium as one `Removed`, keys in
+            engine order: the index removes one copy per key either way), and every rejection (the event and
+            why), so the caller can log and count them. ``lost`` is True when an event that failed to decode (``batch.errors``) may have
             removed blocks (a BlockRemoved, or an event of unknown type): the holder may now over-state and
             should be resynchronised. A BlockStored that failed to decode is not lost (module docstring).
         """
@@ -204,6 +205,7 @@ class Normalizer:
         st.unknown_events += batch.unknown_events
         st.malformed_events += len(batch.errors)
         non_full = self.non_full_groups
+        last_removed: Removed | None = None
         for ev in batch.events:
             # The common case first: vLLM sends one BlockRemoved per evicted block.
             if type(ev) is BlockRemoved or isinstance(ev, BlockRemoved):
@@ -217,9 +219,16 @@ class Normalizer:
                 st.removed_events += 1
                 st.removed_blocks += len(hashes)
                 if len(hashes) == 1 and type(hashes[0]) is int:
-                    out.append(Removed([hashes[0] & _MASK64], ev.medium))  # engine_key of an int
+                    keys = [hashes[0] & _MASK64]  # engine_key of an int
                 else:
-                    out.append(Removed([engine_key(h) for h in hashes], ev.medium))
+                    keys = [engine_key(h) for h in hashes]
+                if out and out[-1] is last_removed and last_removed.medium == ev.medium:
+                    # consecutive removals of one tier are one stream event (the index removes a copy per
+                    # key either way): vLLM sends one BlockRemoved per evicted block
+                    last_removed.engine_hashes.extend(keys)
+                else:
+                    last_removed = Removed(keys, ev.medium)
+                    out.append(last_removed)
                 continue
             if isinstance(ev, BlockStored | SequenceStored):
                 try:

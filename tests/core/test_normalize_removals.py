@@ -1,0 +1,79 @@
+"""vLLM's one BlockRemoved per evicted block: consecutive removals of one tier become one stream event.
+
+The index removes one copy per key whichever way the keys come, so the merged event is the same change; the
+engine events are still counted one by one.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvmesh.core.events import EventsMessage, Removed, Stored
+from kvmesh.core.hashing import local_block_hashes
+from kvmesh.core.normalize import Normalizer
+from kvmesh.core.state import IndexState
+from kvmesh.core.wire import decode_batch
+
+BS = 4
+TOKENS = list(range(8))
+
+
+def _removal(h: int, medium: str | None = None) -> dict[str, object]:
+    return {"type": "BlockRemoved", "block_hashes": [h], "medium": medium}
+
+
+def test_consecutive_removals_of_one_tier_are_one_event_in_engine_order() -> None:
+    """Two default-tier removals, one naming GPU, a CPU one, a store, then two more: four Removed events
+    around the store, keys in engine order, six removals (seven blocks) counted."""
+    payload = msgspec.msgpack.encode(
+        [
+            0.0,
+            [
+                _removal(1), _removal(2), _removal(2, "GPU"), _removal(3, "CPU"),
+                ["BlockStored", [11, 12], None, TOKENS, BS],
+                _removal(4), ["BlockRemoved", [5, 6]],
+            ],
+            0,
+        ]
+    )  # fmt: skip
+    norm = Normalizer()
+    result = norm.normalize(decode_batch(payload))
+    assert result.events == [
+        Removed([1, 2], None),
+        Removed([2], "GPU"),  # the medium as the engine named it: a merge never changes it
+        Removed([3], "CPU"),
+        Stored([11, 12], None, local_block_hashes(TOKENS, BS)),
+        Removed([4, 5, 6], None),
+    ]
+    assert (norm.stats.removed_events, norm.stats.removed_blocks) == (6, 7)
+
+
+def test_a_merged_removal_changes_the_index_as_the_separate_ones_do() -> None:
+    """Block 11 stored twice (two copies) and 12 once; removals 11, 11, 12, 12 one by one or as one event:
+    the same index, the same counters (one unknown removal either way)."""
+    stored = Stored([11, 12], None, local_block_hashes(TOKENS, BS))
+    copy = Stored([11], None, local_block_hashes(TOKENS[:4], BS))
+    states = []
+    for removals in (
+        [Removed([11]), Removed([11]), Removed([12]), Removed([12])],
+        [Removed([11, 11, 12, 12])],
+    ):
+        state = IndexState()
+        msg = EventsMessage(
+            worker_id="w",
+            dp_rank=0,
+            model="m",
+            block_size=BS,
+            epoch=1,
+            seq=0,
+            events=[stored, copy, *removals],
+        )
+        state.apply(1, msg)
+        states.append(state)
+    one, merged = states
+    assert (one.digest(), one.block_total(), one.counters) == (
+        merged.digest(),
+        merged.block_total(),
+        merged.counters,
+    )
+    assert (merged.block_total(), merged.counters.unknown_removals) == (0, 1)

@@ -1403,6 +1403,10 @@ class PrefixIndex:
             parent,
             _Orphan(engine_keys, local, self._ops, medium),
         )
+        return self._trim_held(state)
+
+    def _trim_held(self, state: _HolderState) -> int:
+        """Drop the oldest held events past the per-holder bound (counted as expired); returns how many."""
         dropped = 0
         while len(state.orphans) > self._max_orphans:
             state.orphans.popitem(last=False)
@@ -1449,9 +1453,7 @@ class PrefixIndex:
                     )
             if not any(wanted.values()):
                 break
-        while len(state.orphans) > self._max_orphans:
-            state.orphans.popitem(last=False)
-            self._orphans_expired += 1
+        self._trim_held(state)
 
     def _expire(self, state: _HolderState) -> int:
         dropped = 0

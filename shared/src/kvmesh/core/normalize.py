@@ -195,8 +195,8 @@ class Normalizer:
         Returns:
             the stream events in order (consecutive BlockRemoved events of one medium as one `Removed`, keys in
             engine order: the index removes one copy per key either way), and every rejection (the event and
-            why), so the caller can log and count them. ``lost`` is True when an event that failed to decode (``batch.errors``) may have
-            removed blocks (a BlockRemoved, or an event of unknown type): the holder may now over-state and
+            why), so the caller can log and count them. ``lost`` is True when an event that failed to decode
+            (``batch.errors``) may have removed blocks (a BlockRemoved, or an event of unknown type): the holder may now over-state and
             should be resynchronised. A BlockStored that failed to decode is not lost (module docstring).
         """
         out: list[Event] = []

@@ -1044,8 +1044,7 @@ class IndexState:
         0): every cache above a common level is cut to it, the highest level that frees enough (the flood of
         one misbehaving engine is paid by its own cache; caches under the level keep everything)."""
         indexes = [ix for by_size in self._indexes.values() for ix in by_size.values()]
-        total = sum(ix.block_total for ix in indexes)
-        need = total - max(0, bound - max(1, int(bound * EVICT_SLACK)))
+        need = self.block_total() - max(0, bound - max(1, int(bound * EVICT_SLACK)))
         if need <= 0:
             return
         sizes = sorted((n for ix in indexes for n in ix.cache_sizes()), reverse=True)

@@ -142,10 +142,10 @@ def env_name(service: str, name: str) -> str:
 def _env_names(service: str, name: str) -> tuple[str, ...]:
     """The variables a field reads, weakest first: a shared field reads ``KVMESH_<FIELD>`` and then, when a
     service is named, ``KVMESH_<SERVICE>_<FIELD>`` (one service's own value over the fleet's)."""
-    own = f"KVMESH_{service.upper()}_{name.upper()}"
-    if name not in SHARED_FIELDS:
-        return (own,)
-    return (f"KVMESH_{name.upper()}", own) if service else (f"KVMESH_{name.upper()}",)
+    fleet = env_name(service, name)
+    if name not in SHARED_FIELDS or not service:
+        return (fleet,)
+    return (fleet, f"KVMESH_{service.upper()}_{name.upper()}")
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type[Any], service: str) -> None:

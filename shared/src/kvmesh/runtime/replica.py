@@ -3,9 +3,9 @@
 The indexer service and a router with a local index (``kvmesh router --index local``) both hold one. A
 `StreamReplica` is the async shell around the pure `kvmesh.core.state.IndexState`:
 
-1. `StreamReplica.recover` loads the index's compiled kernels (`kvmesh.core.tables.compile_all`, in a thread),
-   so that the first message applied does not pay for them, then the newest snapshot of the group's Object Store bucket that verifies and
-   that the stream still continues (`kvmesh.runtime.snapshots.plan_recovery`; an older one, or the stream's
+1. `StreamReplica.recover` loads the index's compiled kernels (`kvmesh.core.tables.compile_all`, in a
+   thread), so that the first message applied does not pay for them, then the newest snapshot of the group's
+   Object Store bucket that verifies and that the stream still continues (`kvmesh.runtime.snapshots.plan_recovery`; an older one, or the stream's
    first message with the state marked incomplete, when not);
 2. `StreamReplica.follow` reads the stream from the next sequence with an ordered push consumer (no durable
    consumer, so nothing is orphaned when a replica goes away) and applies every message; a message that
@@ -45,9 +45,9 @@ RECREATED_CHECK_S = 2.0
 RECREATED_CONFIRM = 3
 """Checks in a row that must see the stream behind the applied sequence (when its identity is unknown)."""
 STALL_S = 5.0
+"""A consumer that applied nothing for this long while the stream holds more is re-created (seconds)."""
 EVICTION_LOG_INTERVAL_S = 60.0
 """After the first, evictions by a ``--max-blocks`` bound are logged at most this often (seconds)."""
-"""A consumer that applied nothing for this long while the stream holds more is re-created (seconds)."""
 STOP_TIMEOUT_S = 5.0
 """Bound on each shutdown step (seconds)."""
 RETRY_FIRST_S = 0.25

@@ -11,8 +11,9 @@ One route, in order:
    indexer's reply (`parse_match_reply`), or empty for a registered model the index lacks
    (`serves_unindexed`);
 3. `route_answer` — ``load_only`` zeroes the overlaps, workers whose registered context length the prompt
-   exceeds leave the candidates (none left: ``context_length_exceeded``), the available reuse is taken over every live holder
-   (`kvmesh.core.route.available_tokens`), the request's ``candidates`` narrow them, the bound chooses (`kvmesh.core.route.select_candidates`), `kvmesh.core.route.rank` picks (the decision of
+   exceeds leave the candidates (none left: ``context_length_exceeded``), the available reuse is taken over
+   every live holder (`kvmesh.core.route.available_tokens`), the request's ``candidates`` narrow them, the
+   bound chooses (`kvmesh.core.route.select_candidates`), `kvmesh.core.route.rank` picks (the decision of
    `kvmesh.core.route.decide` on plain numbers), the chosen holder's health
    (`kvmesh.router.health.holder_state`) may turn ``exact`` into ``degraded``, and the reply (with explain
    when asked) is shaped.

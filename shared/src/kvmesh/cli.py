@@ -259,6 +259,12 @@ def route_command(argv: Sequence[str]) -> int:
     parser.add_argument("--cache-salt", default=None, help="cache salt, as the engine received it")
     parser.add_argument("--candidates", default=None, help="comma-separated worker ids to choose from")
     parser.add_argument("--request-id", default=None, help="request id to echo back")
+    parser.add_argument(
+        "--session-id",
+        default=None,
+        help="session affinity: keep requests of this session on the worker of its last route while the "
+        "cost allows (the reply's 'session' says new, kept or moved)",
+    )
     parser.add_argument("--explain", action="store_true", help="include every candidate's score")
     parser.add_argument("--timeout-s", type=float, default=2.0, help="seconds to wait for a reply")
     parser.add_argument("--subject", default=subjects.ROUTE_SUBJECT, help="route subject")
@@ -282,6 +288,7 @@ def route_command(argv: Sequence[str]) -> int:
         cache_salt=a.cache_salt,
         candidates=None if a.candidates is None else [c for c in a.candidates.split(",") if c],
         request_id=a.request_id,
+        session_id=a.session_id,
         explain=a.explain,
     )
 

@@ -288,6 +288,7 @@ class Router:
         cache_salt: str | None = None,
         candidates: Sequence[str] | None = None,
         request_id: str | None = None,
+        session_id: str | None = None,
         explain: bool = False,
         policy: Mapping[str, Any] | None = None,
     ) -> RouteReply:
@@ -304,9 +305,14 @@ class Router:
             cache_salt: the tenant salt as the engine receives it.
             candidates: restrict the choice to these worker ids.
             request_id: ties the request to load accounting (see `finish`); also seeds tie-breaking.
+            session_id: session affinity (1 – 256 characters: a conversation, an agent run): the request
+                stays on the (worker, dp rank) of the session's last route while that costs at most
+                ``session_slack`` × the prompt's blocks more than the best (`RouteReply.session` says
+                ``new``, ``kept`` or ``moved``); every router replica knows the session.
             explain: ask for every candidate's score in `RouteReply.scores`.
             policy: per-request overrides of the cost terms (``overlap_weight``, ``decode_weight``,
-                ``temperature``, ``tier_weights``, ``busy_kv_usage``, ``busy_waiting``).
+                ``temperature``, ``tier_weights``, ``busy_kv_usage``, ``busy_waiting``,
+                ``session_slack``).
 
         Raises:
             BadRequestError: also before sending, for a token id outside ``[0, 2**32)`` or an invalid
@@ -320,6 +326,7 @@ class Router:
             cache_salt=cache_salt,
             candidates=candidates,
             request_id=request_id,
+            session_id=session_id,
             explain=explain,
             policy=policy,
         )
@@ -346,6 +353,7 @@ class Router:
         prompt_tokens: int | None = None,
         candidates: Sequence[str] | None = None,
         request_id: str | None = None,
+        session_id: str | None = None,
         explain: bool = False,
         policy: Mapping[str, Any] | None = None,
     ) -> RouteReply:
@@ -370,7 +378,7 @@ class Router:
             block_size: tokens per block of the hashes (None: the model's block size in the index).
             prompt_tokens: the prompt's length in tokens, a trailing partial block included (load
                 accounting; None: the hashes' count × block size).
-            candidates, request_id, explain, policy: as for `route`.
+            candidates, request_id, session_id, explain, policy: as for `route`.
 
         Raises:
             BadRequestError: both or neither of ``block_hashes`` and ``seq_hashes``, a hash outside
@@ -383,6 +391,7 @@ class Router:
             model,
             candidates=candidates,
             request_id=request_id,
+            session_id=session_id,
             explain=explain,
             policy=policy,
             block_size=block_size,
@@ -417,6 +426,7 @@ class Router:
         request_id: str | None,
         explain: bool,
         policy: Mapping[str, Any] | None,
+        session_id: str | None = None,
         block_size: int | None = None,
         prompt_tokens: int | None = None,
     ) -> RouteRequest:
@@ -431,6 +441,7 @@ class Router:
             cache_salt=cache_salt,
             candidates=list(candidates) if candidates is not None else None,
             request_id=request_id,
+            session_id=session_id,
             explain=explain,
             policy=overrides,
             block_size=block_size,

@@ -25,6 +25,7 @@ subject                            body                                      enc
 ``kvmesh.requests.routed``         `Routed`                                  JSON      —
 ``kvmesh.requests.prefill_done``   `RequestRef`                              JSON      —
 ``kvmesh.requests.finished``       `RequestRef`                              JSON      —
+``kvmesh.requests.session``        `SessionNote`                             JSON      —
 ``kvmesh.requests.sync``           (empty)                                   JSON      `LedgerSnapshot`
 ``kvmesh.load.<worker>``           `WorkerLoad`                              JSON      —
 registry KV value                  `WorkerRecord`                            JSON      —
@@ -124,6 +125,8 @@ __all__ = [
     "RouterStats",
     "ScoreExplain",
     "SelectionExplain",
+    "SessionEntry",
+    "SessionNote",
     "SkippedCandidate",
     "SnapshotRequest",
     "SnapshotResult",
@@ -200,6 +203,7 @@ class PolicyOverride(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     tier_weights: dict[str, float] | None = None
     busy_kv_usage: float | None = None
     busy_waiting: int | None = None
+    session_slack: float | None = None
 
 
 class RouteRequest(Message, kw_only=True, frozen=True, omit_defaults=True):
@@ -229,6 +233,10 @@ class RouteRequest(Message, kw_only=True, frozen=True, omit_defaults=True):
     """Worker ids to choose among (None: every worker of the model)."""
     request_id: str | None = None
     """Load accounting: the route counts on the chosen worker until `RequestRef` notes end it."""
+    session_id: str | None = None
+    """Session affinity: requests with the same ``session_id`` (1 – 256 characters; a conversation, an agent
+    run) stay on the (worker, dp rank) the session's last one was routed to while its cost is within
+    ``policy.session_slack`` of the best (`kvmesh.core.sessions`); every router replica knows it."""
     explain: bool = False
     policy: PolicyOverride | None = None
 
@@ -323,6 +331,9 @@ class RouteReply(Message, kw_only=True, frozen=True, omit_defaults=True):
     """Why the mode is not ``"exact"``."""
     selection: SelectionExplain | None = None
     """With ``explain``: how the candidates were bounded and which stale ranks were skipped."""
+    session: str | None = None
+    """With a ``session_id``: ``"new"`` (no (worker, dp rank) known for it), ``"kept"`` (routed to the
+    session's last one) or ``"moved"`` (it was no candidate, busy, or cost more than the slack allows)."""
 
 
 class ErrorBody(msgspec.Struct, kw_only=True, frozen=True):
@@ -637,6 +648,26 @@ class Routed(Message, kw_only=True, frozen=True):
     """Prompt tokens the worker has to compute (prompt tokens − cached tokens), ≥ 0."""
     blocks: int
     """KV blocks the request occupies while it runs: ceil(prompt tokens / block size)."""
+    session_id: str | None = None
+    """The request's ``session_id``: every replica notes the session's (worker, dp rank)."""
+
+
+class SessionNote(Message, kw_only=True, frozen=True):
+    """A router sent a request of ``session_id`` without a ``request_id`` to (worker, dp_rank); body of
+    ``kvmesh.requests.session`` (a request with a ``request_id`` says it in its `Routed` note instead)."""
+
+    session_id: str
+    worker_id: str
+    dp_rank: int
+
+
+class SessionEntry(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
+    """One session in a ledger snapshot: where its last request went, and how long ago."""
+
+    session_id: str
+    worker_id: str
+    dp_rank: int
+    idle_s: float
 
 
 class RequestRef(Message, kw_only=True, frozen=True, omit_defaults=True):
@@ -668,6 +699,8 @@ class LedgerSnapshot(msgspec.Struct, kw_only=True, frozen=True):
 
     entries: list[LedgerEntry]
     version: int = 1
+    sessions: list[SessionEntry] = msgspec.field(default_factory=list)
+    """Every session the replica knows (absent from replicas before session affinity)."""
 
 
 class WorkerLoad(Message, kw_only=True, frozen=True, omit_defaults=True):

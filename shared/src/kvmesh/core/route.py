@@ -87,11 +87,14 @@ from kvmesh.core.protocol import (
     check_version,
     error_field,
 )
+from kvmesh.core.sessions import MAX_SESSION_ID_CHARS
 
 DEFAULT_MAX_TOKENS: Final[int] = 1_048_576
 GPU_TIER: Final[str] = "GPU"
 UNKNOWN_TIER_WEIGHT: Final[float] = 0.5
 """Weight of a block on a tier missing from `Policy.tier_weights`."""
+SESSION_SLACK: Final[float] = 0.25
+"""Default `Policy.session_slack` (fraction of the prompt's blocks; see docs/benchmarks.md, session affinity)."""
 
 # ---------------------------------------------------------------------------------------- policy
 
@@ -112,11 +115,15 @@ class Policy:
     """A worker whose reported KV usage is at least this (0–1) is busy; > 1 disables the check."""
     busy_waiting: int = 8
     """A worker with at least this many waiting requests is busy; 0 disables the check."""
+    session_slack: float = SESSION_SLACK
+    """Session affinity (requests with a ``session_id``): the session's last (worker, dp rank) keeps the
+    request while its cost is at most the lowest cost + ``session_slack`` × the prompt's blocks, ≥ 0 (0:
+    only when it is as cheap as the best)."""
 
     def problems(self) -> list[str]:
         """Return every invalid value, each naming its field."""
         out = []
-        for name in ("overlap_weight", "decode_weight", "temperature"):
+        for name in ("overlap_weight", "decode_weight", "temperature", "session_slack"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 out.append(f"{name} must be a finite number ≥ 0, got {v!r}")
@@ -270,6 +277,11 @@ def check_route_request(
     if not req.model:
         raise RequestError("model must be a non-empty string", field="model")
     check_route_ids(req)
+    if req.session_id is not None and not 0 < len(req.session_id) <= MAX_SESSION_ID_CHARS:
+        raise RequestError(
+            f"session_id must have 1 to {MAX_SESSION_ID_CHARS} characters, got {len(req.session_id)}",
+            field="session_id",
+        )
     hashes, kind = (
         (req.block_hashes, "block_hashes") if req.seq_hashes is None else (req.seq_hashes, "seq_hashes")
     )
@@ -477,11 +489,16 @@ def rank(
     engine: Mapping[Holder, WorkerLoad] | None = None,
     seed: int = 0,
     allowed: Sequence[str] | None = None,
+    session: Holder | None = None,
 ) -> Ranking | None:
     """Rank the candidates for a prompt: the decision of `decide`, with each `Score` built only when asked.
 
     Args:
         candidates, prompt_tokens, block_size, policy, active, engine, seed, allowed: as for `decide`.
+        session: the (worker, dp rank) the request's session was last routed to, or None. When it is an
+            eligible candidate (allowed, not skipped as busy) whose cost is at most the lowest eligible cost
+            + ``policy.session_slack`` × the prompt's blocks, it wins (no sampling); `Ranking.session` says
+            what happened.
 
     Returns:
         the ranking (`Ranking.winner` equals `decide`'s winner, `Ranking.scores` its scores), or None when no
@@ -535,7 +552,7 @@ def rank(
                 busy.append(k)
     return Ranking(
         candidates, positions, costs, busy, seed=seed, policy=pol, prompt_tokens=prompt_tokens,
-        block_size=block_size, active=act, engine=eng,
+        block_size=block_size, active=act, engine=eng, session=session,
     )  # fmt: skip
 
 
@@ -585,6 +602,7 @@ class Ranking:
         "_prompt_tokens",
         "_seed",
         "_winner",
+        "session",
         "winner",
     )
 
@@ -601,6 +619,7 @@ class Ranking:
         block_size: int,
         active: Mapping[Holder, ActiveLoad],
         engine: Mapping[Holder, WorkerLoad],
+        session: Holder | None = None,
     ) -> None:
         self._candidates = candidates
         self._positions = positions
@@ -636,9 +655,36 @@ class Ranking:
                 if r < acc:
                     best = k
                     break
+        self.session: str | None = None
+        """With a session: ``"kept"`` (its (worker, dp rank) won, on cost or by affinity), ``"moved"`` (it was
+        no eligible candidate, or cost more than the slack allows); None without one."""
+        if session is not None:
+            best = self._keep_session(session, best, policy, prompt_tokens, block_size)
         self.winner: CandidateLike = candidates[positions[best]]
         """The chosen candidate."""
         self._winner = best
+
+    def _keep_session(
+        self, session: Holder, best: int, policy: Policy, prompt_tokens: int, block_size: int
+    ) -> int:
+        """Return the session's candidate when it is eligible and within the slack of the lowest cost, else
+        ``best``; set `session`."""
+        cands, pos, costs = self._candidates, self._positions, self._costs
+        wid, rank_ = session
+        mine = next(
+            (k for k in self._eligible if cands[pos[k]].worker_id == wid and cands[pos[k]].dp_rank == rank_),
+            None,
+        )
+        if mine is None:
+            self.session = "moved"
+            return best
+        low = min(costs[k] for k in self._eligible)
+        slack = policy.session_slack * (prompt_tokens / max(block_size, 1))
+        if costs[mine] - low <= slack + _TIE_MARGIN or mine == best:
+            self.session = "kept"
+            return mine
+        self.session = "moved"
+        return best
 
     def _tiebreak_of(self, k: int) -> int:
         c = self._candidates[self._positions[k]]
@@ -732,6 +778,7 @@ def decide(
     engine: Mapping[Holder, WorkerLoad] | None = None,
     seed: int = 0,
     allowed: Sequence[str] | None = None,
+    session: Holder | None = None,
 ) -> Decision | None:
     """Pick the (worker, dp rank) for a prompt, with every candidate's score (`rank`, all scores built).
 
@@ -744,13 +791,14 @@ def decide(
         engine: fresh engine reports per (worker, dp rank); missing means none (never busy).
         seed: the request's seed (`route_seed`), for ties and sampling.
         allowed: restrict the choice to these worker ids, or None for all.
+        session: the (worker, dp rank) of the request's session, or None (`rank`).
 
     Returns:
         the decision, or None when no candidate is left.
     """
     ranking = rank(
         candidates, prompt_tokens=prompt_tokens, block_size=block_size, policy=policy, active=active,
-        engine=engine, seed=seed, allowed=allowed,
+        engine=engine, seed=seed, allowed=allowed, session=session,
     )  # fmt: skip
     return None if ranking is None else ranking.decision()
 

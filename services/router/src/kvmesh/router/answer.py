@@ -254,6 +254,7 @@ def route_answer(
     wall: float,
     records: Mapping[str, RecordLike] | None,
     heartbeat_late_s: float,
+    session: Holder | None = None,
 ) -> RouteOutcome:
     """Decide one route from what the router knows at ``now``.
 
@@ -269,6 +270,8 @@ def route_answer(
             (heartbeat ages).
         records: the registry's worker records by worker id (heartbeats), or None.
         heartbeat_late_s: heartbeat age at which a holder is stale (0: off).
+        session: where the request's session (``parsed.session_id``) was last routed, or None
+            (`kvmesh.core.sessions.SessionTable`).
     """
     mode, mode_reason = index_mode
     indexed: Sequence[CandidateLike] = match.candidates
@@ -322,6 +325,7 @@ def route_answer(
         engine=engine,
         seed=seed,
         allowed=parsed.candidates,
+        session=session,
     )
     if ranking is None:
         if parsed.candidates is not None and too_short.intersection(parsed.candidates):
@@ -357,6 +361,7 @@ def route_answer(
             dp_rank=w.dp_rank,
             prefill_tokens=max(prompt_tokens - w.overlap_tokens, 0),
             blocks=-(-prompt_tokens // max(block_size, 1)),
+            session_id=parsed.session_id,
         )
     explained = None
     if parsed.explain:
@@ -374,6 +379,7 @@ def route_answer(
         degraded_reason=mode_reason,
         selection=explain_selection(selection) if parsed.explain else None,
         available_tokens=available,
+        session=None if parsed.session_id is None else (ranking.session or "new"),
     )
     busy = () if w.busy else tuple(Holder(c.worker_id, c.dp_rank) for c in ranking.passed_over())
     return RouteOutcome(selection=selection, mode=mode, reply=reply, routed=routed, busy_skipped=busy)
@@ -419,6 +425,7 @@ def route_reply(
     degraded_reason: str | None,
     selection: SelectionExplain | None,
     available_tokens: int = 0,
+    session: str | None = None,
 ) -> RouteReply:
     """Return the reply: the winner, the available reuse (at least the winner's cached tokens), the mode and
     why not exact, and with explain each score (``scores``, in decision order) and the selection."""
@@ -436,6 +443,7 @@ def route_reply(
         mode=mode,
         degraded_reason=degraded_reason,
         selection=selection,
+        session=session,
     )
 
 

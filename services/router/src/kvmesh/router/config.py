@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvmesh.core.load import DEFAULT_LOAD_TTL_S, DEFAULT_REQUEST_TTL_S
 from kvmesh.core.route import DEFAULT_MAX_CANDIDATES, DEFAULT_MAX_TOKENS, IDLE_CANDIDATES, Policy
+from kvmesh.core.sessions import MAX_SESSIONS, SESSION_TTL_S
 from kvmesh.core.state import MAX_BLOCKS_LIMIT
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth, setting
@@ -66,6 +67,18 @@ class RouterSettings(NatsAuth):
         _DEFAULT.busy_kv_usage, "KV usage (0-1) at which a worker is busy (>1: off)"
     )
     busy_waiting: int = setting(_DEFAULT.busy_waiting, "waiting requests at which a worker is busy (0: off)")
+    session_slack: float = setting(
+        _DEFAULT.session_slack,
+        "session affinity (requests with a session_id): the session's last worker keeps the request while its "
+        "cost is at most the lowest cost + this fraction of the prompt's blocks (0: only when as cheap as the "
+        "best)",
+    )
+    session_ttl_s: float = setting(
+        SESSION_TTL_S, "idle seconds after which a session's worker is forgotten (session affinity)"
+    )
+    max_sessions: int = setting(
+        MAX_SESSIONS, "sessions each replica remembers (least recently seen forgotten first)"
+    )
     request_ttl_s: float = setting(
         DEFAULT_REQUEST_TTL_S, "seconds after which an unfinished request stops counting"
     )
@@ -144,6 +157,7 @@ class RouterSettings(NatsAuth):
             tier_weights={k.upper(): v for k, v in self.tier_weights.items()},
             busy_kv_usage=self.busy_kv_usage,
             busy_waiting=self.busy_waiting,
+            session_slack=self.session_slack,
         )
 
     def validate(self) -> list[str]:
@@ -159,6 +173,10 @@ class RouterSettings(NatsAuth):
             problems.append("--request-ttl-s must be > 0")
         if self.load_ttl_s <= 0:
             problems.append("--load-ttl-s must be > 0")
+        if not self.session_ttl_s > 0:
+            problems.append(f"--session-ttl-s must be > 0, got {self.session_ttl_s}")
+        if self.max_sessions < 1:
+            problems.append(f"--max-sessions must be ≥ 1, got {self.max_sessions}")
         if self.sync_timeout_s < 0:
             problems.append("--sync-timeout-s must be ≥ 0")
         if self.max_candidates < 1:

@@ -33,7 +33,15 @@ from kvmesh.core.errors import (
 )
 from kvmesh.core.index import Holder
 from kvmesh.core.load import EngineLoads, LoadLedger
-from kvmesh.core.protocol import ERROR_STATUS, HolderStatus, RouteReply, RouteRequest, encode, error_reply
+from kvmesh.core.protocol import (
+    ERROR_STATUS,
+    HolderStatus,
+    RouteReply,
+    RouteRequest,
+    SessionNote,
+    encode,
+    error_reply,
+)
 from kvmesh.core.route import Policy, RankSet, Selection, parse_route_message
 from kvmesh.router.answer import (
     MatchAnswer,
@@ -293,6 +301,7 @@ class RouteEndpoint:
             wall=time.time(),
             records=self.records(),
             heartbeat_late_s=self.heartbeat_late_s(),
+            session=None if parsed.session_id is None else self.notes.sessions.get(parsed.session_id, now),
         )
         if m is not None:
             m.lap("decision", t)
@@ -303,9 +312,14 @@ class RouteEndpoint:
             raise outcome.error
         assert outcome.reply is not None
         self.modes[outcome.mode] = self.modes.get(outcome.mode, 0) + 1
+        reply = outcome.reply
         if outcome.routed is not None:
-            await self.notes.routed(outcome.routed, captured_tokens=outcome.reply.cached_tokens)
-        return outcome.reply
+            await self.notes.routed(outcome.routed, captured_tokens=reply.cached_tokens)
+        elif parsed.session_id is not None:
+            await self.notes.session(
+                SessionNote(session_id=parsed.session_id, worker_id=reply.worker_id, dp_rank=reply.dp_rank)
+            )
+        return reply
 
     def _note_bound(self, model: str, selection: Selection) -> None:
         """Warn once per model whose candidates worth scoring exceed ``--max-candidates``."""

@@ -7,8 +7,12 @@ Plain subscriptions (no queue group), so every replica sees every note:
 * ``<requests_prefix>.prefill_done`` / ``.finished`` — `RequestRef`, published by clients; a ``finished``
   note's ``cached_tokens`` (the engine's count) is counted as delivered by the replica that answered the
   request only (`kvmesh.core.load.LoadLedger.finished`), so a request is delivered once across replicas;
-* ``<requests_prefix>.sync`` — a starting replica asks its peers for their ledger (`LedgerSnapshot`,
-  msgpack); it subscribes to the notes first, so nothing falls between the snapshot and the live notes;
+* ``<requests_prefix>.session`` — `SessionNote`, published by the replica that routed a request with a
+  ``session_id`` and no ``request_id`` (one with both says it in its ``routed`` note); every replica notes
+  where the session went (`kvmesh.core.sessions.SessionTable`);
+* ``<requests_prefix>.sync`` — a starting replica asks its peers for their ledger and sessions
+  (`LedgerSnapshot`, msgpack); it subscribes to the notes first, so nothing falls between the snapshot and
+  the live notes;
 * ``<load_prefix>.<worker>`` — engine load reports (`WorkerLoad`, JSON).
 
 An undecodable note is logged (a load report at debug level) and dropped; nothing else is lost. Undecodable
@@ -27,8 +31,19 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from kvmesh.core.errors import ProtocolError
+from kvmesh.core.index import Holder
 from kvmesh.core.load import EngineLoads, LoadLedger
-from kvmesh.core.protocol import LedgerSnapshot, RequestRef, Routed, WorkerLoad, decode, encode
+from kvmesh.core.protocol import (
+    LedgerSnapshot,
+    RequestRef,
+    Routed,
+    SessionEntry,
+    SessionNote,
+    WorkerLoad,
+    decode,
+    encode,
+)
+from kvmesh.core.sessions import SessionTable
 from kvmesh.router.config import RouterSettings
 from kvmesh.runtime import subjects
 
@@ -39,7 +54,7 @@ class LifecycleNotes:
     """Keeps a replica's ledger and engine loads in step with every other replica's.
 
     Args:
-        settings: the router's settings (subject prefixes, sync timeout).
+        settings: the router's settings (subject prefixes, sync timeout, session bounds).
         ledger: the replica's ledger of routed requests.
         engine_loads: the engines' load reports.
         clock: monotonic seconds.
@@ -57,7 +72,11 @@ class LifecycleNotes:
         self.ledger = ledger
         self.engine_loads = engine_loads
         self._clock = clock
+        self.sessions = SessionTable(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
+        """Where each session's last request went (this replica's answers and every peer's notes)."""
         self._nc: Client | None = None
+        self.synced_sessions = 0
+        """Sessions restored from a peer at start-up."""
         self.synced_requests = 0
         """In-flight requests restored from a peer's ledger at start-up."""
         self.undecodable = 0
@@ -75,6 +94,7 @@ class LifecycleNotes:
             await nc.subscribe(self._subject("routed"), cb=self._on_routed),
             await nc.subscribe(self._subject("prefill_done"), cb=self._on_prefill_done),
             await nc.subscribe(self._subject("finished"), cb=self._on_finished),
+            await nc.subscribe(self._subject("session"), cb=self._on_session),
             await nc.subscribe(f"{self.settings.load_prefix}.>", cb=self._on_load),
         ]
 
@@ -93,7 +113,11 @@ class LifecycleNotes:
                 "router: undecodable accounting snapshot from a peer: %s", exc, extra={"kind": "sync"}
             )
             return
-        self.synced_requests = self.ledger.restore(snap, self._clock())
+        now = self._clock()
+        self.synced_requests = self.ledger.restore(snap, now)
+        self.synced_sessions = self.sessions.restore(
+            ((e.session_id, Holder(e.worker_id, e.dp_rank), e.idle_s) for e in snap.sessions), now
+        )
 
     async def serve_sync(self, nc: Client) -> Subscription:
         """Answer later replicas' sync requests with this replica's ledger; return the subscription."""
@@ -105,11 +129,22 @@ class LifecycleNotes:
         ``captured_tokens`` (the reply's ``cached_tokens``) makes the request's receipt this replica's: its
         ``finished`` note's delivered count is compared with it here.
         """
-        self.ledger.routed(event, self._clock(), captured_tokens=captured_tokens)
+        now = self._clock()
+        self.ledger.routed(event, now, captured_tokens=captured_tokens)
+        if event.session_id is not None:
+            self.sessions.note(event.session_id, Holder(event.worker_id, event.dp_rank), now)
         if self._nc is None:
             return
         with contextlib.suppress(nats.errors.Error):
             await self._nc.publish(self._subject("routed"), encode(event))
+
+    async def session(self, note: SessionNote) -> None:
+        """Note where a session's request without a ``request_id`` went, and tell every replica."""
+        self.sessions.note(note.session_id, Holder(note.worker_id, note.dp_rank), self._clock())
+        if self._nc is None:
+            return
+        with contextlib.suppress(nats.errors.Error):
+            await self._nc.publish(self._subject("session"), encode(note))
 
     async def withdraw(self, request_id: str) -> None:
         """Take back a request this replica recorded but could not answer (its reply would not fit): it is
@@ -125,7 +160,15 @@ class LifecycleNotes:
             now = self._clock()
             self.ledger.expire(now)
             with contextlib.suppress(nats.errors.Error):
-                await msg.respond(encode(self.ledger.snapshot(now), format="msgpack"))
+                self.sessions.expire(now)
+                snap = self.ledger.snapshot(now)
+                sessions = [
+                    SessionEntry(session_id=sid, worker_id=h.worker_id, dp_rank=h.dp_rank, idle_s=idle)
+                    for sid, h, idle in self.sessions.entries(now)
+                ]
+                await msg.respond(
+                    encode(LedgerSnapshot(entries=snap.entries, sessions=sessions), format="msgpack")
+                )
 
     async def _on_routed(self, msg: Msg) -> None:
         try:
@@ -134,7 +177,19 @@ class LifecycleNotes:
             self.undecodable += 1
             self._undecodable("routed", "router: undecodable routed event on %s", msg.subject)
             return
-        self.ledger.routed(event, self._clock())
+        now = self._clock()
+        self.ledger.routed(event, now)
+        if event.session_id is not None:
+            self.sessions.note(event.session_id, Holder(event.worker_id, event.dp_rank), now)
+
+    async def _on_session(self, msg: Msg) -> None:
+        try:
+            note = decode(msg.data, SessionNote)
+        except ProtocolError:
+            self.undecodable += 1
+            self._undecodable("session", "router: undecodable session note on %s", msg.subject)
+            return
+        self.sessions.note(note.session_id, Holder(note.worker_id, note.dp_rank), self._clock())
 
     async def _on_prefill_done(self, msg: Msg) -> None:
         ref = self._ref(msg, "prefill_done")

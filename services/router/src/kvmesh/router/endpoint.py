@@ -33,15 +33,7 @@ from kvmesh.core.errors import (
 )
 from kvmesh.core.index import Holder
 from kvmesh.core.load import EngineLoads, LoadLedger
-from kvmesh.core.protocol import (
-    ERROR_STATUS,
-    HolderStatus,
-    RouteReply,
-    RouteRequest,
-    SessionNote,
-    encode,
-    error_reply,
-)
+from kvmesh.core.protocol import ERROR_STATUS, HolderStatus, RouteReply, RouteRequest, encode, error_reply
 from kvmesh.core.route import Policy, RankSet, Selection, parse_route_message
 from kvmesh.router.answer import (
     MatchAnswer,
@@ -288,21 +280,11 @@ class RouteEndpoint:
             self.engine_loads.prune(now)
             self._pruned_s = now
         outcome = route_answer(
-            parsed,
-            body,
-            match,
-            ranks,
-            index_mode=mode,
-            policy=self.policy,
-            max_candidates=self.settings.max_candidates,
-            ledger=self.ledger,
-            engine_loads=self.engine_loads,
-            now=now,
-            wall=time.time(),
-            records=self.records(),
-            heartbeat_late_s=self.heartbeat_late_s(),
+            parsed, body, match, ranks, index_mode=mode, policy=self.policy,
+            max_candidates=self.settings.max_candidates, ledger=self.ledger, engine_loads=self.engine_loads,
+            now=now, wall=time.time(), records=self.records(), heartbeat_late_s=self.heartbeat_late_s(),
             session=None if parsed.session_id is None else self.notes.sessions.get(parsed.session_id, now),
-        )
+        )  # fmt: skip
         if m is not None:
             m.lap("decision", t)
             m.route(len(outcome.selection.candidates) if outcome.selection else 0, outcome.busy_skipped)
@@ -315,10 +297,8 @@ class RouteEndpoint:
         reply = outcome.reply
         if outcome.routed is not None:
             await self.notes.routed(outcome.routed, captured_tokens=reply.cached_tokens)
-        elif parsed.session_id is not None:
-            await self.notes.session(
-                SessionNote(session_id=parsed.session_id, worker_id=reply.worker_id, dp_rank=reply.dp_rank)
-            )
+        elif parsed.session_id is not None:  # no routed note to carry it
+            await self.notes.session(parsed.session_id, Holder(reply.worker_id, reply.dp_rank))
         return reply
 
     def _note_bound(self, model: str, selection: Selection) -> None:

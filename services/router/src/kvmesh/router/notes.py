@@ -138,11 +138,12 @@ class LifecycleNotes:
         with contextlib.suppress(nats.errors.Error):
             await self._nc.publish(self._subject("routed"), encode(event))
 
-    async def session(self, note: SessionNote) -> None:
-        """Note where a session's request without a ``request_id`` went, and tell every replica."""
-        self.sessions.note(note.session_id, Holder(note.worker_id, note.dp_rank), self._clock())
+    async def session(self, session_id: str, holder: Holder) -> None:
+        """Note that a request of ``session_id`` without a ``request_id`` went to ``holder``; tell every replica."""
+        self.sessions.note(session_id, holder, self._clock())
         if self._nc is None:
             return
+        note = SessionNote(session_id=session_id, worker_id=holder.worker_id, dp_rank=holder.dp_rank)
         with contextlib.suppress(nats.errors.Error):
             await self._nc.publish(self._subject("session"), encode(note))
 

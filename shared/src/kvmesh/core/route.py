@@ -44,7 +44,9 @@ to the fewest cached blocks, then to a *seeded* random order: ``xxh3_64(worker_i
 with the seed taken from the request (`route_seed`), so every router replica breaks the same tie the same
 way while different requests spread over tied workers. With ``temperature > 0`` the winner is sampled with
 probabilities ∝ ``exp(−normalised_cost / temperature)`` (costs scaled to 0–1 over the eligible candidates)
-from `random.Random(seed)`, so replicas still agree.
+from `random.Random(seed)`, so replicas still agree. A request with a ``session_id`` stays on its session's
+last (worker, dp rank) while that candidate is eligible and costs at most ``session_slack`` × the prompt's
+blocks more than the lowest (`rank`'s ``session``; the table is `kvmesh.core.sessions`).
 
 Cost: O(candidates) per decision, in plain floats and ints (`rank`: one pass for the costs, a scan for the
 lowest; the seeded tiebreak is hashed only for candidates tied on cost and cached blocks, and a `Score` is

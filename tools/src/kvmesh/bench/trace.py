@@ -47,16 +47,48 @@ token is out, ``finish`` at its last token.
   everything to one worker: it shows what hits cost when load is ignored. ``oracle`` and
   ``longest-prefix`` are the two ends a load-aware router sits between.
 
-``--overlap-weight`` / ``--decode-weight`` set the router's cost weights for ``kvmesh`` and ``kvmesh-exact``
+* ``kvmesh-lagged`` (only with ``--policies``): kvmesh's decision (as ``kvmesh-exact``: `decide` and a
+  `LoadLedger` fed the lifecycle notes) on what a router's index would know: a real
+  `kvmesh.core.state.IndexState` fed each engine's KV event batches through the real decode path (the
+  simulated publisher's encoder, the ingest's `kvmesh.core.wire.decode_batch` and
+  `kvmesh.core.normalize.Normalizer`, one encoded stream message per batch applied by
+  `kvmesh.core.apply.StreamApplier`) only once they are ``--event-lag-s`` simulated seconds old (default
+  0.19 s: a real vLLM engine's publish delay measured on a loaded 2-core machine); overlaps from
+  `IndexState.match`. With ``--predicted-ttl-s T`` (> 0) the router's *predicted entries* are on (Dynamo's
+  ``--router-predicted-ttl-secs``, llm-d's speculative indexing): each decision counts the prompt's blocks
+  as held by the chosen worker for ``T`` seconds (`kvmesh.core.predicted.PredictedBlocks`, keyed by the
+  index's own prefix keys, `kvmesh.core.tables.prompt_keys`), and each candidate's overlap is the larger of
+  the indexed and the predicted one. ``--predicted-ttl-s 0,0.5,2`` runs it three times (0: without them),
+  one row each (``kvmesh-lagged +pred 2 s``). With lag 0 the index holds what the pools hold: its overlaps
+  are kvmesh-exact's except where a whole block-aligned prompt is cached (the index counts its last block;
+  an engine serves at most the prompt less one token).
+* ``kvmesh-approx`` (only with ``--policies``): kvmesh's decision for engines that publish no KV events
+  (Dynamo's capacity-bounded approximate mode): overlaps only from the router's own decisions, a
+  `PredictedBlocks` without TTL bounded per worker by the pool's size (``--num-blocks``), least recently
+  used out first.
+
+  For these two, *captured* tokens are the chosen worker's overlap as the policy saw it, and ``extra``
+  counts, as for ``kvmesh``, the routes whose overlap was exact, under or over the pool's true hit
+  (``overlap_missed_blocks``: blocks it did not see; ``overlap_phantom_blocks``: blocks it wrongly credited).
+
+``--trace burst`` replays a generated workload instead of a file (`burst_trace`): bursts of ``--burst-size``
+requests (default 32) arriving at seeded uniform times within ``--burst-window-ms`` (default 100 ms), one
+burst every ``--burst-gap-s`` (default 5 s); each burst has ``--burst-prefixes`` new prefixes (default 1) of
+``--burst-prefix-tokens`` (default 4,096), each request one of them plus its own 256-token suffix, 64 output
+tokens. ``--requests`` requests in all (default 20 bursts); deterministic from ``--seed``.
+
+``--overlap-weight`` / ``--decode-weight`` set the router's cost weights for ``kvmesh`` and the ``kvmesh-*`` policies
 (default: the router's defaults, `kvmesh.core.route.Policy`); ``--prefill-progress`` /
 ``--no-prefill-progress`` set the load ledger's prefill progress estimate for both (default: the router's
-default, `kvmesh.core.load.LoadLedger`); ``--router-arg`` passes any other flag to the router.
+default, `kvmesh.core.load.LoadLedger`); ``--router-arg`` passes any other flag to the router (predicted
+entries are a bench-only policy here: the router service does not have them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import heapq
 import math
@@ -71,28 +103,41 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvmesh.bench.chart import write_bar_charts
+from kvmesh.core import tables
+from kvmesh.core.apply import StreamApplier
+from kvmesh.core.errors import UnknownModelError
+from kvmesh.core.events import EventsMessage, encode_message
 from kvmesh.core.index import Holder
 from kvmesh.core.load import ActiveLoad, LoadLedger
+from kvmesh.core.normalize import Normalizer
+from kvmesh.core.predicted import PredictedBlocks
 from kvmesh.core.protocol import Routed
 from kvmesh.core.route import Candidate, Policy, decide, route_seed
+from kvmesh.core.state import IndexState
+from kvmesh.core.wire import EngineBatch, decode_batch, encode_batch
 from kvmesh.harness.procs import ChildProcesses
 from kvmesh.sim.blockpool import BlockPool
 from kvmesh.sim.engine import output_tokens
 from kvmesh.sim.publisher import EventPublisher
-from kvmesh.sim.timing import RequestTiming, TimedWorker, TimingModel
-from kvmesh.sim.trace import TraceRequest, default_trace_path, expand_tokens, load_trace
+from kvmesh.sim.timing import RequestTiming, StepBatch, TimedWorker, TimingModel
+from kvmesh.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, default_trace_path, expand_tokens, load_trace
 
-__all__ = ["POLICIES", "PolicyResult", "command", "run_bench", "simulate_policy"]
+__all__ = ["POLICIES", "PolicyResult", "burst_trace", "command", "run_bench", "simulate_policy"]
 
 POLICIES: Final[tuple[str, ...]] = ("kvmesh", "round-robin", "random", "least-loaded", "oracle")
 """The policies run by default."""
-EXTRA_POLICIES: Final[tuple[str, ...]] = ("kvmesh-exact", "longest-prefix")
+EXTRA_POLICIES: Final[tuple[str, ...]] = ("kvmesh-exact", "longest-prefix", "kvmesh-lagged", "kvmesh-approx")
 """Policies run only when asked for with ``--policies``."""
 MODEL: Final[str] = "bench-model"
 _REPLAY_STEPS: Final[int] = 2000
 """Batches each engine keeps for replay (a prompt's batch carries its token ids: ~20 KB)."""
 _LATE_S: Final[float] = 0.010
 """A batch published more than this many wall seconds after its time counts as late."""
+DEFAULT_EVENT_LAG_S: Final[float] = 0.19
+"""``--event-lag-s``: how late ``kvmesh-lagged``'s index sees a KV event batch (a real vLLM engine on a loaded
+2-core machine published a request's events up to ~190 ms after the router's reply)."""
+BURST_TRACE: Final[str] = "burst"
+"""``--trace burst``: the generated burst workload (`burst_trace`) instead of a file."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -280,14 +325,89 @@ class _Fleet:
         self.result.extra["decode_overflows"] = sum(w.decode_overflows for w in self.workers)
 
 
+class _LaggedIndex:
+    """What a kvmesh router's index knows of the fleet: the engines' KV event batches, ``lag_s`` late.
+
+    Each batch goes through the path a real one takes: the simulated publisher's encoder
+    (`kvmesh.core.wire.encode_batch`, vLLM 0.33.0's layout, as `kvmesh.sim.publisher.EventPublisher`), the
+    ingest's decoder and normalizer (`kvmesh.core.wire.decode_batch`, `kvmesh.core.normalize.Normalizer`), one
+    stream message per batch (`kvmesh.core.events.EventsMessage`, encoded), applied by the readers' apply path
+    (`kvmesh.core.apply.StreamApplier`) to a real `kvmesh.core.state.IndexState`. A batch emitted at simulated
+    time ``t`` is applied at the first decision at or after ``t + lag_s``. Every worker starts with an ingest
+    hello (no events, seq -1), so it is a candidate before its first batch.
+    """
+
+    def __init__(self, workers: int, block_size: int, lag_s: float) -> None:
+        self.state = IndexState()
+        self.applier = StreamApplier()
+        self.block_size = block_size
+        self.lag_s = lag_s
+        self._normalizers = [Normalizer(block_size=block_size) for _ in range(workers)]
+        self._seqs = [-1] * workers
+        self._stream_seq = 0
+        self._queue: collections.deque[tuple[float, int, StepBatch]] = collections.deque()
+        self.rejections = 0
+        """Events the normalizer refused (expected 0: the simulated engines publish well-formed events)."""
+        for k in range(workers):
+            self._apply(k, 0.0, [])
+
+    def push(self, items: Sequence[_Item]) -> None:
+        """Queue the event batches of ``items`` (in time order, as `_Fleet.advance` returns them)."""
+        self._queue.extend((t, k, payload) for t, _serial, k, kind, payload in items if kind == _EVENTS)
+
+    def catch_up(self, now_s: float) -> None:
+        """Apply every queued batch at least ``lag_s`` old at ``now_s``."""
+        q = self._queue
+        while q and q[0][0] + self.lag_s <= now_s:
+            time_s, k, batch = q.popleft()
+            payload = encode_batch(
+                EngineBatch(ts=time_s, events=tuple(batch.events), dp_rank=0),
+                producer="vllm",
+                version="0.33.0",
+            )
+            result = self._normalizers[k].normalize(decode_batch(payload))
+            self.rejections += len(result.rejections)
+            self._seqs[k] += 1
+            self._apply(k, time_s, result.events)
+
+    def _apply(self, k: int, ts: float, events: list[Any]) -> None:
+        msg = EventsMessage(
+            worker_id=f"sim-{k}", dp_rank=0, model=MODEL, block_size=self.block_size, epoch=0,
+            seq=self._seqs[k], ts=ts, events=events,
+        )  # fmt: skip
+        self._stream_seq += 1
+        skipped = self.applier.apply(self.state, self._stream_seq, encode_message(msg))
+        if skipped is not None:
+            raise RuntimeError(f"the index refused a stream message of sim-{k}: {skipped}")
+
+    def overlaps(self, tokens: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """Worker id → (overlap blocks, cached blocks) from `IndexState.match`."""
+        try:
+            m = self.state.match(MODEL, tokens)
+        except UnknownModelError:
+            return {}
+        return {c.worker_id: (c.overlap_blocks, c.cached_blocks) for c in m.candidates}
+
+
 class _Chooser:
-    """An in-process policy: picks a worker from the fleet's exact, current state."""
+    """An in-process policy: picks a worker from the fleet's exact, current state (or, for ``kvmesh-lagged``
+    and ``kvmesh-approx``, from what a router would know of it)."""
 
     def __init__(
-        self, policy: str, fleet: _Fleet, spec: FleetSpec, route_policy: Policy, prefill_progress: bool | None
+        self,
+        policy: str,
+        fleet: _Fleet,
+        spec: FleetSpec,
+        route_policy: Policy,
+        prefill_progress: bool | None,
+        *,
+        event_lag_s: float = DEFAULT_EVENT_LAG_S,
+        predicted_ttl_s: float | None = None,
     ) -> None:
         if policy not in POLICIES + EXTRA_POLICIES or policy == "kvmesh":
             raise ValueError(f"unknown policy {policy!r}")
+        if predicted_ttl_s is not None and policy != "kvmesh-lagged":
+            raise ValueError(f"predicted entries with a TTL are a kvmesh-lagged option, not {policy!r}'s")
         self.policy = policy
         self.workers = fleet.workers
         self.rng = random.Random(spec.seed)
@@ -298,11 +418,23 @@ class _Chooser:
             if prefill_progress is None
             else LoadLedger(ttl_s=math.inf, prefill_progress=prefill_progress)
         )
+        self.index = (
+            _LaggedIndex(spec.workers, spec.block_size, event_lag_s) if policy == "kvmesh-lagged" else None
+        )
+        self.predicted: PredictedBlocks | None = None
+        if policy == "kvmesh-approx":
+            self.predicted = PredictedBlocks(ttl_s=None, capacity_blocks=spec.num_blocks)
+        elif predicted_ttl_s is not None:
+            self.predicted = PredictedBlocks(ttl_s=predicted_ttl_s)
+        self.seen_blocks = 0
+        """The overlap the last `choose` saw for the worker it chose (kvmesh policies), in blocks."""
 
     def observe(self, items: Sequence[_Item]) -> None:
-        """Apply the lifecycle notes to the ledger (``kvmesh-exact``)."""
-        if self.policy != "kvmesh-exact":
+        """Apply the lifecycle notes to the ledger (the kvmesh policies); queue event batches for the index."""
+        if not self.policy.startswith("kvmesh-"):
             return
+        if self.index is not None:
+            self.index.push(items)
         for time_s, _serial, _k, kind, payload in items:
             if kind == _PREFILL_DONE:
                 self.ledger.prefill_done(payload, time_s)
@@ -330,18 +462,46 @@ class _Chooser:
                     k,
                 ),
             )
-        return self._kvmesh_exact(p)
+        if policy == "kvmesh-exact":
+            bs = self.block_size
+            return self._kvmesh(
+                p, [(w.pool.match_prefix(tokens) // bs, w.pool.cached_hashes) for w in self.workers]
+            )
+        return self._kvmesh_known(p)
 
-    def _kvmesh_exact(self, p: _Prepared) -> int:
+    def _kvmesh_known(self, p: _Prepared) -> int:
+        """``kvmesh-lagged`` / ``kvmesh-approx``: overlaps from the lagged index and/or the predicted entries."""
+        now, n, bs = p.arrival_s, len(self.workers), self.block_size
+        seen = [(0, 0)] * n
+        if self.index is not None:
+            self.index.catch_up(now)
+            indexed = self.index.overlaps(p.tokens)
+            seen = [indexed.get(f"sim-{k}", (0, 0)) for k in range(n)]
+        keys: list[int] = []
+        pred = self.predicted
+        if pred is not None:
+            keys = tables.prompt_keys(tables.token_array(p.tokens), bs).tolist()
+            if pred.ttl_s is not None:
+                pred.expire(now)
+            guessed = pred.match(keys, now)
+            seen = [
+                (
+                    max(seen[k][0], guessed.get(Holder(f"sim-{k}", 0), 0)),
+                    seen[k][1] if self.index is not None else pred.block_count(Holder(f"sim-{k}", 0)),
+                )
+                for k in range(n)
+            ]
+        k = self._kvmesh(p, seen)
+        if pred is not None:
+            pred.add(Holder(f"sim-{k}", 0), keys, now)
+        return k
+
+    def _kvmesh(self, p: _Prepared, seen: Sequence[tuple[int, int]]) -> int:
+        """kvmesh's decision given each worker's (overlap blocks, cached blocks); the ledger records it."""
         bs = self.block_size
         cands = [
-            Candidate(
-                worker_id=f"sim-{k}",
-                dp_rank=0,
-                overlap_blocks=w.pool.match_prefix(p.tokens) // bs,
-                cached_blocks=w.pool.cached_hashes,
-            )
-            for k, w in enumerate(self.workers)
+            Candidate(worker_id=f"sim-{k}", dp_rank=0, overlap_blocks=o, cached_blocks=c)
+            for k, (o, c) in enumerate(seen)
         ]
         active: dict[Holder, ActiveLoad] = {}
         for c in cands:
@@ -368,7 +528,13 @@ class _Chooser:
             ),
             p.arrival_s,
         )
+        self.seen_blocks = w.overlap_blocks
         return int(w.worker_id.removeprefix("sim-"))
+
+
+def policy_label(policy: str, predicted_ttl_s: float | None = None) -> str:
+    """The row name of a policy: ``kvmesh-lagged`` with predicted entries reads ``kvmesh-lagged +pred 2 s``."""
+    return policy if predicted_ttl_s is None else f"{policy} +pred {predicted_ttl_s:g} s"
 
 
 def simulate_policy(
@@ -378,17 +544,34 @@ def simulate_policy(
     *,
     route_policy: Policy | None = None,
     prefill_progress: bool | None = None,
+    event_lag_s: float = DEFAULT_EVENT_LAG_S,
+    predicted_ttl_s: float | None = None,
 ) -> PolicyResult:
     """Serve ``trace`` on a fresh fleet with an in-process policy (not ``kvmesh``), in simulated time.
 
     The decision is taken in the harness from the fleet's state at the request's arrival and costs no
-    simulated time (routing delay 0). ``route_policy`` is the cost policy of ``kvmesh-exact`` (default
-    `Policy()`, the router's defaults); ``prefill_progress`` its ledger's prefill progress estimate (None:
-    `LoadLedger`'s default, the router's).
+    simulated time (routing delay 0). ``route_policy`` is the cost policy of the kvmesh policies
+    (``kvmesh-exact``, ``kvmesh-lagged``, ``kvmesh-approx``; default `Policy()`, the router's defaults);
+    ``prefill_progress`` their ledger's prefill progress estimate (None: `LoadLedger`'s default, the
+    router's). ``event_lag_s`` is how late ``kvmesh-lagged``'s index sees the engines' KV events;
+    ``predicted_ttl_s`` (``kvmesh-lagged`` only) turns its predicted entries on with that TTL.
+
+    Route receipts: *available* is the pools' truth at the decision; *captured* is the chosen worker's
+    overlap as the policy saw it (the truth for the policies that read the pools). For the kvmesh policies
+    ``extra`` counts, as for ``kvmesh``, the routes whose seen overlap (capped at the prompt's blocks less
+    its last token, as an engine serves) was exact, under or over the chosen pool's true hit.
+
+    Raises:
+        ValueError: an unknown policy, or ``predicted_ttl_s`` for another policy than ``kvmesh-lagged``.
     """
-    result = PolicyResult(policy=policy, per_worker=[0] * spec.workers)
+    result = PolicyResult(policy=policy_label(policy, predicted_ttl_s), per_worker=[0] * spec.workers)
     fleet = _Fleet(spec, result)
-    chooser = _Chooser(policy, fleet, spec, route_policy or Policy(), prefill_progress)
+    chooser = _Chooser(
+        policy, fleet, spec, route_policy or Policy(), prefill_progress,
+        event_lag_s=event_lag_s, predicted_ttl_s=predicted_ttl_s,
+    )  # fmt: skip
+    seen_by_kvmesh = policy in ("kvmesh-lagged", "kvmesh-approx")
+    overlap: list[int] = []
     t0_ms = trace[0].timestamp_ms if trace else 0
     start = time.perf_counter()
     for i, req in enumerate(trace):
@@ -398,12 +581,87 @@ def simulate_policy(
         k = chooser.choose(i, p)
         hits = [w.pool.match_prefix(p.tokens) for w in fleet.workers]
         result.available_tokens += max(hits, default=0)
-        result.captured_tokens += hits[k]
+        if seen_by_kvmesh:
+            bs = spec.block_size
+            result.captured_tokens += chooser.seen_blocks * bs
+            overlap.append(min(chooser.seen_blocks, (len(p.tokens) - 1) // bs) - hits[k] // bs)
+        else:
+            result.captured_tokens += hits[k]
         fleet.send(p, k, 0.0)
     fleet.advance(math.inf)
     fleet.close(0.0)
     result.wall_s = time.perf_counter() - start
+    if seen_by_kvmesh:
+        result.extra["overlap_exact"] = sum(1 for d in overlap if d == 0)
+        result.extra["overlap_under"] = sum(1 for d in overlap if d < 0)
+        result.extra["overlap_over"] = sum(1 for d in overlap if d > 0)
+        result.extra["overlap_missed_blocks"] = -sum(d for d in overlap if d < 0)
+        result.extra["overlap_phantom_blocks"] = sum(d for d in overlap if d > 0)
+    if chooser.index is not None and chooser.index.rejections:
+        result.extra["normalize_rejections"] = chooser.index.rejections
     return result
+
+
+def burst_trace(
+    requests: int,
+    *,
+    size: int = 32,
+    prefix_tokens: int = 4096,
+    suffix_tokens: int = 256,
+    window_ms: int = 100,
+    gap_s: float = 5.0,
+    output_tokens: int = 64,
+    prefixes: int = 1,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Return a generated burst workload: groups of requests sharing new prefixes, arriving together.
+
+    Group ``g`` (0, 1, …) starts at ``g × gap_s``; its ``size`` requests arrive at seeded uniform times within
+    ``window_ms`` of that start (sorted). The group has ``prefixes`` prefixes of its own (``prefix_tokens``
+    each, whole 512-token trace blocks, seen in no other group); each request takes one of them, drawn
+    uniformly (with one prefix: all the same), followed by a suffix of ``suffix_tokens`` that no other request
+    shares. Deterministic from ``seed``. The last group is cut to reach exactly ``requests``.
+
+    Raises:
+        ValueError: a count or length below 1 (``suffix_tokens`` may be 0), ``prefix_tokens`` not a multiple of
+            512, or a negative ``window_ms`` / ``gap_s``.
+    """
+    if min(size, prefix_tokens, output_tokens, prefixes) < 1 or requests < 0 or suffix_tokens < 0:
+        raise ValueError(
+            "burst: requests >= 0, size, prefix_tokens, output_tokens, prefixes >= 1 and suffix_tokens >= 0"
+        )
+    if prefix_tokens % TRACE_BLOCK_TOKENS:
+        raise ValueError(
+            f"burst: prefix_tokens must be a multiple of {TRACE_BLOCK_TOKENS}, got {prefix_tokens}"
+        )
+    if window_ms < 0 or gap_s < 0:
+        raise ValueError("burst: window_ms and gap_s must be >= 0")
+    rng = random.Random(seed)
+    prefix_ids = prefix_tokens // TRACE_BLOCK_TOKENS
+    suffix_ids = -(-suffix_tokens // TRACE_BLOCK_TOKENS)
+    out: list[TraceRequest] = []
+    g = 0
+    next_id = 0
+    while len(out) < requests:
+        group = [
+            list(range(next_id + j * prefix_ids, next_id + (j + 1) * prefix_ids)) for j in range(prefixes)
+        ]
+        next_id += prefixes * prefix_ids
+        t0_ms = round(g * gap_s * 1000)
+        for at_ms in sorted(rng.randrange(window_ms + 1) for _ in range(min(size, requests - len(out)))):
+            prefix = group[rng.randrange(prefixes)] if prefixes > 1 else group[0]
+            suffix = [next_id + j for j in range(suffix_ids)]
+            next_id += suffix_ids
+            out.append(
+                TraceRequest(
+                    timestamp_ms=t0_ms + at_ms,
+                    input_length=prefix_tokens + suffix_tokens,
+                    output_length=output_tokens,
+                    hash_ids=tuple(prefix + suffix),
+                )
+            )
+        g += 1
+    return out
 
 
 # ---------------------------------------------------------------------- the real pipeline
@@ -615,7 +873,18 @@ def table(results: Sequence[PolicyResult]) -> str:
 
 async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print) -> list[PolicyResult]:
     """Run every selected policy on the trace; return the results in the order of ``args.policies``."""
-    trace = load_trace(args.trace, limit=args.requests)
+    if str(args.trace) == BURST_TRACE and not args.trace.exists():
+        trace = burst_trace(
+            args.requests if args.requests is not None else 20 * args.burst_size,
+            size=args.burst_size,
+            prefix_tokens=args.burst_prefix_tokens,
+            window_ms=args.burst_window_ms,
+            gap_s=args.burst_gap_s,
+            prefixes=args.burst_prefixes,
+            seed=args.seed,
+        )
+    else:
+        trace = load_trace(args.trace, limit=args.requests)
     spec = FleetSpec(
         workers=args.workers,
         num_blocks=args.num_blocks,
@@ -642,27 +911,39 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
     ]
     results: list[PolicyResult] = []
     for policy in args.policies:
-        say(f"policy {policy}")
         if policy == "kvmesh":
+            say(f"policy {policy}")
             r = await run_kvmesh(
                 trace, spec, speed=args.speed, nats_url=args.nats_url, log_dir=args.log_dir,
                 router_args=router_args, say=say,
             )  # fmt: skip
-        else:
-            r = simulate_policy(policy, trace, spec, route_policy=route_policy, prefill_progress=progress)
-        lat = (
-            f", route p50 {1e3 * percentile(r.route_latency_s, 0.5):.2f} ms"
-            f" p99 {1e3 * percentile(r.route_latency_s, 0.99):.2f} ms"
-            if r.route_latency_s
-            else ""
-        )
-        say(
-            f"  hit ratio {100 * r.hit_ratio:.2f} %, TTFT p50 {percentile(r.ttft_s, 0.5):.3f} s, "
-            f"p99 {percentile(r.ttft_s, 0.99):.3f} s{lat}, {r.wall_s:.1f} s wall; tokens available "
-            f"{r.available_tokens:,}, captured {r.captured_tokens:,}, delivered {r.cached_tokens:,}"
-        )
-        results.append(r)
+            results.append(_report(r, say))
+            continue
+        # kvmesh-lagged runs once per --predicted-ttl-s value (0: without predicted entries)
+        for ttl in args.predicted_ttl_s if policy == "kvmesh-lagged" else [0.0]:
+            say(f"policy {policy_label(policy, ttl or None)}")
+            r = simulate_policy(
+                policy, trace, spec, route_policy=route_policy, prefill_progress=progress,
+                event_lag_s=args.event_lag_s, predicted_ttl_s=ttl or None,
+            )  # fmt: skip
+            results.append(_report(r, say))
     return results
+
+
+def _report(r: PolicyResult, say: Callable[[str], None]) -> PolicyResult:
+    """Print one policy's summary line; return it."""
+    lat = (
+        f", route p50 {1e3 * percentile(r.route_latency_s, 0.5):.2f} ms"
+        f" p99 {1e3 * percentile(r.route_latency_s, 0.99):.2f} ms"
+        if r.route_latency_s
+        else ""
+    )
+    say(
+        f"  hit ratio {100 * r.hit_ratio:.2f} %, TTFT p50 {percentile(r.ttft_s, 0.5):.3f} s, "
+        f"p99 {percentile(r.ttft_s, 0.99):.3f} s{lat}, {r.wall_s:.1f} s wall; tokens available "
+        f"{r.available_tokens:,}, captured {r.captured_tokens:,}, delivered {r.cached_tokens:,}"
+    )
+    return r
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -676,7 +957,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=default_trace,
         help="Mooncake JSONL trace, such as the full conversation_trace.jsonl of the Mooncake release "
-        "(default: the packaged 1,000-request excerpt)",
+        "(default: the packaged 1,000-request excerpt), or the word 'burst' for the generated burst workload "
+        "(see --burst-size; --requests requests, default 20 bursts)",
     )
     p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--workers", type=int, default=8, help="simulated engines (default 8)")
@@ -704,7 +986,58 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(POLICIES),
         help="comma-separated list of "
         + ", ".join(POLICIES + EXTRA_POLICIES)
-        + " (default: all but the last two)",
+        + " (default: all but the last four). kvmesh-lagged: kvmesh's decision on a real index fed the "
+        "engines' KV events --event-lag-s late (with predicted entries for each --predicted-ttl-s > 0); "
+        "kvmesh-approx: no KV events, only the router's own decisions in a predicted cache bounded by "
+        "--num-blocks per worker, least recently used out first (Dynamo's approximate mode)",
+    )
+    p.add_argument(
+        "--event-lag-s",
+        type=float,
+        default=DEFAULT_EVENT_LAG_S,
+        help="kvmesh-lagged: simulated seconds between an engine emitting a KV event batch and the router's "
+        f"index applying it (default {DEFAULT_EVENT_LAG_S:g}: a real vLLM engine's publish delay measured on "
+        "a loaded 2-core machine; 0: the index sees the pools as they are)",
+    )
+    p.add_argument(
+        "--predicted-ttl-s",
+        default="0",
+        metavar="T[,T...]",
+        help="kvmesh-lagged: the router's predicted entries (Dynamo's --router-predicted-ttl-secs): on each "
+        "decision the chosen worker counts the prompt's blocks as held for T simulated seconds, each "
+        "candidate's overlap the larger of the index's and the predicted one. Comma-separated: one "
+        "kvmesh-lagged row per value, 0 without predicted entries (default 0)",
+    )
+    p.add_argument(
+        "--burst-size",
+        type=int,
+        default=32,
+        help="--trace burst: requests per burst, each taking one of the burst's new prefixes (no other burst "
+        "has them) plus its own 256-token suffix, 64 output tokens (default 32)",
+    )
+    p.add_argument(
+        "--burst-prefix-tokens",
+        type=int,
+        default=4096,
+        help="--trace burst: tokens of each burst's shared prefix, a multiple of 512 (default 4096)",
+    )
+    p.add_argument(
+        "--burst-prefixes",
+        type=int,
+        default=1,
+        help="--trace burst: new prefixes per burst, each request taking one drawn at random (default 1)",
+    )
+    p.add_argument(
+        "--burst-window-ms",
+        type=int,
+        default=100,
+        help="--trace burst: a burst's requests arrive at seeded uniform times within this window (default 100)",
+    )
+    p.add_argument(
+        "--burst-gap-s",
+        type=float,
+        default=5.0,
+        help="--trace burst: seconds between burst starts (default 5)",
     )
     p.add_argument(
         "--out",
@@ -716,20 +1049,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlap-weight",
         type=float,
         default=None,
-        help="the router's overlap_weight (kvmesh and kvmesh-exact; default: the router's default)",
+        help="the router's overlap_weight (kvmesh and the kvmesh-* policies; default: the router's default)",
     )
     p.add_argument(
         "--decode-weight",
         type=float,
         default=None,
-        help="the router's decode_weight (kvmesh and kvmesh-exact; default: the router's default)",
+        help="the router's decode_weight (kvmesh and the kvmesh-* policies; default: the router's default)",
     )
     p.add_argument(
         "--prefill-progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="the load ledger's prefill progress estimate (kvmesh and kvmesh-exact; default: the router's "
-        "default)",
+        help="the load ledger's prefill progress estimate (kvmesh and the kvmesh-* policies; default: the "
+        "router's default)",
     )
     p.add_argument(
         "--router-arg",
@@ -751,6 +1084,24 @@ def command(argv: Sequence[str] | None = None) -> int:
     unknown = [p for p in args.policies if p not in POLICIES + EXTRA_POLICIES]
     if unknown or args.workers < 1 or args.speed <= 0:
         parser.error(f"unknown policies {unknown}" if unknown else "--workers must be >= 1 and --speed > 0")
+    try:
+        args.predicted_ttl_s = [float(t) for t in args.predicted_ttl_s.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--predicted-ttl-s: not a list of numbers: {args.predicted_ttl_s!r}")
+    if not args.predicted_ttl_s or any(not (0 <= t < math.inf) for t in args.predicted_ttl_s):
+        parser.error("--predicted-ttl-s: one or more finite seconds >= 0 (0: without predicted entries)")
+    if not args.event_lag_s >= 0:
+        parser.error("--event-lag-s must be >= 0")
+    if (
+        min(args.burst_size, args.burst_prefixes) < 1
+        or args.burst_prefix_tokens % 512
+        or args.burst_prefix_tokens < 512
+    ):
+        parser.error(
+            "--burst-size and --burst-prefixes must be >= 1, --burst-prefix-tokens a positive multiple of 512"
+        )
+    if args.burst_window_ms < 0 or not args.burst_gap_s >= 0:
+        parser.error("--burst-window-ms and --burst-gap-s must be >= 0")
     with contextlib.suppress(ValueError):
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     results = asyncio.run(run_bench(args))

@@ -167,6 +167,11 @@ SAMPLES: list[tuple[msgspec.Struct, str]] = [
         "json",
     ),
     (p.Routed(request_id="r", worker_id="w", dp_rank=0, prefill_tokens=10, blocks=2), "json"),
+    (
+        p.Routed(request_id="r", worker_id="w", dp_rank=0, prefill_tokens=10, blocks=2, session_id="s"),
+        "json",
+    ),
+    (p.SessionNote(session_id="s", worker_id="w", dp_rank=1), "json"),
     (p.RequestRef(request_id="r"), "json"),
     (
         p.LedgerSnapshot(
@@ -174,9 +179,10 @@ SAMPLES: list[tuple[msgspec.Struct, str]] = [
                 p.LedgerEntry(
                     request_id="r", worker_id="w", dp_rank=0, prefill_tokens=10, blocks=2, age_s=1.5
                 )
-            ]
+            ],
+            sessions=[p.SessionEntry(session_id="s", worker_id="w", dp_rank=0, idle_s=2.5)],
         ),
-        "json",
+        "msgpack",
     ),
     (p.WorkerLoad(worker_id="w", dp_rank=1, running=2, kv_usage=0.3), "json"),
     (
@@ -213,6 +219,7 @@ def test_every_message_type_has_a_round_trip_sample() -> None:
         "RouteReceipts",
         "LedgerStats",
         "LedgerEntry",
+        "SessionEntry",
         "Message",
         "MicroEndpointStats",
         # stream messages: round-tripped with their own codec in tests/core/test_events*.py / test_state.py
@@ -371,3 +378,14 @@ def test_a_micro_stats_reply_with_a_version_string_is_not_a_protocol_version() -
         "route",
         b"null",
     )
+
+
+def test_a_ledger_snapshot_without_sessions_still_decodes() -> None:
+    """A replica older than session affinity sends no ``sessions``: it decodes as none."""
+    old = msgspec.msgpack.encode({"entries": [["r", "w", 0, 10, 2, 1.5]], "version": 1})
+    snap = p.decode(old, p.LedgerSnapshot, format="msgpack")
+    assert snap.sessions == [] and snap.entries[0].request_id == "r"
+    routed = p.decode(
+        b'{"request_id":"r","worker_id":"w","dp_rank":0,"prefill_tokens":1,"blocks":1}', p.Routed
+    )
+    assert routed.session_id is None

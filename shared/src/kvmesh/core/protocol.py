@@ -25,7 +25,7 @@ subject                            body                                      enc
 ``kvmesh.requests.routed``         `Routed`                                  JSON      —
 ``kvmesh.requests.prefill_done``   `RequestRef`                              JSON      —
 ``kvmesh.requests.finished``       `RequestRef`                              JSON      —
-``kvmesh.requests.session``        `SessionNote`                             JSON      —
+``kvmesh.requests.noted``          `RouteNote`                               JSON      —
 ``kvmesh.requests.sync``           (empty)                                   JSON      `LedgerSnapshot`
 ``kvmesh.load.<worker>``           `WorkerLoad`                              JSON      —
 registry KV value                  `WorkerRecord`                            JSON      —
@@ -118,6 +118,7 @@ __all__ = [
     "PolicyOverride",
     "RequestRef",
     "RouteReceipts",
+    "RouteNote",
     "RouteReply",
     "RouteRequest",
     "Routed",
@@ -126,7 +127,6 @@ __all__ = [
     "ScoreExplain",
     "SelectionExplain",
     "SessionEntry",
-    "SessionNote",
     "SkippedCandidate",
     "SnapshotRequest",
     "SnapshotResult",
@@ -650,15 +650,22 @@ class Routed(Message, kw_only=True, frozen=True):
     """KV blocks the request occupies while it runs: ceil(prompt tokens / block size)."""
     session_id: str | None = None
     """The request's ``session_id``: every replica notes the session's (worker, dp rank)."""
+    block_keys: list[int] | None = None
+    """The prompt's prefix keys (the standard sequence hash of each full block, block 0 first), sent when
+    the replicas keep predicted entries for the chosen worker (``--predicted-ttl-s``, or a worker without KV
+    events); None otherwise."""
 
 
-class SessionNote(Message, kw_only=True, frozen=True):
-    """A router sent a request of ``session_id`` without a ``request_id`` to (worker, dp_rank); body of
-    ``kvmesh.requests.session`` (a request with a ``request_id`` says it in its `Routed` note instead)."""
+class RouteNote(Message, kw_only=True, frozen=True, omit_defaults=True):
+    """A router sent a request without a ``request_id`` to (worker, dp_rank), and the other replicas need to
+    know (its session, or its blocks for predicted entries); body of ``kvmesh.requests.noted`` (a request with
+    a ``request_id`` says the same in its `Routed` note)."""
 
-    session_id: str
     worker_id: str
     dp_rank: int
+    session_id: str | None = None
+    block_keys: list[int] | None = None
+    """As `Routed.block_keys`."""
 
 
 class SessionEntry(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
@@ -745,6 +752,10 @@ class WorkerRecord(Message, kw_only=True, frozen=True):
     kv_capacity_blocks: int | None = None
     """KV-cache blocks of one rank's engine (vLLM ``--num-gpu-blocks-override``, SGLang
     ``--max-total-tokens`` / page size); None: not known."""
+    kv_events: bool = True
+    """False: the engine publishes no KV events (the worker is registered with heartbeats only, `kvmesh ingest
+    --no-kv-events`); routers then count as its cache the prompts they sent it, at most
+    ``kv_capacity_blocks`` per rank, least recently used out first (`kvmesh.core.predicted`)."""
 
 
 # ---------------------------------------------------------------------------------------- codec

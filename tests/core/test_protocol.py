@@ -171,7 +171,13 @@ SAMPLES: list[tuple[msgspec.Struct, str]] = [
         p.Routed(request_id="r", worker_id="w", dp_rank=0, prefill_tokens=10, blocks=2, session_id="s"),
         "json",
     ),
-    (p.SessionNote(session_id="s", worker_id="w", dp_rank=1), "json"),
+    (p.RouteNote(worker_id="w", dp_rank=1, session_id="s", block_keys=[1, 2**64 - 1]), "json"),
+    (
+        p.Routed(
+            request_id="r", worker_id="w", dp_rank=0, prefill_tokens=10, blocks=2, block_keys=[0, 2**64 - 1]
+        ),
+        "json",
+    ),
     (p.RequestRef(request_id="r"), "json"),
     (
         p.LedgerSnapshot(
@@ -188,6 +194,18 @@ SAMPLES: list[tuple[msgspec.Struct, str]] = [
     (
         p.WorkerRecord(
             worker_id="w", model="m", dp_ranks=2, block_size=16, incarnation=3, stale_ranks={1: "silent"}
+        ),
+        "json",
+    ),
+    (
+        p.WorkerRecord(
+            worker_id="w",
+            model="m",
+            dp_ranks=1,
+            block_size=16,
+            incarnation=0,
+            kv_capacity_blocks=8,
+            kv_events=False,
         ),
         "json",
     ),

@@ -67,6 +67,12 @@ class RouterSettings(NatsAuth):
         _DEFAULT.busy_kv_usage, "KV usage (0-1) at which a worker is busy (>1: off)"
     )
     busy_waiting: int = setting(_DEFAULT.busy_waiting, "waiting requests at which a worker is busy (0: off)")
+    predicted_ttl_s: float = setting(
+        0.0,
+        "seconds a routed prompt's blocks count as held by the chosen worker before its KV events confirm "
+        "them, so a follow-up within the events' delay is not routed as cold (0: off; Dynamo's "
+        "--router-predicted-ttl-secs; docs/benchmarks.md section 1)",
+    )
     session_slack: float = setting(
         _DEFAULT.session_slack,
         "session affinity (requests with a session_id): the session's last worker keeps the request while its "
@@ -173,6 +179,10 @@ class RouterSettings(NatsAuth):
             problems.append("--request-ttl-s must be > 0")
         if self.load_ttl_s <= 0:
             problems.append("--load-ttl-s must be > 0")
+        if not (self.predicted_ttl_s >= 0 and math.isfinite(self.predicted_ttl_s)):
+            problems.append(
+                f"--predicted-ttl-s must be a finite number ≥ 0 (0: off), got {self.predicted_ttl_s}"
+            )
         if not self.session_ttl_s > 0:
             problems.append(f"--session-ttl-s must be > 0, got {self.session_ttl_s}")
         if self.max_sessions < 1:

@@ -274,6 +274,7 @@ class RouteEndpoint:
         if m is not None:
             t = m.lap("match", t)
         now = self._clock()
+        match, keys = self.notes.predictions.overlay(parsed, match, now)
         mode = self.index_mode(now)
         self.ledger.expire(now)
         if now - self._pruned_s > self.settings.load_ttl_s:
@@ -294,12 +295,8 @@ class RouteEndpoint:
             raise outcome.error
         assert outcome.reply is not None
         self.modes[outcome.mode] = self.modes.get(outcome.mode, 0) + 1
-        reply = outcome.reply
-        if outcome.routed is not None:
-            await self.notes.routed(outcome.routed, captured_tokens=reply.cached_tokens)
-        elif parsed.session_id is not None:  # no routed note to carry it
-            await self.notes.session(parsed.session_id, Holder(reply.worker_id, reply.dp_rank))
-        return reply
+        await self.notes.record(outcome.routed, outcome.reply, parsed.session_id, keys)
+        return outcome.reply
 
     def _note_bound(self, model: str, selection: Selection) -> None:
         """Warn once per model whose candidates worth scoring exceed ``--max-candidates``."""

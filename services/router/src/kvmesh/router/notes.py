@@ -7,9 +7,10 @@ Plain subscriptions (no queue group), so every replica sees every note:
 * ``<requests_prefix>.prefill_done`` / ``.finished`` — `RequestRef`, published by clients; a ``finished``
   note's ``cached_tokens`` (the engine's count) is counted as delivered by the replica that answered the
   request only (`kvmesh.core.load.LoadLedger.finished`), so a request is delivered once across replicas;
-* ``<requests_prefix>.session`` — `SessionNote`, published by the replica that routed a request with a
-  ``session_id`` and no ``request_id`` (one with both says it in its ``routed`` note); every replica notes
-  where the session went (`kvmesh.core.sessions.SessionTable`);
+* ``<requests_prefix>.noted`` — `RouteNote`, published by the replica that routed a request without a
+  ``request_id`` that the others must know about (one with a ``request_id`` says the same in its ``routed``
+  note): where its ``session_id`` went (`kvmesh.core.sessions.SessionTable`) and its blocks for predicted
+  entries (`kvmesh.router.predictions`);
 * ``<requests_prefix>.sync`` — a starting replica asks its peers for their ledger and sessions
   (`LedgerSnapshot`, msgpack); it subscribes to the notes first, so nothing falls between the snapshot and
   the live notes;
@@ -25,6 +26,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -37,14 +39,16 @@ from kvmesh.core.protocol import (
     LedgerSnapshot,
     RequestRef,
     Routed,
+    RouteNote,
+    RouteReply,
     SessionEntry,
-    SessionNote,
     WorkerLoad,
     decode,
     encode,
 )
 from kvmesh.core.sessions import SessionTable
 from kvmesh.router.config import RouterSettings
+from kvmesh.router.predictions import Predictions
 from kvmesh.runtime import subjects
 
 log = logging.getLogger("kvmesh.router")
@@ -74,6 +78,9 @@ class LifecycleNotes:
         self._clock = clock
         self.sessions = SessionTable(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
         """Where each session's last request went (this replica's answers and every peer's notes)."""
+        self.predictions = Predictions(settings.predicted_ttl_s, lambda: None)
+        """Predicted entries and the predicted caches of workers without KV events (its ``records`` is set to
+        the registry's by the service)."""
         self._nc: Client | None = None
         self.synced_sessions = 0
         """Sessions restored from a peer at start-up."""
@@ -94,7 +101,7 @@ class LifecycleNotes:
             await nc.subscribe(self._subject("routed"), cb=self._on_routed),
             await nc.subscribe(self._subject("prefill_done"), cb=self._on_prefill_done),
             await nc.subscribe(self._subject("finished"), cb=self._on_finished),
-            await nc.subscribe(self._subject("session"), cb=self._on_session),
+            await nc.subscribe(self._subject("noted"), cb=self._on_noted),
             await nc.subscribe(f"{self.settings.load_prefix}.>", cb=self._on_load),
         ]
 
@@ -131,21 +138,45 @@ class LifecycleNotes:
         """
         now = self._clock()
         self.ledger.routed(event, now, captured_tokens=captured_tokens)
-        if event.session_id is not None:
-            self.sessions.note(event.session_id, Holder(event.worker_id, event.dp_rank), now)
+        self._note(Holder(event.worker_id, event.dp_rank), event.session_id, event.block_keys, now)
         if self._nc is None:
             return
         with contextlib.suppress(nats.errors.Error):
             await self._nc.publish(self._subject("routed"), encode(event))
 
-    async def session(self, session_id: str, holder: Holder) -> None:
-        """Note that a request of ``session_id`` without a ``request_id`` went to ``holder``; tell every replica."""
-        self.sessions.note(session_id, holder, self._clock())
+    async def record(
+        self, routed: Routed | None, reply: RouteReply, session_id: str | None, block_keys: list[int] | None
+    ) -> None:
+        """Record a route this replica answered and tell every replica: its `Routed` note (a request with a
+        ``request_id``), else a `RouteNote` when it has a session or predicted blocks. The prompt's keys go
+        along only when the replicas keep predicted entries for the chosen worker."""
+        holder = Holder(reply.worker_id, reply.dp_rank)
+        keys = block_keys if block_keys and self.predictions.keeps(holder) else None
+        if routed is not None:
+            event = routed if keys is None else msgspec.structs.replace(routed, block_keys=keys)
+            await self.routed(event, captured_tokens=reply.cached_tokens)
+        else:
+            await self.noted(holder, session_id, keys)
+
+    async def noted(self, holder: Holder, session_id: str | None, block_keys: list[int] | None) -> None:
+        """Note where a request without a ``request_id`` went (its session, its predicted blocks) and tell
+        every replica; nothing when there is neither."""
+        if session_id is None and block_keys is None:
+            return
+        self._note(holder, session_id, block_keys, self._clock())
         if self._nc is None:
             return
-        note = SessionNote(session_id=session_id, worker_id=holder.worker_id, dp_rank=holder.dp_rank)
+        note = RouteNote(
+            worker_id=holder.worker_id, dp_rank=holder.dp_rank, session_id=session_id, block_keys=block_keys
+        )
         with contextlib.suppress(nats.errors.Error):
-            await self._nc.publish(self._subject("session"), encode(note))
+            await self._nc.publish(self._subject("noted"), encode(note))
+
+    def _note(self, holder: Holder, session_id: str | None, block_keys: list[int] | None, now: float) -> None:
+        if session_id is not None:
+            self.sessions.note(session_id, holder, now)
+        if block_keys:
+            self.predictions.add(holder, block_keys, now)
 
     async def withdraw(self, request_id: str) -> None:
         """Take back a request this replica recorded but could not answer (its reply would not fit): it is
@@ -180,17 +211,16 @@ class LifecycleNotes:
             return
         now = self._clock()
         self.ledger.routed(event, now)
-        if event.session_id is not None:
-            self.sessions.note(event.session_id, Holder(event.worker_id, event.dp_rank), now)
+        self._note(Holder(event.worker_id, event.dp_rank), event.session_id, event.block_keys, now)
 
-    async def _on_session(self, msg: Msg) -> None:
+    async def _on_noted(self, msg: Msg) -> None:
         try:
-            note = decode(msg.data, SessionNote)
+            note = decode(msg.data, RouteNote)
         except ProtocolError:
             self.undecodable += 1
-            self._undecodable("session", "router: undecodable session note on %s", msg.subject)
+            self._undecodable("noted", "router: undecodable route note on %s", msg.subject)
             return
-        self.sessions.note(note.session_id, Holder(note.worker_id, note.dp_rank), self._clock())
+        self._note(Holder(note.worker_id, note.dp_rank), note.session_id, note.block_keys, self._clock())
 
     async def _on_prefill_done(self, msg: Msg) -> None:
         ref = self._ref(msg, "prefill_done")

@@ -134,6 +134,7 @@ class RouterService:
             settings, policy=self.policy, notes=self.notes, local=self.local, clock=clock
         )
         self.endpoint.registry = registry
+        self.notes.predictions.records = self.endpoint.records
         self.metrics: ServiceMetrics | None = None
         """The Prometheus endpoint (None with ``--metrics-port`` unset)."""
         self.http_port: int | None = None

@@ -1,0 +1,191 @@
+"""The router's predicted cache entries: what it expects a worker to hold because it sent the prompt there.
+
+Two sources of overlap beside the index, both `kvmesh.core.predicted.PredictedBlocks` keyed by the prompt's
+prefix keys (the standard sequence hash of each full block, what the index stores):
+
+* **Predicted entries** (``--predicted-ttl-s`` > 0; off by default, as Dynamo's ``--router-predicted-ttl-secs``
+  and llm-d's speculative indexing): for that many seconds after a route, the chosen worker counts the
+  prompt's blocks as held, so a follow-up arriving before the engine's BlockStored events does not look cold.
+  A candidate's overlap is then the larger of the index's and the predicted one. docs/benchmarks.md
+  (section 1, predicted entries) measured it: 2 – 7× the hits of a 0.19 s stale index on bursts of several
+  new prefixes, no change on the Mooncake traces.
+* **Workers without KV events** (`WorkerRecord.kv_events` false: `kvmesh ingest --no-kv-events`): the index
+  knows nothing of them, so their overlap is only what the routers sent them, at most the worker's
+  ``kv_capacity_blocks`` per rank (`DEFAULT_CAPACITY_BLOCKS` when the record does not say), least recently
+  used out first: Dynamo's approximate mode. Always on for such workers.
+
+Every replica keeps the same entries: the replica that routes sends the prompt's keys in its `Routed` note
+(or a `RouteNote` for a request without a ``request_id``), and each replica adds them on receipt. No I/O and
+no clock here: times are the caller's monotonic seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final
+
+from kvmesh.core import tables
+from kvmesh.core.hashing import sequence_hashes
+from kvmesh.core.index import Holder
+from kvmesh.core.predicted import PredictedBlocks
+from kvmesh.core.protocol import RouteRequest
+from kvmesh.core.route import Candidate, CandidateLike
+from kvmesh.router.answer import MatchAnswer, match_answer
+from kvmesh.router.health import RecordLike
+
+__all__ = ["DEFAULT_CAPACITY_BLOCKS", "Predictions", "prompt_keys_of"]
+
+DEFAULT_CAPACITY_BLOCKS: Final[int] = 16_384
+"""Predicted-cache bound of a worker without KV events whose record gives no ``kv_capacity_blocks``."""
+_EXPIRE_EVERY_S: Final[float] = 1.0
+_REREAD_S: Final[float] = 1.0
+"""How long the set of workers without KV events is reused before the registry's records are read again."""
+
+
+def prompt_keys_of(parsed: RouteRequest, block_size: int) -> list[int] | None:
+    """Return the prefix keys of the request's full blocks at ``block_size`` (> 0), or None when the request's
+    hashes were computed with another block size (they say nothing about this one).
+
+    Token ids are hashed as the index hashes them (`kvmesh.core.tables.prompt_keys`, LoRA and salt mixed
+    in); ``block_hashes`` are chained into sequence hashes; ``seq_hashes`` are the keys themselves.
+    """
+    if parsed.seq_hashes is None and parsed.block_hashes is None:
+        tokens = tables.token_array(parsed.token_ids)
+        keys = tables.prompt_keys(
+            tokens, block_size, lora_name=parsed.lora_name, cache_salt=parsed.cache_salt
+        )
+        return [int(k) for k in keys.tolist()]
+    if parsed.block_size is not None and parsed.block_size != block_size:
+        return None
+    if parsed.seq_hashes is not None:
+        return list(parsed.seq_hashes)
+    assert parsed.block_hashes is not None
+    return sequence_hashes(list(parsed.block_hashes))
+
+
+class Predictions:
+    """A replica's predicted entries (workers with KV events, when enabled) and the predicted caches of
+    workers without KV events.
+
+    Args:
+        ttl_s: seconds a route's blocks count as held beside the index (0: predicted entries off).
+        records: the registry's worker records by id (None without a registry): which workers publish no KV
+            events, and their capacity.
+    """
+
+    def __init__(self, ttl_s: float, records: Callable[[], Mapping[str, RecordLike] | None]) -> None:
+        self.ttl: PredictedBlocks | None = PredictedBlocks(ttl_s=ttl_s) if ttl_s > 0 else None
+        """Predicted entries beside the KV events (None: off)."""
+        self.approx = PredictedBlocks(ttl_s=None, capacity_blocks=DEFAULT_CAPACITY_BLOCKS)
+        """The predicted caches of workers without KV events."""
+        self.records = records
+        self._expired_s = 0.0
+        self._read_s = -math.inf
+        self._by_model: dict[str, frozenset[str]] = {}
+
+    def _eventless_of(self, model: str, now_s: float) -> frozenset[str]:
+        """The workers of ``model`` without KV events (the registry read at most once per `_REREAD_S`)."""
+        if now_s - self._read_s >= _REREAD_S or now_s < self._read_s:
+            recs = self.records()
+            by_model: dict[str, set[str]] = {}
+            for w, r in (recs or {}).items():
+                if not getattr(r, "kv_events", True):
+                    by_model.setdefault(r.model, set()).add(w)
+            self._by_model = {m: frozenset(ws) for m, ws in by_model.items()}
+            self._read_s = now_s
+        return self._by_model.get(model, frozenset())
+
+    def _eventless(self, worker_id: str) -> RecordLike | None:
+        """The worker's record when it publishes no KV events, else None."""
+        recs = self.records()
+        rec = recs.get(worker_id) if recs is not None else None
+        return rec if rec is not None and not getattr(rec, "kv_events", True) else None
+
+    def overlay(
+        self, parsed: RouteRequest, match: MatchAnswer, now_s: float
+    ) -> tuple[MatchAnswer, list[int] | None]:
+        """Return the match with predicted overlaps applied, and the prompt's keys (None when nothing is
+        predicted for this model: the match is returned as it is).
+
+        A worker without KV events gets its predicted overlap and cached blocks (the index knows nothing of
+        it); any other candidate the larger of the index's overlap and its predicted entries', counted on GPU.
+        Holders with a predicted overlap the index does not list join as candidates (the registry still
+        decides who is live).
+        """
+        eventless = self._eventless_of(parsed.model, now_s)
+        bs = match.block_size
+        if (self.ttl is None and not eventless) or bs <= 0:
+            return match, None
+        keys = prompt_keys_of(parsed, bs)
+        if not keys:
+            return match, keys
+        if self.ttl is not None and now_s - self._expired_s >= _EXPIRE_EVERY_S:
+            self.ttl.expire(now_s)
+            self._expired_s = now_s
+        ttl_hits = self.ttl.match(keys, now_s) if self.ttl is not None else {}
+        approx_hits = self.approx.match(keys, now_s) if eventless else {}
+        out: list[CandidateLike] = []
+        seen: set[Holder] = set()
+        for c in match.candidates:
+            h = Holder(c.worker_id, c.dp_rank)
+            seen.add(h)
+            if c.worker_id in eventless:
+                out.append(self._approx_candidate(h, approx_hits.get(h, 0), c.block_size))
+            elif ttl_hits.get(h, 0) > c.overlap_blocks and c.block_size in (0, bs):
+                out.append(_raised(c, ttl_hits[h]))
+            else:
+                out.append(c)
+        for h, n in approx_hits.items():
+            if h not in seen and h.worker_id in eventless:
+                out.append(self._approx_candidate(h, n, 0))
+        for h, n in ttl_hits.items():
+            if h not in seen and h.worker_id not in eventless:
+                out.append(
+                    Candidate(worker_id=h.worker_id, dp_rank=h.dp_rank, overlap_blocks=n, cached_blocks=0)
+                )
+        return match_answer(match.index_seq, bs, out), keys
+
+    def _approx_candidate(self, h: Holder, overlap: int, block_size: int) -> Candidate:
+        return Candidate(
+            worker_id=h.worker_id,
+            dp_rank=h.dp_rank,
+            overlap_blocks=overlap,
+            cached_blocks=self.approx.block_count(h),
+            block_size=block_size,
+        )
+
+    def keeps(self, holder: Holder) -> bool:
+        """Whether a route to ``holder`` adds predicted entries (it publishes no KV events, or predicted entries
+        are on)."""
+        return self.ttl is not None or self._eventless(holder.worker_id) is not None
+
+    def add(self, holder: Holder, keys: Sequence[int] | None, now_s: float) -> bool:
+        """Count ``keys`` as held by ``holder`` (a route this replica or a peer sent there); return whether they
+        were kept (False: no keys, or predicted entries off and the worker publishes KV events)."""
+        if not keys:
+            return False
+        rec = self._eventless(holder.worker_id)
+        if rec is not None:
+            cap = getattr(rec, "kv_capacity_blocks", None)
+            cap = cap if isinstance(cap, int) and cap >= 1 else None
+            if self.approx.capacity(holder) != (cap or DEFAULT_CAPACITY_BLOCKS):
+                self.approx.set_capacity(holder, cap)
+            self.approx.add(holder, keys, now_s)
+            return True
+        if self.ttl is None:
+            return False
+        self.ttl.add(holder, keys, now_s)
+        return True
+
+
+def _raised(c: CandidateLike, overlap: int) -> Candidate:
+    """``c`` with its overlap raised to a predicted ``overlap`` (all on GPU: the engine computed them there)."""
+    return Candidate(
+        worker_id=c.worker_id,
+        dp_rank=c.dp_rank,
+        overlap_blocks=overlap,
+        cached_blocks=max(c.cached_blocks, overlap),
+        health=c.health,
+        block_size=c.block_size,
+    )

@@ -45,7 +45,7 @@ test: install
 # the services' sans-I/O policy, layering and packaging. Under 30 s. A new pure test file joins this list.
 FAST_TESTS := tests/core tests/test_layering.py tests/test_packaging.py tests/test_registry_watcher.py \
 	$(wildcard tests/test_indexer_policy.py tests/test_indexer_apply.py tests/test_router_answer.py \
-	tests/ingest/test_outbox.py)
+	tests/ingest/test_outbox.py tests/test_bench_trace_predicted.py tests/test_bench_trace_sessions.py)
 
 test-fast: install
 	$(VENV)/bin/python -m pytest $(FAST_TESTS) $(PYTEST_ARGS)

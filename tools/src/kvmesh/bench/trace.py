@@ -77,6 +77,16 @@ burst every ``--burst-gap-s`` (default 5 s); each burst has ``--burst-prefixes``
 ``--burst-prefix-tokens`` (default 4,096), each request one of them plus its own 256-token suffix, 64 output
 tokens. ``--requests`` requests in all (default 20 bursts); deterministic from ``--seed``.
 
+``--sessions`` gives each request a session id (session affinity, `kvmesh.core.sessions`): the Mooncake traces
+carry none, so a conversation is recognised by its first two trace blocks (`session_of`: requests whose
+``hash_ids`` start with the same two ids are one session; a prompt with fewer than 2 trace blocks gets no
+session). ``kvmesh`` sends it as ``Router.route(..., session_id=...)``; the ``kvmesh-*`` policies keep a
+`kvmesh.core.sessions.SessionTable` (no TTL) noted with each decision and pass the session's last worker to
+`kvmesh.core.route.rank` (``session=``). ``--session-slack S`` sets ``Policy.session_slack`` for all kvmesh
+policies (default: the router's, `kvmesh.core.route.SESSION_SLACK`); ``--session-slack 0,0.25,1`` runs each
+kvmesh policy once per value, one row each (``kvmesh-exact +sess 0.25``). ``extra`` counts the routes whose
+session was ``session_new`` (no worker known yet), ``session_kept`` and ``session_moved``.
+
 ``--overlap-weight`` / ``--decode-weight`` set the router's cost weights for ``kvmesh`` and the ``kvmesh-*`` policies
 (default: the router's defaults, `kvmesh.core.route.Policy`); ``--prefill-progress`` /
 ``--no-prefill-progress`` set the load ledger's prefill progress estimate for both (default: the router's
@@ -112,7 +122,8 @@ from kvmesh.core.load import ActiveLoad, LoadLedger
 from kvmesh.core.normalize import Normalizer
 from kvmesh.core.predicted import PredictedBlocks
 from kvmesh.core.protocol import Routed
-from kvmesh.core.route import Candidate, Policy, decide, route_seed
+from kvmesh.core.route import Candidate, Policy, rank, route_seed
+from kvmesh.core.sessions import SessionTable
 from kvmesh.core.state import IndexState
 from kvmesh.core.wire import EngineBatch, decode_batch, encode_batch
 from kvmesh.harness.procs import ChildProcesses
@@ -122,7 +133,7 @@ from kvmesh.sim.publisher import EventPublisher
 from kvmesh.sim.timing import RequestTiming, StepBatch, TimedWorker, TimingModel
 from kvmesh.sim.trace import TRACE_BLOCK_TOKENS, TraceRequest, default_trace_path, expand_tokens, load_trace
 
-__all__ = ["POLICIES", "PolicyResult", "burst_trace", "command", "run_bench", "simulate_policy"]
+__all__ = ["POLICIES", "PolicyResult", "burst_trace", "command", "run_bench", "session_of", "simulate_policy"]
 
 POLICIES: Final[tuple[str, ...]] = ("kvmesh", "round-robin", "random", "least-loaded", "oracle")
 """The policies run by default."""
@@ -136,6 +147,8 @@ _LATE_S: Final[float] = 0.010
 DEFAULT_EVENT_LAG_S: Final[float] = 0.19
 """``--event-lag-s``: how late ``kvmesh-lagged``'s index sees a KV event batch (a real vLLM engine on a loaded
 2-core machine published a request's events up to ~190 ms after the router's reply)."""
+SESSION_BLOCKS: Final[int] = 2
+"""``--sessions``: a request's session is its first this many trace blocks (`session_of`)."""
 BURST_TRACE: Final[str] = "burst"
 """``--trace burst``: the generated burst workload (`burst_trace`) instead of a file."""
 
@@ -222,19 +235,45 @@ class FleetSpec:
         ]
 
 
+def session_of(req: TraceRequest) -> str | None:
+    """Return the session id ``--sessions`` gives a request: its first two trace blocks (``"s-<id>-<id>"``),
+    or None when its prompt has fewer than 2 trace blocks.
+
+    The Mooncake traces carry no session ids; a conversation's requests repeat its earlier turns, so they
+    start with the same trace blocks (conversation trace, 12,031 requests: 7,373 such sessions, 6,917 requests
+    in sessions of more than one; synthetic trace, 3,993 requests: 1,138 sessions, 2,133 in sessions of more
+    than one).
+    """
+    if len(req.hash_ids) < SESSION_BLOCKS:
+        return None
+    return "s-" + "-".join(str(h) for h in req.hash_ids[:SESSION_BLOCKS])
+
+
 @dataclass(slots=True)
 class _Prepared:
     request_id: str
     arrival_s: float
     tokens: list[int]
     outputs: list[int]
+    session_id: str | None = None
 
 
-def _prepare(req: TraceRequest, i: int, t0_ms: int) -> _Prepared:
+def _prepare(req: TraceRequest, i: int, t0_ms: int, *, sessions: bool = False) -> _Prepared:
     tokens = expand_tokens(req)
     return _Prepared(
-        f"req-{i}", (req.timestamp_ms - t0_ms) / 1000.0, tokens, output_tokens(tokens, req.output_length)
+        f"req-{i}",
+        (req.timestamp_ms - t0_ms) / 1000.0,
+        tokens,
+        output_tokens(tokens, req.output_length),
+        session_of(req) if sessions else None,
     )
+
+
+def _count_session(result: PolicyResult, outcome: str | None) -> None:
+    """Add a route's session outcome (``new``, ``kept``, ``moved``) to ``result.extra``."""
+    if outcome is not None:
+        key = f"session_{outcome}"
+        result.extra[key] = result.extra.get(key, 0) + 1
 
 
 _EVENTS: Final[int] = 0
@@ -428,6 +467,10 @@ class _Chooser:
             self.predicted = PredictedBlocks(ttl_s=predicted_ttl_s)
         self.seen_blocks = 0
         """The overlap the last `choose` saw for the worker it chose (kvmesh policies), in blocks."""
+        self.sessions = SessionTable(ttl_s=math.inf)
+        """Session → the worker of its last route (kvmesh policies, requests with a session id)."""
+        self.session_outcome: str | None = None
+        """The last `choose`'s session outcome (``new``, ``kept``, ``moved``), None without a session."""
 
     def observe(self, items: Sequence[_Item]) -> None:
         """Apply the lifecycle notes to the ledger (the kvmesh policies); queue event batches for the index."""
@@ -508,16 +551,22 @@ class _Chooser:
             a = self.ledger.load(c.worker_id, 0, excluding=p.request_id, now_s=p.arrival_s)
             if a.requests:
                 active[Holder(c.worker_id, 0)] = a
-        d = decide(
+        sid = p.session_id
+        session = None if sid is None else self.sessions.get(sid, p.arrival_s)
+        ranking = rank(
             cands,
             prompt_tokens=len(p.tokens),
             block_size=bs,
             policy=self.route_policy,
             active=active,
             seed=route_seed(p.request_id, b""),
+            session=session,
         )
-        assert d is not None
-        w = d.winner
+        assert ranking is not None
+        w = ranking.winner
+        self.session_outcome = None if sid is None else (ranking.session or "new")
+        if sid is not None:
+            self.sessions.note(sid, Holder(w.worker_id, 0), p.arrival_s)
         self.ledger.routed(
             Routed(
                 request_id=p.request_id,
@@ -532,9 +581,13 @@ class _Chooser:
         return int(w.worker_id.removeprefix("sim-"))
 
 
-def policy_label(policy: str, predicted_ttl_s: float | None = None) -> str:
-    """The row name of a policy: ``kvmesh-lagged`` with predicted entries reads ``kvmesh-lagged +pred 2 s``."""
-    return policy if predicted_ttl_s is None else f"{policy} +pred {predicted_ttl_s:g} s"
+def policy_label(
+    policy: str, predicted_ttl_s: float | None = None, session_slack: float | None = None
+) -> str:
+    """The row name of a policy: ``kvmesh-lagged`` with predicted entries reads ``kvmesh-lagged +pred 2 s``; a
+    kvmesh policy with sessions (``--sessions``) adds ``+sess <slack>``: ``kvmesh-exact +sess 0.25``."""
+    label = policy if predicted_ttl_s is None else f"{policy} +pred {predicted_ttl_s:g} s"
+    return label if session_slack is None else f"{label} +sess {session_slack:g}"
 
 
 def simulate_policy(
@@ -546,6 +599,7 @@ def simulate_policy(
     prefill_progress: bool | None = None,
     event_lag_s: float = DEFAULT_EVENT_LAG_S,
     predicted_ttl_s: float | None = None,
+    sessions: bool = False,
 ) -> PolicyResult:
     """Serve ``trace`` on a fresh fleet with an in-process policy (not ``kvmesh``), in simulated time.
 
@@ -554,7 +608,11 @@ def simulate_policy(
     (``kvmesh-exact``, ``kvmesh-lagged``, ``kvmesh-approx``; default `Policy()`, the router's defaults);
     ``prefill_progress`` their ledger's prefill progress estimate (None: `LoadLedger`'s default, the
     router's). ``event_lag_s`` is how late ``kvmesh-lagged``'s index sees the engines' KV events;
-    ``predicted_ttl_s`` (``kvmesh-lagged`` only) turns its predicted entries on with that TTL.
+    ``predicted_ttl_s`` (``kvmesh-lagged`` only) turns its predicted entries on with that TTL. With
+    ``sessions`` each request carries its `session_of` id: the kvmesh policies keep each session's last worker
+    (a `SessionTable` without TTL), pass it to `kvmesh.core.route.rank` (affinity within
+    ``route_policy.session_slack``), label their row ``+sess <slack>`` and count ``session_new`` /
+    ``session_kept`` / ``session_moved`` in ``extra``; the other policies ignore it.
 
     Route receipts: *available* is the pools' truth at the decision; *captured* is the chosen worker's
     overlap as the policy saw it (the truth for the policies that read the pools). For the kvmesh policies
@@ -564,21 +622,26 @@ def simulate_policy(
     Raises:
         ValueError: an unknown policy, or ``predicted_ttl_s`` for another policy than ``kvmesh-lagged``.
     """
-    result = PolicyResult(policy=policy_label(policy, predicted_ttl_s), per_worker=[0] * spec.workers)
+    pol = route_policy or Policy()
+    sessions = sessions and policy.startswith("kvmesh-")
+    label = policy_label(policy, predicted_ttl_s, pol.session_slack if sessions else None)
+    result = PolicyResult(policy=label, per_worker=[0] * spec.workers)
     fleet = _Fleet(spec, result)
     chooser = _Chooser(
-        policy, fleet, spec, route_policy or Policy(), prefill_progress,
-        event_lag_s=event_lag_s, predicted_ttl_s=predicted_ttl_s,
-    )  # fmt: skip
+        policy, fleet, spec, pol, prefill_progress, event_lag_s=event_lag_s, predicted_ttl_s=predicted_ttl_s
+    )
     seen_by_kvmesh = policy in ("kvmesh-lagged", "kvmesh-approx")
     overlap: list[int] = []
     t0_ms = trace[0].timestamp_ms if trace else 0
     start = time.perf_counter()
+    if sessions:
+        result.extra.update(session_new=0, session_kept=0, session_moved=0)
     for i, req in enumerate(trace):
-        p = _prepare(req, i, t0_ms)
+        p = _prepare(req, i, t0_ms, sessions=sessions)
         chooser.observe(fleet.advance(p.arrival_s))
         fleet.sample()
         k = chooser.choose(i, p)
+        _count_session(result, chooser.session_outcome)
         hits = [w.pool.match_prefix(p.tokens) for w in fleet.workers]
         result.available_tokens += max(hits, default=0)
         if seen_by_kvmesh:
@@ -741,16 +804,21 @@ async def _wait_ready(pipe: _Pipeline, router: Any, timeout_s: float = 90.0) -> 
 async def run_kvmesh(
     trace: Sequence[TraceRequest], spec: FleetSpec, *, speed: float, nats_url: str | None = None,
     log_dir: Path | None = None, router_args: Sequence[str] = (), say: Callable[[str], None] = print,
+    sessions: bool = False, label: str = "kvmesh",
 ) -> PolicyResult:  # fmt: skip
     """Serve ``trace`` routed by the real kvmesh pipeline, simulated time running ``speed`` × wall time.
 
     Each request is routed at the wall time of its arrival and reaches its engine at its simulated arrival
-    + the measured route latency (real seconds, not multiplied by ``speed``).
+    + the measured route latency (real seconds, not multiplied by ``speed``). With ``sessions`` each route
+    carries the request's `session_of` id (``session_id=``) and ``extra`` counts the replies' ``session``
+    (``session_new`` / ``session_kept`` / ``session_moved``); ``label`` names the row.
     """
     from kvmesh.client import RouteError, Router  # noqa: PLC0415
     from kvmesh.runtime.nats import connect  # noqa: PLC0415
 
-    result = PolicyResult(policy="kvmesh", per_worker=[0] * spec.workers)
+    result = PolicyResult(policy=label, per_worker=[0] * spec.workers)
+    if sessions:
+        result.extra.update(session_new=0, session_kept=0, session_moved=0)
     fleet = _Fleet(spec, result)
     pipe = _Pipeline(spec.workers, spec.block_size, log_dir, router_args)
     loop = asyncio.get_running_loop()
@@ -786,7 +854,7 @@ async def run_kvmesh(
 
             start = time.perf_counter()
             for i, req in enumerate(trace):
-                p = _prepare(req, i, t0_ms)
+                p = _prepare(req, i, t0_ms, sessions=sessions)
                 await play(fleet.advance(p.arrival_s))
                 fleet.sample()
                 delay = wall0 + p.arrival_s / speed - loop.time()
@@ -794,8 +862,11 @@ async def run_kvmesh(
                     await asyncio.sleep(delay)
                 t_route = time.perf_counter()
                 try:
-                    reply = await router.route(MODEL, p.tokens, request_id=p.request_id)
+                    reply = await router.route(
+                        MODEL, p.tokens, request_id=p.request_id, session_id=p.session_id
+                    )
                     k = int(reply.worker_id.removeprefix("sim-"))
+                    _count_session(result, reply.session)
                     result.available_tokens += reply.available_tokens or 0
                     result.captured_tokens += reply.cached_tokens
                     seen = min(reply.overlap_blocks, (len(p.tokens) - 1) // spec.block_size)
@@ -902,31 +973,39 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
         f"kvmesh bench trace: {len(trace)} requests from {args.trace} ({span:.0f} s of arrivals), {spec.workers} workers"
     )
     weights = {"overlap_weight": args.overlap_weight, "decode_weight": args.decode_weight}
-    route_policy = replace(Policy(), **{k: v for k, v in weights.items() if v is not None})
+    base_policy = replace(Policy(), **{k: v for k, v in weights.items() if v is not None})
     progress: bool | None = args.prefill_progress
-    router_args = [
-        *(a for k, v in weights.items() if v is not None for a in (f"--{k.replace('_', '-')}", repr(v))),
-        *(() if progress is None else ("--prefill-progress" if progress else "--no-prefill-progress",)),
-        *args.router_arg,
-    ]
+    sessions: bool = getattr(args, "sessions", False)
+    slacks: list[float | None] = list(getattr(args, "session_slack", None) or [None])
     results: list[PolicyResult] = []
     for policy in args.policies:
-        if policy == "kvmesh":
-            say(f"policy {policy}")
-            r = await run_kvmesh(
-                trace, spec, speed=args.speed, nats_url=args.nats_url, log_dir=args.log_dir,
-                router_args=router_args, say=say,
-            )  # fmt: skip
-            results.append(_report(r, say))
-            continue
-        # kvmesh-lagged runs once per --predicted-ttl-s value (0: without predicted entries)
-        for ttl in args.predicted_ttl_s if policy == "kvmesh-lagged" else [0.0]:
-            say(f"policy {policy_label(policy, ttl or None)}")
-            r = simulate_policy(
-                policy, trace, spec, route_policy=route_policy, prefill_progress=progress,
-                event_lag_s=args.event_lag_s, predicted_ttl_s=ttl or None,
-            )  # fmt: skip
-            results.append(_report(r, say))
+        kvmesh_policy = policy == "kvmesh" or policy.startswith("kvmesh-")
+        # each kvmesh policy runs once per --session-slack value (None: the router's default)
+        for slack in slacks if kvmesh_policy else [None]:
+            route_policy = base_policy if slack is None else replace(base_policy, session_slack=slack)
+            shown = route_policy.session_slack if sessions and kvmesh_policy else None
+            if policy == "kvmesh":
+                router_args = [
+                    *(a for k, v in weights.items() if v is not None for a in (f"--{k.replace('_', '-')}", repr(v))),
+                    *(() if slack is None else ("--session-slack", repr(slack))),
+                    *(() if progress is None else ("--prefill-progress" if progress else "--no-prefill-progress",)),
+                    *args.router_arg,
+                ]  # fmt: skip
+                say(f"policy {policy_label(policy, None, shown)}")
+                r = await run_kvmesh(
+                    trace, spec, speed=args.speed, nats_url=args.nats_url, log_dir=args.log_dir,
+                    router_args=router_args, say=say, sessions=sessions, label=policy_label(policy, None, shown),
+                )  # fmt: skip
+                results.append(_report(r, say))
+                continue
+            # kvmesh-lagged runs once per --predicted-ttl-s value (0: without predicted entries)
+            for ttl in args.predicted_ttl_s if policy == "kvmesh-lagged" else [0.0]:
+                say(f"policy {policy_label(policy, ttl or None, shown)}")
+                r = simulate_policy(
+                    policy, trace, spec, route_policy=route_policy, prefill_progress=progress,
+                    event_lag_s=args.event_lag_s, predicted_ttl_s=ttl or None, sessions=sessions,
+                )  # fmt: skip
+                results.append(_report(r, say))
     return results
 
 
@@ -1007,6 +1086,22 @@ def build_parser() -> argparse.ArgumentParser:
         "decision the chosen worker counts the prompt's blocks as held for T simulated seconds, each "
         "candidate's overlap the larger of the index's and the predicted one. Comma-separated: one "
         "kvmesh-lagged row per value, 0 without predicted entries (default 0)",
+    )
+    p.add_argument(
+        "--sessions",
+        action="store_true",
+        help="session affinity: each request carries a session id made of its first two trace blocks (the "
+        "Mooncake traces carry no session ids; a conversation's turns start with the same blocks; a prompt "
+        "with fewer than 2 trace blocks gets none). kvmesh sends it to the router; the kvmesh-* policies keep "
+        "each session's last worker and pass it to the decision (off by default)",
+    )
+    p.add_argument(
+        "--session-slack",
+        default=None,
+        metavar="S[,S...]",
+        help="Policy.session_slack of kvmesh and the kvmesh-* policies: a session keeps its worker while that "
+        "costs at most the lowest cost + S x the prompt's blocks (default: the router's default, "
+        f"{Policy().session_slack:g}). Comma-separated: one row per value for each kvmesh policy",
     )
     p.add_argument(
         "--burst-size",
@@ -1092,6 +1187,15 @@ def command(argv: Sequence[str] | None = None) -> int:
         parser.error("--predicted-ttl-s: one or more finite seconds >= 0 (0: without predicted entries)")
     if not args.event_lag_s >= 0:
         parser.error("--event-lag-s must be >= 0")
+    if args.session_slack is not None:
+        try:
+            args.session_slack = [float(s) for s in args.session_slack.split(",") if s.strip()]
+        except ValueError:
+            parser.error(f"--session-slack: not a list of numbers: {args.session_slack!r}")
+        if not args.session_slack or any(not (0 <= s < math.inf) for s in args.session_slack):
+            parser.error("--session-slack: one or more finite fractions >= 0")
+        if not args.sessions:
+            parser.error("--session-slack needs --sessions")
     if (
         min(args.burst_size, args.burst_prefixes) < 1
         or args.burst_prefix_tokens % 512

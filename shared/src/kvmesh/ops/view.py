@@ -23,6 +23,8 @@ from kvmesh.ops.report import (
 __all__ = ["render_status", "route_rates"]
 
 _NONE = "-"
+_NO_KV_EVENTS = "none (no KV events)"
+"""The endpoint of each rank of an ingest without KV events (`kvmesh ingest --no-kv-events`)."""
 
 
 def route_rates(previous: StatusReport, current: StatusReport, elapsed_s: float) -> dict[str, float]:
@@ -159,7 +161,9 @@ def _ingests(ingests: Sequence[IngestStatus]) -> list[str]:
                 [
                     ing.worker_id if first else "",
                     rank,
-                    f"{r.engine.state}" + (f" ({r.engine.reason})" if r.engine.reason else ""),
+                    f"{r.engine.state}"
+                    + (f" ({r.engine.reason})" if r.engine.reason else "")
+                    + (", no KV events" if r.endpoint == _NO_KV_EVENTS else ""),
                     _num(r.epoch),
                     _num(r.last_seq),
                     _num(seq.get("gaps")),

@@ -19,6 +19,16 @@ entries so the index never invents cached blocks.
 
 example: kvmesh ingest --worker-id vllm-0 --model meta-llama/Llama-3.1-8B \\
              --zmq-endpoint tcp://10.0.0.5:5557 --replay-endpoint tcp://10.0.0.5:5558
+
+An engine without KV events (--no-kv-events) is only registered, with heartbeats: no ZMQ socket is opened
+and nothing goes to the stream; routers then count the prompts they send it as its cache, at most
+--kv-capacity-blocks per rank, least recently used out first. It needs --block-size and
+--kv-capacity-blocks. --metrics-url still publishes its load, --health-url still probes its liveness (without
+it the ranks are never stale: silence proves nothing), and `kvmesh status` lists it with the endpoint
+"none (no KV events)". A sleep shown on --metrics-url clears nothing (the index holds nothing of it).
+
+example: kvmesh ingest --no-kv-events --worker-id trt-0 --model meta-llama/Llama-3.1-8B \\
+             --block-size 16 --kv-capacity-blocks 40000 --health-url http://10.0.0.6:8000/health
 """
 
 

@@ -88,6 +88,14 @@ class IngestSettings(NatsAuth):
         None,
         "KV-cache blocks of one rank's engine (vLLM --num-gpu-blocks-override), registered (none: unknown)",
     )
+    kv_events: bool = setting(
+        True,
+        "the engine publishes KV events; --no-kv-events: it publishes none, and the ingest only registers the "
+        "worker (kv_events false) and heartbeats: no ZMQ socket, nothing on the stream; needs --block-size and "
+        "--kv-capacity-blocks (routers count the prompts they send it as its cache, at most that many blocks "
+        "per rank, least recently used out first). --metrics-url, --health-url probes and the status reply "
+        "work as with events; silence never makes a rank stale",
+    )
     nats_url: str = setting(DEFAULT_NATS_URL, "NATS server URL")
     stream: str = setting(subjects.STREAM, "JetStream stream name")
     events_prefix: str = setting(subjects.EVENTS_PREFIX, "subject prefix of the events stream")
@@ -168,6 +176,37 @@ class IngestSettings(NatsAuth):
             remove_after_s=self.engine_remove_after_s,
         )
 
+    def eventless_problems(self) -> list[str]:
+        """Problems of a worker without KV events (``--no-kv-events``): the routers need its block size and KV
+        capacity, and the settings that read engine sockets or a shared pool's events have nothing to read."""
+        problems = []
+        missing = [
+            flag
+            for flag, value in (
+                ("--block-size", self.block_size),
+                ("--kv-capacity-blocks", self.kv_capacity_blocks),
+            )
+            if value is None
+        ]
+        if missing:
+            problems.append(
+                f"--no-kv-events needs --block-size and --kv-capacity-blocks (missing: {', '.join(missing)}): "
+                "routers hash prompts by the block size and bound the worker's predicted cache by its capacity"
+            )
+        for flag, value in (
+            ("--replay-endpoint", self.replay_endpoint),
+            ("--snapshot-endpoint", self.snapshot_endpoint),
+        ):
+            if value is not None:
+                problems.append(
+                    f"{flag} with --no-kv-events: the engine publishes no KV events to read; drop it"
+                )
+        if self.backend_of:
+            problems.append(
+                "--backend-of with --no-kv-events: a shared pool without KV events reports nothing"
+            )
+        return problems
+
     def validate(self) -> list[str]:
         """Return every problem with these settings."""
         problems = []
@@ -192,10 +231,13 @@ class IngestSettings(NatsAuth):
                 f"--data-parallel-size {size} (got {local})"
             )
         ranks = self.local_ranks() if not problems else range(size)
-        problems += endpoint_problems("--zmq-endpoint", self.zmq_endpoint, ranks.stop)
-        if self.replay_endpoint is not None:
+        if not self.kv_events:
+            problems += self.eventless_problems()
+        else:
+            problems += endpoint_problems("--zmq-endpoint", self.zmq_endpoint, ranks.stop)
+        if self.replay_endpoint is not None and self.kv_events:
             problems += endpoint_problems("--replay-endpoint", self.replay_endpoint, ranks.stop)
-        if self.snapshot_endpoint is not None:
+        if self.snapshot_endpoint is not None and self.kv_events:
             problems += endpoint_problems("--snapshot-endpoint", self.snapshot_endpoint, ranks.stop)
         if self.block_size is not None and self.block_size < 1:
             problems.append("--block-size must be ≥ 1")

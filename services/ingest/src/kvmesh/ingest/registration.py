@@ -133,7 +133,8 @@ class Registration:
 
     def record(self, *, incarnation: int, now: float) -> WorkerRecord:
         """This ingest's registry record: its worker's (or its node's) ranks, incarnation, stale ranks and
-        the engine's block size, context length and KV capacity as configured."""
+        the engine's block size, context length and KV capacity as configured, and whether it publishes KV
+        events (``--no-kv-events``: no)."""
         s = self.settings
         ranks = s.local_ranks()
         return WorkerRecord(
@@ -148,6 +149,7 @@ class Registration:
             dp_ranks_local=len(ranks) if self.node is not None else None,
             context_length=s.context_length,
             kv_capacity_blocks=s.kv_capacity_blocks,
+            kv_events=s.kv_events,
         )
 
     def on_engine_change(self, _rank: int, change: LivenessChange) -> None:

@@ -11,9 +11,9 @@ The ZMQ side never waits for NATS: batches go to a bounded outbox; when it is fu
 dropped and the (worker, dp_rank) resynchronised. Per (worker, dp_rank) the cursor (epoch, last engine
 sequence) is recovered on start from the last message on that rank's subject.
 
-This module is the lifecycle; each concern has its own: `reader` (ZMQ SUB and replay), `batches` (delivered
-batches to stream messages), `outbox` (the pure publish policy), `publish` (the publish loop), `recovery`
-(cursors at start), `registration` (the registry key), `liveness` and `probes` (engine liveness), `status`.
+This module is the lifecycle; each concern has its own: `reader` (ZMQ SUB and replay), `batches` (engine
+batches to stream messages), `outbox` (publish policy), `publish` (publish loop), `recovery` (cursors at
+start), `registration` (registry key), `liveness`, `probes` (engine liveness), `status`, `eventless` (no events).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from kvmesh.core.sequencing import SeqTracker
 from kvmesh.ingest.batches import Batches, Rank
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.engine_sleep import SleepWatch
+from kvmesh.ingest.eventless import run_eventless
 from kvmesh.ingest.liveness import EngineWatch, ProbeTarget
 from kvmesh.ingest.metrics import (
     INSTRUMENTS,
@@ -103,6 +104,8 @@ class IngestService:
     async def run(self) -> None:
         """Connect, recover cursors, then read every rank and publish until `stop()`."""
         s = self.settings
+        if not s.kv_events:  # registry heartbeats only: no ZMQ socket, nothing on the stream
+            return await run_eventless(self)
         pub = self.publisher
         self._nc = await connect(
             s.nats_url,
@@ -323,10 +326,8 @@ class IngestService:
 
     def status(self) -> IngestStatus:
         """Return this ingest's cursors and counters (what `kvmesh status` shows)."""
-        engines = self._watch.ranks if self._watch is not None else {}
-        return ingest_status(
-            self.settings, self.counters, self.publisher.unacknowledged, self._ranks, engines
-        )
+        live = self._watch.ranks if self._watch is not None else {}
+        return ingest_status(self.settings, self.counters, self.publisher.unacknowledged, self._ranks, live)
 
     def _declare_metrics(self, metrics: ServiceMetrics) -> None:
         """The ingest's metrics (`kvmesh.ingest.metrics`): its status counters and the publish latency."""

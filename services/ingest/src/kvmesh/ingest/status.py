@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from kvmesh.ingest.config import IngestSettings
 
 
+NO_KV_EVENTS = "none (no KV events)"
+"""The endpoint a rank's status gives when the engine publishes no KV events (``kvmesh ingest --no-kv-events``)."""
+
+
 @dataclass(slots=True)
 class IngestCounters:
     """Counters of one ingest (cumulative), shown by `kvmesh status`."""
@@ -52,7 +56,30 @@ def ingest_status(
     engines: dict[int, EngineLiveness],
 ) -> IngestStatus:
     """The status reply: worker, model, messages not yet acknowledged (``outbox``), counters, and per rank
-    its endpoint, cursor (epoch, last_seq), replaying, block size, sequence and event counters, engine."""
+    its endpoint, cursor (epoch, last_seq), replaying, block size, sequence and event counters, engine.
+
+    An ingest without KV events (``--no-kv-events``) reads no rank: each of its ranks reads `NO_KV_EVENTS` as
+    its endpoint, no cursor, the configured block size, no counters, and its engine's liveness."""
+    if not settings.kv_events:
+        return IngestStatus(
+            worker_id=settings.worker_id,
+            model=settings.model,
+            outbox=outbox,
+            counters=asdict(counters),
+            ranks={
+                str(r): IngestRankStatus(
+                    endpoint=NO_KV_EVENTS,
+                    epoch=0,
+                    last_seq=None,
+                    replaying=False,
+                    block_size=settings.block_size,
+                    sequence={},
+                    events={},
+                    engine=engine_status(engines.get(r)),
+                )
+                for r in settings.local_ranks()
+            },
+        )
     return IngestStatus(
         worker_id=settings.worker_id,
         model=settings.model,

@@ -3,8 +3,9 @@
 Against the session's real nats-server: the ingest (in-process, and as a `python -m kvmesh.ingest` process)
 registers the exact record (``kv_events`` false, block size, KV capacity, model, ranks), keeps heartbeating,
 publishes nothing on the events stream's subjects, stays live through silence, still probes ``--health-url``
-and publishes the ``--metrics-url`` load, answers status (``kvmesh status`` shows it), and leaves the registry
-on a clean stop; without a block size or a capacity it does not start (exit 2, the reason named).
+(stale, then gone and out of the registry, then back) and publishes the ``--metrics-url`` load, answers status
+(``kvmesh status`` shows it), and leaves the registry on a clean stop; without a block size or a capacity it
+does not start (exit 2, the reason named).
 """
 
 from __future__ import annotations
@@ -347,6 +348,50 @@ async def test_liveness_still_probes_the_health_url_and_load_still_flows(nats_ur
             assert await f.present() is False
     finally:
         await page.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+async def test_an_engine_gone_leaves_the_registry_and_rejoins_when_it_answers(
+    nats_url: str, uid: str
+) -> None:
+    """Unanswered ``--health-url`` probes past ``--engine-remove-after-s``: the worker leaves the registry; the
+    page answering again on the same port brings the record back as it was, stale ranks empty."""
+    page = MetricsPage(AWAKE)
+    await page.start()
+    port = int(page.url.split(":")[2].split("/")[0])
+    back = MetricsPage(AWAKE)
+    try:
+        async with fleet(nats_url, uid) as f:
+            svc = IngestService(
+                f.settings(
+                    health_url=page.url,
+                    engine_probe_after_s=0.2,
+                    engine_probe_every_s=0.2,
+                    engine_probe_timeout_s=0.5,
+                    engine_remove_after_s=0.5,
+                )
+            )
+            task = asyncio.create_task(svc.run())
+            try:
+                await asyncio.wait_for(svc.ready.wait(), 10)
+                first = await eventually(f.record, lambda r: r is not None, timeout_s=10)
+                assert first is not None and first.stale_ranks == {}
+                await page.close()
+                await eventually(f.present, lambda present: present is False, timeout_s=15)
+                assert (await _ingest_status(f)).ranks["0"].engine.state == "gone"
+                back._server = await asyncio.start_server(back._serve, "127.0.0.1", port)
+                again = await eventually(f.record, lambda r: r is not None, timeout_s=15)
+                assert again is not None
+                assert again == msgspec.structs.replace(first, heartbeat_ts=again.heartbeat_ts)
+                assert (await _ingest_status(f)).ranks["0"].engine.state == "live"
+                assert (await f.messages(), f.seen) == (0, [])
+            finally:
+                svc.stop()
+                await asyncio.wait_for(task, 10)
+    finally:
+        await page.close()
+        await back.close()
 
 
 @pytest.mark.anyio

@@ -58,6 +58,7 @@ async def test_predicted_entries_make_a_stale_index_see_the_last_route(nats_url:
         # a RouteNote (no request_id) carries the prompt's 5 keys to the other replicas
         await until(lambda: r1.notes.predictions.ttl is not None and len(r1.notes.predictions.ttl) == 5)
         assert r0.notes.predictions.ttl is not None and len(r0.notes.predictions.ttl) == 5
+        assert (r0.stats_message().predicted_blocks, off.stats_message().predicted_blocks) == ({"ttl": 5}, {})
         for i in (0, 1):
             again = await f.client(i).route("m", P, explain=True)
             assert (again.worker_id, again.overlap_blocks, again.cached_tokens) == (w, 5, 80)
@@ -119,6 +120,7 @@ async def test_workers_without_kv_events_are_routed_from_the_routers_own_decisio
             await f.client(0).route("m", prompt, candidates=[w])
         await until(lambda: r1.notes.predictions.approx.block_count(Holder(w, 0)) == 8)
         assert r0.notes.predictions.approx.block_count(Holder(w, 0)) == 8
+        assert r0.stats_message().predicted_blocks == {"no_events": 13}  # 8 on w, Q's 5 on the other
         held = await f.client(1).route("m", R, candidates=[w])
         assert held.overlap_blocks == 5
         lost = await f.client(1).route("m", P, candidates=[w])  # and now P is its newest, Q's head its oldest

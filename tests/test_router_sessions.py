@@ -56,6 +56,7 @@ async def test_replicas_keep_a_session_on_its_worker_while_the_cost_allows(nats_
         await until(lambda: len(r1.notes.sessions) == 2)
         r2 = await f.start_router()
         assert (r2.notes.synced_sessions, r2.synced_requests) == (2, 2)
+        assert r2.stats_message().sessions == 2
         # (r-2 now loads a: 4.5 against b's 2.5, so a slack of a whole prompt keeps it there)
         again = await f.client(2).route("m", HOT, session_id="conv-1", policy={"session_slack": 1.0})
         assert (again.worker_id, again.session) == ("a", "kept")

@@ -575,6 +575,11 @@ class RouterStats(Message, kw_only=True, frozen=True):
     than route receipts)."""
     latency: RouteLatency | None = None
     """Route latency over the last answered routes (None: none yet, or a router older than the field)."""
+    sessions: int = 0
+    """Sessions this replica knows (session affinity); 0 from a router older than the field."""
+    predicted_blocks: dict[str, int] = msgspec.field(default_factory=dict)
+    """Predicted entries held: ``"ttl"`` (``--predicted-ttl-s``) and ``"no_events"`` (workers without KV
+    events), each present only when in use."""
 
 
 class MicroEndpointStats(msgspec.Struct, frozen=True):

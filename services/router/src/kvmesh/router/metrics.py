@@ -46,6 +46,13 @@ INSTRUMENTS: tuple[Row, ...] = (
     ("kvmesh_router_candidates_cut", "gauge", "{candidate}", "candidates cut from the last bounded route"),
     ("kvmesh_router_route_mode", "gauge", "1", "1 for the mode a route would get now"),
     ("kvmesh_router_holders_not_exact", "gauge", "{holder}", "holders stale or incomplete"),
+    ("kvmesh_router_sessions", "gauge", "{session}", "sessions this replica knows (session affinity)"),
+    (
+        "kvmesh_router_predicted_blocks",
+        "gauge",
+        "{block}",
+        "predicted entries held, by kind: ttl (--predicted-ttl-s), no_events (workers without KV events)",
+    ),
     ("kvmesh_router_chosen_requests", "counter", "{request}", "routes answered with this worker"),
     (
         "kvmesh_router_available_tokens",
@@ -118,6 +125,10 @@ def router_samples(stats: RouterStats) -> dict[str, list[Sample]]:
             ({"mode": m}, 1.0 if stats.index.route_mode == m else 0.0) for m in _MODES
         ],
         "kvmesh_router_holders_not_exact": [({}, float(stats.index.holders_not_exact))],
+        "kvmesh_router_sessions": [({}, float(stats.sessions))],
+        "kvmesh_router_predicted_blocks": [
+            ({"kind": k}, float(n)) for k, n in sorted(stats.predicted_blocks.items())
+        ],
         **receipt_samples(stats),
     }
 

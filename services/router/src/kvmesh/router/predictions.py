@@ -155,6 +155,13 @@ class Predictions:
             block_size=block_size,
         )
 
+    def held(self) -> dict[str, int]:
+        """Entries held by kind: ``"ttl"`` (predicted entries, when on) and ``"no_events"`` (when any)."""
+        out = {"ttl": len(self.ttl)} if self.ttl is not None else {}
+        if len(self.approx):
+            out["no_events"] = len(self.approx)
+        return out
+
     def keeps(self, holder: Holder) -> bool:
         """Whether a route to ``holder`` adds predicted entries (it publishes no KV events, or predicted entries
         are on)."""

@@ -311,6 +311,8 @@ class RouterService:
             candidates_cut=e.bounded,
             index=index,
             latency=e.latency,
+            sessions=len(self.notes.sessions),
+            predicted_blocks=self.notes.predictions.held(),
         )
 
     def _declare_metrics(self, metrics: ServiceMetrics) -> None:

@@ -117,10 +117,13 @@ def router_stats(
     candidates_cut: Mapping[str, int],
     index: RouterIndexStats,
     latency: LatencyWindow | None = None,
+    sessions: int = 0,
+    predicted_blocks: Mapping[str, int] | None = None,
 ) -> RouterStats:
     """Return the route endpoint's stats: replies, error replies per code, the shared ledger's counters and
     in-flight requests, engine reports held, replies per mode, candidates cut per model, ``index``, and the
-    route receipts of the routes this replica answered (`route_receipts`) and the latency of the last ones."""
+    route receipts of the routes this replica answered (`route_receipts`), the latency of the last ones, the
+    sessions known and the predicted entries held."""
     return RouterStats(
         routed=routed,
         errors=dict(errors),
@@ -138,6 +141,8 @@ def router_stats(
         index=index,
         receipts=route_receipts(ledger.receipts),
         latency=None if latency is None else latency.figures(),
+        sessions=sessions,
+        predicted_blocks=dict(predicted_blocks or {}),
     )
 
 

@@ -117,6 +117,39 @@ def test_the_command_without_a_block_size_exits_2_saying_why() -> None:
     )
 
 
+def test_the_node_records_of_a_worker_without_kv_events_merge_into_one_without() -> None:
+    """The two node records of an ingest per node (`Registration.record`) merge into one whole-worker record
+    with ``kv_events`` false, the block size and the smallest capacity; one node with events does not make
+    the worker one with events."""
+    from kvmesh.ingest.registration import Registration
+    from kvmesh.runtime.registry import merge_records
+
+    def node(start: int, capacity: int, *, kv_events: bool = False) -> WorkerRecord:
+        s = _settings(
+            block_size=BS,
+            kv_capacity_blocks=capacity,
+            data_parallel_size=4,
+            data_parallel_start_rank=start,
+            data_parallel_size_local=2,
+            kv_events=kv_events,
+        )
+        return Registration(s, {}, lambda _why: None).record(incarnation=0, now=100.0 + start)
+
+    merged = merge_records([node(0, 900), node(2, 800)])
+    assert merged == WorkerRecord(
+        worker_id="w",
+        model=MODEL,
+        dp_ranks=4,
+        block_size=BS,
+        incarnation=0,
+        heartbeat_ts=100.0,
+        kv_capacity_blocks=800,
+        kv_events=False,
+    )
+    assert merge_records([node(0, 900, kv_events=True), node(2, 800)]).kv_events is False
+    assert merge_records([node(0, 900, kv_events=True), node(2, 800, kv_events=True)]).kv_events is True
+
+
 # ------------------------------------------------------------------------------------------ with NATS
 
 

@@ -145,7 +145,8 @@ def merge_records(records: Sequence[WorkerRecord]) -> WorkerRecord:
     the node with the lowest start rank, and a node that names another model is left out (its ranks are
     `NO_NODE`: its engine serves another model). Its heartbeat is the oldest node's, its incarnation the
     highest, its context length and KV capacity the smallest any node reports (a value below 1, which no
-    prompt or block fits, is read as unknown), its block size the first node's that knows one.
+    prompt or block fits, is read as unknown), its block size the first node's that knows one; it publishes
+    KV events only when every node does (``kv_events``).
 
     Raises:
         ValueError: ``records`` is empty.
@@ -191,6 +192,7 @@ def merge_records(records: Sequence[WorkerRecord]) -> WorkerRecord:
         stale_ranks=dict(sorted(stale.items())),
         context_length=smallest(r.context_length for r in ordered),
         kv_capacity_blocks=smallest(r.kv_capacity_blocks for r in ordered),
+        kv_events=all(r.kv_events for r in ordered),
     )
 
 

@@ -36,7 +36,8 @@ class Clock:
 
 async def start(f: Fleet, clock: Clock | None = None, **kw: Any) -> RouterService:
     """Start a replica of the fleet with extra settings (and a test clock)."""
-    svc = RouterService(f.settings(len(f.routers), **kw), **({"clock": clock} if clock else {}))
+    settings = f.settings(len(f.routers), **kw)
+    svc = RouterService(settings) if clock is None else RouterService(settings, clock=clock)
     f.routers.append(svc)
     f.tasks.append(asyncio.create_task(svc.run()))
     await asyncio.wait_for(svc.ready.wait(), 10)

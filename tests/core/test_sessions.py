@@ -9,7 +9,7 @@ import pytest
 from kvmesh.core.errors import RequestError
 from kvmesh.core.index import Holder
 from kvmesh.core.load import ActiveLoad
-from kvmesh.core.protocol import PolicyOverride, RouteRequest
+from kvmesh.core.protocol import PolicyOverride, RouteRequest, WorkerLoad
 from kvmesh.core.route import Candidate, Policy, apply_override, check_route_request, decide, rank
 from kvmesh.core.sessions import SessionTable
 
@@ -65,10 +65,18 @@ CANDS = [
 ]
 
 
-def _winner(session: Holder | None, slack: float, **kw: object) -> tuple[str, str | None]:
+def _winner(
+    session: Holder | None,
+    slack: float,
+    *,
+    active: dict[Holder, ActiveLoad] | None = None,
+    engine: dict[Holder, WorkerLoad] | None = None,
+    allowed: list[str] | None = None,
+) -> tuple[str, str | None]:
     r = rank(
-        CANDS, prompt_tokens=160, block_size=16, policy=Policy(session_slack=slack), session=session, **kw
-    )  # type: ignore[arg-type]
+        CANDS, prompt_tokens=160, block_size=16, policy=Policy(session_slack=slack), session=session,
+        active=active, engine=engine, allowed=allowed,
+    )  # fmt: skip
     assert r is not None
     return r.winner.worker_id, r.session
 
@@ -94,8 +102,6 @@ def test_load_counts_against_the_session_worker() -> None:
 
 
 def test_a_busy_session_worker_is_passed_over_and_candidates_narrow_it() -> None:
-    from kvmesh.core.protocol import WorkerLoad
-
     engine = {A: WorkerLoad(worker_id="a", dp_rank=0, waiting=50)}
     assert _winner(A, 1.0, engine=engine) == ("b", "moved")
     assert _winner(A, 1.0, allowed=["b"]) == ("b", "moved")

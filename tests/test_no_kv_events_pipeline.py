@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from tests.pipeline import eventually, overlaps, pipeline
 
+from kvmesh.router.health import PREDICTED_REASON
 from kvmesh.sim.engine import SimWorker
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -39,6 +40,10 @@ async def test_an_event_less_model_is_routed_from_the_routers_own_routes(nats_ur
             other = "y" if w == "x" else "x"
             again = await p.route(P, model=NOEV, explain=True)
             assert (again.worker_id, overlaps(again)) == (w, {f"{w}/0": 4, f"{other}/0": 0})
+            assert again.mode == "exact"
+            assert {(s.health.state, s.health.reason) for s in again.scores or [] if s.health} == {
+                ("predicted", PREDICTED_REASON)
+            }
             # a new prompt goes to the emptier worker; then Q on w too: 8 blocks > 6, P's tail goes first
             assert (await p.route(Q, model=NOEV)).worker_id == other
             await p.route(Q, model=NOEV, candidates=[w])

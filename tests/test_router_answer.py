@@ -510,6 +510,8 @@ def test_router_stats_shape_for_a_remote_and_a_local_index() -> None:
         candidates_cut={"m": 7},
         index=remote,
         latency=window,
+        sessions=3,
+        predicted_blocks={"ttl": 12},
     )
     assert msgspec.to_builtins(stats) == {
         "routed": 5,
@@ -529,6 +531,8 @@ def test_router_stats_shape_for_a_remote_and_a_local_index() -> None:
         },
         "receipts": {},
         "latency": {"routes": 100, "p50_ms": 151.0, "p99_ms": 200.0},
+        "sessions": 3,
+        "predicted_blocks": {"ttl": 12},
     }
     assert LatencyWindow().figures() is None
     figures = ReplicaFigures(

@@ -350,7 +350,7 @@ def route_answer(
 
     w = ranking.winner_score()
     state, holder_why = state_of(ranking.winner)
-    if mode == "exact" and state != "exact":
+    if mode == "exact" and state not in ("exact", "predicted"):  # predicted is what such a worker can have
         mode = "degraded"
         mode_reason = f"the chosen holder {w.worker_id}/{w.dp_rank} is {state}: {holder_why}"
     routed = None

@@ -27,7 +27,11 @@ MAX_HOLDERS_LISTED = 100
 """Non-exact holders listed by name in the router's status (the rest are counted)."""
 
 HolderState = tuple[str, str | None]
-"""A holder's state and why: ``("exact", None)``, ``("incomplete", reason)`` or ``("stale", reason)``."""
+"""A holder's state and why: ``("exact", None)``, ``("incomplete", reason)``, ``("stale", reason)`` or
+``("predicted", reason)`` (a worker without KV events: its overlap is the routers' record of their routes)."""
+PREDICTED_REASON = (
+    "no_kv_events: the overlap is what the routers sent this worker (kvmesh ingest --no-kv-events)"
+)
 
 
 class RecordLike(Protocol):
@@ -127,7 +131,7 @@ def holder_state(
 ) -> HolderState:
     """Return one holder's state: incomplete (the index lost its history: `Candidate.health`), stale (the
     replica lags: ``lagging``; or its worker's heartbeat in ``records`` is older than ``heartbeat_late_s``),
-    else exact."""
+    predicted (its worker publishes no KV events), else exact."""
     if c.health is not None:
         return "incomplete", c.health
     if lagging:
@@ -136,6 +140,10 @@ def holder_state(
         rec = records.get(c.worker_id)
         if rec is not None and rec.heartbeat_ts > 0 and wall - rec.heartbeat_ts > heartbeat_late_s:
             return "stale", f"heartbeat_late: last heartbeat {wall - rec.heartbeat_ts:.1f} s ago"
+    if records is not None:
+        rec = records.get(c.worker_id)
+        if rec is not None and not getattr(rec, "kv_events", True):
+            return "predicted", PREDICTED_REASON
     return "exact", None
 
 

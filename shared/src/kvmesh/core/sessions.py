@@ -20,7 +20,7 @@ from typing import Final
 
 from kvmesh.core.index import Holder
 
-__all__ = ["MAX_SESSIONS", "SESSION_TTL_S", "SessionTable"]
+__all__ = ["MAX_SESSIONS", "MAX_SESSION_ID_CHARS", "SESSION_TTL_S", "SessionTable"]
 
 SESSION_TTL_S: Final[float] = 1800.0
 """Default idle time (seconds) after which a session's worker is forgotten."""

@@ -17,7 +17,9 @@ Plain subscriptions (no queue group), so every replica sees every note:
 * ``<load_prefix>.<worker>`` — engine load reports (`WorkerLoad`, JSON).
 
 An undecodable note is logged (a load report at debug level) and dropped; nothing else is lost. Undecodable
-lifecycle notes are counted (`LifecycleNotes.undecodable`).
+lifecycle notes are counted (`LifecycleNotes.undecodable`), and so are ``routed`` / ``noted`` notes that no
+router sends (a negative rank, a session id outside 1 – 256 characters, a key outside [0, 2⁶⁴)), dropped
+whole. A sync answer is cut to the server's ``max_payload`` (least recently seen sessions out first).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvmesh.core.errors import ProtocolError
 from kvmesh.core.index import Holder
 from kvmesh.core.load import EngineLoads, LoadLedger
 from kvmesh.core.protocol import (
+    LedgerEntry,
     LedgerSnapshot,
     RequestRef,
     Routed,
@@ -46,12 +49,47 @@ from kvmesh.core.protocol import (
     decode,
     encode,
 )
-from kvmesh.core.sessions import SessionTable
+from kvmesh.core.sessions import MAX_SESSION_ID_CHARS, SessionTable
 from kvmesh.router.config import RouterSettings
 from kvmesh.router.predictions import Predictions
 from kvmesh.runtime import subjects
 
 log = logging.getLogger("kvmesh.router")
+
+_KEY_LIMIT = 1 << 64
+
+
+def _problem(dp_rank: int, session_id: str | None, block_keys: list[int] | None) -> str | None:
+    """What makes a `Routed` / `RouteNote` one no router sends (None: nothing): a negative rank, a session id
+    outside 1 – 256 characters, a key outside [0, 2⁶⁴)."""
+    if dp_rank < 0:
+        return f"dp_rank {dp_rank} < 0"
+    if session_id is not None and not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+        return f"session_id of {len(session_id)} characters (1 to {MAX_SESSION_ID_CHARS})"
+    if block_keys and not (min(block_keys) >= 0 and max(block_keys) < _KEY_LIMIT):
+        return "block_keys outside [0, 2**64)"
+    return None
+
+
+def _fitted(entries: list[LedgerEntry], sessions: list[SessionEntry], limit: int) -> bytes:
+    """The snapshot of ``entries`` and ``sessions`` (least recently seen first) as msgpack, within ``limit``
+    bytes (the server's ``max_payload``): past it, the least recently seen sessions are left out, then the
+    oldest requests (a snapshot that does not fit would reach no one)."""
+    data = encode(LedgerSnapshot(entries=entries, sessions=sessions), format="msgpack")
+    total = (len(entries), len(sessions))
+    while len(data) > limit and (entries or sessions):
+        keep = max(int(len(sessions if sessions else entries) * limit / len(data) * 0.95) - 1, 0)
+        if sessions:
+            sessions = sessions[len(sessions) - keep :]
+        else:
+            entries = entries[len(entries) - keep :]
+        data = encode(LedgerSnapshot(entries=entries, sessions=sessions), format="msgpack")
+    if (len(entries), len(sessions)) != total:
+        log.warning(
+            "router: accounting snapshot cut to %d of %d requests and %d of %d sessions to fit %d bytes",
+            len(entries), total[0], len(sessions), total[1], limit, extra={"kind": "sync"},
+        )  # fmt: skip
+    return data
 
 
 class LifecycleNotes:
@@ -198,9 +236,8 @@ class LifecycleNotes:
                     SessionEntry(session_id=sid, worker_id=h.worker_id, dp_rank=h.dp_rank, idle_s=idle)
                     for sid, h, idle in self.sessions.entries(now)
                 ]
-                await msg.respond(
-                    encode(LedgerSnapshot(entries=snap.entries, sessions=sessions), format="msgpack")
-                )
+                limit = (self._nc.max_payload if self._nc is not None else 1 << 20) - 1024
+                await msg.respond(_fitted(snap.entries, sessions, limit))
 
     async def _on_routed(self, msg: Msg) -> None:
         try:
@@ -208,6 +245,11 @@ class LifecycleNotes:
         except ProtocolError:
             self.undecodable += 1
             self._undecodable("routed", "router: undecodable routed event on %s", msg.subject)
+            return
+        problem = _problem(event.dp_rank, event.session_id, event.block_keys)
+        if problem is not None:
+            self.undecodable += 1
+            self._undecodable("routed", "router: routed event dropped (%s) on %s", problem, msg.subject)
             return
         now = self._clock()
         self.ledger.routed(event, now)
@@ -219,6 +261,11 @@ class LifecycleNotes:
         except ProtocolError:
             self.undecodable += 1
             self._undecodable("noted", "router: undecodable route note on %s", msg.subject)
+            return
+        problem = _problem(note.dp_rank, note.session_id, note.block_keys)
+        if problem is not None:
+            self.undecodable += 1
+            self._undecodable("noted", "router: route note dropped (%s) on %s", problem, msg.subject)
             return
         self._note(Holder(note.worker_id, note.dp_rank), note.session_id, note.block_keys, self._clock())
 

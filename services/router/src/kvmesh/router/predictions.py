@@ -169,19 +169,25 @@ class Predictions:
 
     def add(self, holder: Holder, keys: Sequence[int] | None, now_s: float) -> bool:
         """Count ``keys`` as held by ``holder`` (a route this replica or a peer sent there); return whether they
-        were kept (False: no keys, or predicted entries off and the worker publishes KV events)."""
+        were kept (False: no keys, a (worker, rank) the registry does not list, or predicted entries off and
+        the worker publishes KV events). A holder keeps at most its worker's ``kv_capacity_blocks``."""
         if not keys:
             return False
-        rec = self._eventless(holder.worker_id)
-        if rec is not None:
-            cap = getattr(rec, "kv_capacity_blocks", None)
-            cap = cap if isinstance(cap, int) and cap >= 1 else None
+        recs = self.records()
+        rec = recs.get(holder.worker_id) if recs is not None else None
+        if recs is not None and (rec is None or not 0 <= holder.dp_rank < rec.dp_ranks):
+            return False  # a rank the registry does not list: nothing to predict (and no unbounded holders)
+        cap = getattr(rec, "kv_capacity_blocks", None)
+        cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 else None
+        if rec is not None and not getattr(rec, "kv_events", True):
             if self.approx.capacity(holder) != (cap or DEFAULT_CAPACITY_BLOCKS):
                 self.approx.set_capacity(holder, cap)
             self.approx.add(holder, keys, now_s)
             return True
         if self.ttl is None:
             return False
+        if cap is not None and self.ttl.capacity(holder) != cap:
+            self.ttl.set_capacity(holder, cap)  # the engine holds no more than its KV capacity
         self.ttl.add(holder, keys, now_s)
         return True
 

@@ -12,7 +12,9 @@ prefix keys (the standard sequence hash of each full block, what the index store
 * **Workers without KV events** (`WorkerRecord.kv_events` false: `kvmesh ingest --no-kv-events`): the index
   knows nothing of them, so their overlap is only what the routers sent them, at most the worker's
   ``kv_capacity_blocks`` per rank (`DEFAULT_CAPACITY_BLOCKS` when the record does not say), least recently
-  used out first: Dynamo's approximate mode. Always on for such workers.
+  used out first: Dynamo's approximate mode. Always on for such workers. A rank the registry no longer
+  lists as such (its worker left, or now publishes events) loses its predicted cache, as the indexers clear a
+  departed worker's blocks.
 
 Every replica keeps the same entries: the replica that routes sends the prompt's keys in its `Routed` note
 (or a `RouteNote` for a request without a ``request_id``), and each replica adds them on receipt. No I/O and
@@ -94,7 +96,17 @@ class Predictions:
                     by_model.setdefault(r.model, set()).add(w)
             self._by_model = {m: frozenset(ws) for m, ws in by_model.items()}
             self._read_s = now_s
+            if recs is not None:
+                self._forget_departed(recs)
         return self._by_model.get(model, frozenset())
+
+    def _forget_departed(self, recs: Mapping[str, RecordLike]) -> None:
+        """Forget the predicted caches of ranks the registry no longer lists as without KV events (the worker
+        left, or now publishes events), as the indexers clear a departed worker's blocks."""
+        for h in self.approx.holders():
+            rec = recs.get(h.worker_id)
+            if rec is None or getattr(rec, "kv_events", True) or not h.dp_rank < rec.dp_ranks:
+                self.approx.forget(h)
 
     def _eventless(self, worker_id: str) -> RecordLike | None:
         """The worker's record when it publishes no KV events, else None."""

@@ -115,3 +115,30 @@ async def test_predicted_entries_only_for_registered_ranks(nats_url: str, uid: s
         assert sorted(approx.holders()) == [Holder("x", 0), Holder("x", 1)]
         assert sorted(ttl.holders()) == [Holder("e", 0), Holder("e", 1)]
         assert (len(approx), len(ttl)) == (16, 16)
+
+
+async def test_a_sync_answer_with_sessions_no_router_keeps_is_filtered(nats_url: str, uid: str) -> None:
+    """A peer's snapshot passes the same checks as the notes: a session id past 256 characters or a negative
+    rank is not restored."""
+    from kvmesh.core.protocol import LedgerSnapshot, SessionEntry, encode
+
+    async with fleet(nats_url, uid) as f:
+        snap = LedgerSnapshot(
+            entries=[],
+            sessions=[
+                SessionEntry(session_id="x" * 100_000, worker_id="a", dp_rank=0, idle_s=1.0),
+                SessionEntry(session_id="neg", worker_id="a", dp_rank=-4, idle_s=1.0),
+                SessionEntry(session_id="", worker_id="a", dp_rank=0, idle_s=1.0),
+                SessionEntry(session_id="ok", worker_id="a", dp_rank=1, idle_s=1.0),
+            ],
+        )
+
+        async def on_sync(msg: Any) -> None:
+            await msg.respond(encode(snap, format="msgpack"))
+
+        await f.nc.subscribe(f"t{uid}.requests.sync", cb=on_sync)
+        r0 = await f.start_router()
+        assert r0.notes.synced_sessions == 1
+        assert [(sid, h) for sid, h, _i in r0.notes.sessions.entries(r0.notes._clock())] == [
+            ("ok", Holder("a", 1))
+        ]

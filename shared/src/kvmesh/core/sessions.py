@@ -2,7 +2,7 @@
 
 A route request may carry a ``session_id`` (a conversation, an agent's run: any string the caller keeps for
 related requests). Every router replica records where each session's requests went, from its own answers
-and from the ``routed`` / ``session`` notes of the others, and the decision keeps a session on that
+and from the ``routed`` / ``noted`` notes of the others, and the decision keeps a session on that
 (worker, dp rank) while its cost is within `kvmesh.core.route.Policy.session_slack` of the best
 (`kvmesh.core.route.rank`'s ``session``). SGLang's gateway and llm-d offer the same kind of stickiness; kvmesh
 keeps it cost-bounded, so a loaded worker still sheds a session.

@@ -161,7 +161,12 @@ class LifecycleNotes:
         now = self._clock()
         self.synced_requests = self.ledger.restore(snap, now)
         self.synced_sessions = self.sessions.restore(
-            ((e.session_id, Holder(e.worker_id, e.dp_rank), e.idle_s) for e in snap.sessions), now
+            (
+                (e.session_id, Holder(e.worker_id, e.dp_rank), e.idle_s)
+                for e in snap.sessions
+                if _problem(e.dp_rank, e.session_id, None) is None
+            ),
+            now,
         )
 
     async def serve_sync(self, nc: Client) -> Subscription:

@@ -27,7 +27,7 @@ async def test_replicas_keep_a_session_on_its_worker_while_the_cost_allows(nats_
         f.answer = lambda q: answer([MatchHolder("a", 0, 4, 40), MatchHolder("b", 0, 0, 0)])
         first = await c0.route("m", HOT, session_id="conv-1")
         assert (first.worker_id, first.session) == ("a", "new")
-        # no request_id: a session note tells the other replica
+        # no request_id: a route note tells the other replica
         await until(lambda: len(r1.notes.sessions) == 1)
         # now b holds 4 and a 3: a costs 1 block more, within the default slack (0.25 × 5 blocks)
         f.answer = lambda q: answer([MatchHolder("a", 0, 3, 40), MatchHolder("b", 0, 4, 40)])

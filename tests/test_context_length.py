@@ -121,4 +121,11 @@ def test_engine_flags_give_the_registry_its_context_length_block_size_and_capaci
     )
     assert (sg.context_length, sg.block_size, sg.kv_capacity_blocks) == (8192, 16, 4096)
     bad = IngestSettings(worker_id="w", model="m", context_length=0, kv_capacity_blocks=0)
-    assert bad.validate() == ["--context-length must be ≥ 1", "--kv-capacity-blocks must be ≥ 1"]
+    assert bad.validate() == [
+        "--context-length must be ≥ 1",
+        "--kv-capacity-blocks must be within [1, 9223372036854775807], got 0",
+    ]
+    huge = IngestSettings(worker_id="w", model="m", kv_capacity_blocks=10**23)
+    assert huge.validate() == [
+        "--kv-capacity-blocks must be within [1, 9223372036854775807], got 100000000000000000000000"
+    ]

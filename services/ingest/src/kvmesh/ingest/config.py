@@ -13,6 +13,7 @@ from kvmesh.core.liveness import (
     DEFAULT_STALE_AFTER_FAILURES,
     LivenessPolicy,
 )
+from kvmesh.core.state import MAX_BLOCKS_LIMIT
 from kvmesh.runtime import subjects
 from kvmesh.runtime.config import NatsAuth, setting
 from kvmesh.runtime.logs import LOG_FORMATS
@@ -247,8 +248,10 @@ class IngestSettings(NatsAuth):
             )
         if self.context_length is not None and self.context_length < 1:
             problems.append("--context-length must be ≥ 1")
-        if self.kv_capacity_blocks is not None and self.kv_capacity_blocks < 1:
-            problems.append("--kv-capacity-blocks must be ≥ 1")
+        if self.kv_capacity_blocks is not None and not 1 <= self.kv_capacity_blocks <= MAX_BLOCKS_LIMIT:
+            problems.append(
+                f"--kv-capacity-blocks must be within [1, {MAX_BLOCKS_LIMIT}], got {self.kv_capacity_blocks}"
+            )
         if self.max_pending_acks < 1:
             problems.append("--max-pending-acks must be ≥ 1")
         if self.replay_timeout_s <= 0:

@@ -258,6 +258,6 @@ async def test_an_undecodable_prefill_done_or_finished_note_is_logged_and_counte
         assert warned == [
             f"router: undecodable finished note on {prefix}.finished",
             f"router: undecodable prefill_done note on {prefix}.prefill_done",
-            f"router: undecodable routed event on {prefix}.routed",
+            f"router: undecodable routed note on {prefix}.routed",
         ]
         assert svc.notes.undecodable == 3

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 import nats.errors
@@ -55,6 +56,7 @@ from kvmesh.router.predictions import Predictions
 from kvmesh.runtime import subjects
 
 log = logging.getLogger("kvmesh.router")
+_N = TypeVar("_N", Routed, RouteNote)
 
 _KEY_LIMIT = 1 << 64
 
@@ -245,34 +247,32 @@ class LifecycleNotes:
                 await msg.respond(_fitted(snap.entries, sessions, limit))
 
     async def _on_routed(self, msg: Msg) -> None:
-        try:
-            event = decode(msg.data, Routed)
-        except ProtocolError:
-            self.undecodable += 1
-            self._undecodable("routed", "router: undecodable routed event on %s", msg.subject)
-            return
-        problem = _problem(event.dp_rank, event.session_id, event.block_keys)
-        if problem is not None:
-            self.undecodable += 1
-            self._undecodable("routed", "router: routed event dropped (%s) on %s", problem, msg.subject)
-            return
-        now = self._clock()
-        self.ledger.routed(event, now)
-        self._note(Holder(event.worker_id, event.dp_rank), event.session_id, event.block_keys, now)
+        event = self._checked(msg, Routed, "routed")
+        if event is not None:
+            now = self._clock()
+            self.ledger.routed(event, now)
+            self._note(Holder(event.worker_id, event.dp_rank), event.session_id, event.block_keys, now)
 
     async def _on_noted(self, msg: Msg) -> None:
+        note = self._checked(msg, RouteNote, "noted")
+        if note is not None:
+            self._note(Holder(note.worker_id, note.dp_rank), note.session_id, note.block_keys, self._clock())
+
+    def _checked(self, msg: Msg, kind: type[_N], name: str) -> _N | None:
+        """The note, or None (logged, counted in `undecodable`) when it does not decode or says what no router
+        sends (`_problem`)."""
         try:
-            note = decode(msg.data, RouteNote)
+            note = decode(msg.data, kind)
         except ProtocolError:
             self.undecodable += 1
-            self._undecodable("noted", "router: undecodable route note on %s", msg.subject)
-            return
+            self._undecodable(name, f"router: undecodable {name} note on %s", msg.subject)
+            return None
         problem = _problem(note.dp_rank, note.session_id, note.block_keys)
         if problem is not None:
             self.undecodable += 1
-            self._undecodable("noted", "router: route note dropped (%s) on %s", problem, msg.subject)
-            return
-        self._note(Holder(note.worker_id, note.dp_rank), note.session_id, note.block_keys, self._clock())
+            self._undecodable(name, f"router: {name} note dropped (%s) on %s", problem, msg.subject)
+            return None
+        return note
 
     async def _on_prefill_done(self, msg: Msg) -> None:
         ref = self._ref(msg, "prefill_done")

@@ -29,6 +29,9 @@ from kvmesh.ingest.liveness import EngineWatch
 from kvmesh.runtime import subjects
 from kvmesh.runtime.registry import RegistrySettings, deregister, heartbeat, key_present, open_registry
 
+RETRY_S = 1.0
+"""Seconds before a failed heartbeat is tried again (at most TTL/3)."""
+
 log = logging.getLogger("kvmesh.ingest")
 
 STOP_S = 2.0
@@ -123,12 +126,18 @@ class Registration:
             except Exception as exc:
                 # Open (re-creating if needed) the bucket again next time: it may have been deleted.
                 self._kv = None
+                retry_s = min(RETRY_S, s.worker_ttl_s / 3)
                 log.warning(
-                    "worker %s: heartbeat failed (%r); retrying",
+                    "worker %s: heartbeat failed (%r); retrying in %.1f s",
                     s.worker_id,
                     exc,
+                    retry_s,
                     extra={"worker_id": s.worker_id},
                 )
+                # Soon, not a whole beat later: during a cluster failover the key's TTL keeps running, and
+                # a worker whose entry expires loses its cache in every index until the engine stores again.
+                await self._wait_beat(retry_s)
+                continue
             await self._wait_beat()
 
     def record(self, *, incarnation: int, now: float) -> WorkerRecord:
@@ -166,10 +175,13 @@ class Registration:
             self.rejoin("rejoin")
         self._beat_now.set()
 
-    async def _wait_beat(self) -> None:
-        """Sleep until the next heartbeat is due (TTL/3), or an engine rank changed liveness."""
+    async def _wait_beat(self, wait_s: float | None = None) -> None:
+        """Sleep until the next heartbeat is due (``wait_s``, default TTL/3), or an engine rank changed
+        liveness."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._beat_now.wait(), self.settings.worker_ttl_s / 3)
+            await asyncio.wait_for(
+                self._beat_now.wait(), self.settings.worker_ttl_s / 3 if wait_s is None else wait_s
+            )
         self._beat_now.clear()
 
     def stale_ranks(self) -> dict[int, str]:

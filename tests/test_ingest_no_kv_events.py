@@ -295,7 +295,12 @@ async def test_registered_with_heartbeats_only_and_nothing_on_the_stream(nats_ur
                 engine=unprobed,
             )
             assert reply.ranks == {"0": rank, "1": rank}
-            assert (reply.model, reply.outbox, reply.counters["published"]) == (MODEL, 0, 0)
+            assert (reply.model, reply.outbox, reply.counters["published"], reply.kv_events) == (
+                MODEL,
+                0,
+                0,
+                False,
+            )
             text = render_status(await ops_status(f.nc, stream=f.stream))
             assert [line.split()[:4] for line in text.splitlines() if f.worker in line] == [
                 [f.worker, MODEL, "2", "16"],  # the workers table: model, ranks, block size

@@ -440,6 +440,9 @@ class IngestStatus(Message, kw_only=True, frozen=True):
     counters: dict[str, int]
     ranks: dict[str, IngestRankStatus]
     """dp_rank (as a string: JSON keys) → its status."""
+    kv_events: bool = True
+    """False: the ingest registers its worker with heartbeats only (``--no-kv-events``) and reads no KV
+    events (its ranks' endpoints read ``none (no KV events)``)."""
 
 
 class IndexerStatus(Message, kw_only=True, frozen=True):

@@ -23,8 +23,6 @@ from kvmesh.ops.report import (
 __all__ = ["render_status", "route_rates"]
 
 _NONE = "-"
-_NO_KV_EVENTS = "none (no KV events)"
-"""The endpoint of each rank of an ingest without KV events (`kvmesh ingest --no-kv-events`)."""
 
 
 def route_rates(previous: StatusReport, current: StatusReport, elapsed_s: float) -> dict[str, float]:
@@ -163,7 +161,7 @@ def _ingests(ingests: Sequence[IngestStatus]) -> list[str]:
                     rank,
                     f"{r.engine.state}"
                     + (f" ({r.engine.reason})" if r.engine.reason else "")
-                    + (", no KV events" if r.endpoint == _NO_KV_EVENTS else ""),
+                    + ("" if ing.kv_events else ", no KV events"),
                     _num(r.epoch),
                     _num(r.last_seq),
                     _num(seq.get("gaps")),

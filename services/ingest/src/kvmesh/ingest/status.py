@@ -79,6 +79,7 @@ def ingest_status(
                 )
                 for r in settings.local_ranks()
             },
+            kv_events=False,
         )
     return IngestStatus(
         worker_id=settings.worker_id,

@@ -45,7 +45,12 @@ async def test_an_event_less_model_is_routed_from_the_routers_own_routes(nats_ur
                 ("predicted", PREDICTED_REASON)
             }
             # a new prompt goes to the emptier worker; then Q on w too: 8 blocks > 6, P's tail goes first
-            assert (await p.route(Q, model=NOEV)).worker_id == other
+            fresh = await p.route(Q, model=NOEV, explain=True)
+            assert fresh.worker_id == other
+            assert {(s.worker_id, s.overlap_blocks, s.cached_blocks) for s in fresh.scores or []} == {
+                (w, 0, 4),  # the routers' record of w's cache counts for the tie
+                (other, 0, 0),
+            }
             await p.route(Q, model=NOEV, candidates=[w])
             after = await p.route(P, model=NOEV, candidates=[w])
             assert after.overlap_blocks == 2

@@ -148,9 +148,9 @@ class Predictions:
                 out.append(_raised(c, ttl_hits[h]))
             else:
                 out.append(c)
-        for h, n in approx_hits.items():
+        for h in self.approx.holders():  # every event-less holder with its cached blocks (ties read them)
             if h not in seen and h.worker_id in eventless:
-                out.append(self._approx_candidate(h, n, 0))
+                out.append(self._approx_candidate(h, approx_hits.get(h, 0), 0))
         for h, n in ttl_hits.items():
             if h not in seen and h.worker_id not in eventless:
                 out.append(

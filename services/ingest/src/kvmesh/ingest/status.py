@@ -61,32 +61,21 @@ def ingest_status(
     An ingest without KV events (``--no-kv-events``) reads no rank: each of its ranks reads `NO_KV_EVENTS` as
     its endpoint, no cursor, the configured block size, no counters, and its engine's liveness."""
     if not settings.kv_events:
-        return IngestStatus(
-            worker_id=settings.worker_id,
-            model=settings.model,
-            outbox=outbox,
-            counters=asdict(counters),
-            ranks={
-                str(r): IngestRankStatus(
-                    endpoint=NO_KV_EVENTS,
-                    epoch=0,
-                    last_seq=None,
-                    replaying=False,
-                    block_size=settings.block_size,
-                    sequence={},
-                    events={},
-                    engine=engine_status(engines.get(r)),
-                )
-                for r in settings.local_ranks()
-            },
-            kv_events=False,
-        )
-    return IngestStatus(
-        worker_id=settings.worker_id,
-        model=settings.model,
-        outbox=outbox,
-        counters=asdict(counters),
-        ranks={
+        per_rank = {
+            str(r): IngestRankStatus(
+                endpoint=NO_KV_EVENTS,
+                epoch=0,
+                last_seq=None,
+                replaying=False,
+                block_size=settings.block_size,
+                sequence={},
+                events={},
+                engine=engine_status(engines.get(r)),
+            )
+            for r in settings.local_ranks()
+        }
+    else:
+        per_rank = {
             str(r.rank): IngestRankStatus(
                 endpoint=r.endpoint,
                 epoch=r.tracker.epoch,
@@ -99,5 +88,12 @@ def ingest_status(
                 replay_seconds=round(r.replay_seconds, 6),
             )
             for r in ranks.values()
-        },
+        }
+    return IngestStatus(
+        worker_id=settings.worker_id,
+        model=settings.model,
+        outbox=outbox,
+        counters=asdict(counters),
+        ranks=per_rank,
+        kv_events=settings.kv_events,
     )

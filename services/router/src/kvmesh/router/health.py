@@ -35,7 +35,7 @@ PREDICTED_REASON = (
 
 
 class RecordLike(Protocol):
-    """A worker's registry record, as far as the router's health reads it."""
+    """A worker's registry record (`kvmesh.core.protocol.WorkerRecord`), as far as the router reads it."""
 
     @property
     def model(self) -> str: ...
@@ -47,6 +47,10 @@ class RecordLike(Protocol):
     def heartbeat_ts(self) -> float: ...
     @property
     def stale_ranks(self) -> Mapping[int, str]: ...
+    @property
+    def kv_capacity_blocks(self) -> int | None: ...
+    @property
+    def kv_events(self) -> bool: ...
 
 
 class LagMeter:
@@ -142,7 +146,7 @@ def holder_state(
             return "stale", f"heartbeat_late: last heartbeat {wall - rec.heartbeat_ts:.1f} s ago"
     if records is not None:
         rec = records.get(c.worker_id)
-        if rec is not None and not getattr(rec, "kv_events", True):
+        if rec is not None and not rec.kv_events:
             return "predicted", PREDICTED_REASON
     return "exact", None
 

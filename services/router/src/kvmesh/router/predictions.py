@@ -92,7 +92,7 @@ class Predictions:
             recs = self.records()
             by_model: dict[str, set[str]] = {}
             for w, r in (recs or {}).items():
-                if not getattr(r, "kv_events", True):
+                if not r.kv_events:
                     by_model.setdefault(r.model, set()).add(w)
             self._by_model = {m: frozenset(ws) for m, ws in by_model.items()}
             self._read_s = now_s
@@ -105,14 +105,14 @@ class Predictions:
         left, or now publishes events), as the indexers clear a departed worker's blocks."""
         for h in self.approx.holders():
             rec = recs.get(h.worker_id)
-            if rec is None or getattr(rec, "kv_events", True) or not h.dp_rank < rec.dp_ranks:
+            if rec is None or rec.kv_events or not h.dp_rank < rec.dp_ranks:
                 self.approx.forget(h)
 
     def _eventless(self, worker_id: str) -> RecordLike | None:
         """The worker's record when it publishes no KV events, else None."""
         recs = self.records()
         rec = recs.get(worker_id) if recs is not None else None
-        return rec if rec is not None and not getattr(rec, "kv_events", True) else None
+        return rec if rec is not None and not rec.kv_events else None
 
     def overlay(
         self, parsed: RouteRequest, match: MatchAnswer, now_s: float
@@ -189,9 +189,9 @@ class Predictions:
         rec = recs.get(holder.worker_id) if recs is not None else None
         if recs is not None and (rec is None or not 0 <= holder.dp_rank < rec.dp_ranks):
             return False  # a rank the registry does not list: nothing to predict (and no unbounded holders)
-        cap = getattr(rec, "kv_capacity_blocks", None)
-        cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1 else None
-        if rec is not None and not getattr(rec, "kv_events", True):
+        cap = rec.kv_capacity_blocks if rec is not None else None
+        cap = cap if cap is not None and cap >= 1 else None
+        if rec is not None and not rec.kv_events:
             if self.approx.capacity(holder) != (cap or DEFAULT_CAPACITY_BLOCKS):
                 self.approx.set_capacity(holder, cap)
             self.approx.add(holder, keys, now_s)

@@ -47,8 +47,10 @@ async def test_a_departed_node_does_not_clear_a_rank_another_node_still_reads(
         await kill(p, node_a)
         left = {f"{W}/2": 3, f"{W}/3": 4}
         assert await eventually(lambda: explained(p, T), lambda o: o == left, timeout_s=30) == left
-        await asyncio.sleep(1.0)  # the departure's Cleared messages are applied by now
-        state = indexer.state.workers()[W]
+        # The node's key aged out: after the indexers' expiry grace, its ranks' Cleared messages are applied.
+        state = await eventually(
+            lambda: asyncio.sleep(0, indexer.state.workers()[W]), lambda s: s["blocks"] == 3 + 4, timeout_s=15
+        )
         assert (state["blocks"], state["removed"]) == (3 + 4, False)
         assert await explained(p, T) == left
 

@@ -34,19 +34,19 @@ async def test_a_failed_heartbeat_is_retried_within_a_second(
         stream_memory=True,
         worker_ttl_s=15.0,
     )
-    real = registry.heartbeat
+    real = registry.put_record
     attempts: list[float] = []
     third = asyncio.Event()
 
-    async def flaky(kv: Any, record: Any) -> int:
+    async def flaky(kv: Any, record: Any, *, last: int) -> int:
         attempts.append(time.monotonic())
         if len(attempts) == 3:
             third.set()
         if len(attempts) <= 2:
             raise TimeoutError  # what nats-py raises while the bucket's stream has no leader
-        return await real(kv, record)
+        return await real(kv, record, last=last)
 
-    monkeypatch.setattr(reg, "heartbeat", flaky)
+    monkeypatch.setattr(reg, "put_record", flaky)
     nc = await connect(nats_url, name="test-heartbeat")
     r = Registration(settings, {}, lambda _why: None)
     r.js = nc.jetstream()

@@ -33,7 +33,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import msgspec
 import nats.errors
@@ -309,6 +309,86 @@ async def key_present(kv: Any, worker_id: str, ranks: range | None = None) -> bo
         await js.stream_info(stream)  # raises NotFoundError if the bucket itself is gone
         return False
     return bool(entry.value)  # an empty value is a server marker (the key aged out)
+
+
+WRONG_LAST_SEQUENCE: Final[int] = 10071
+"""JetStream's error code for a write whose expected last subject sequence (KV revision) did not match."""
+
+KeyKind = Literal["record", "expired", "deleted", "missing"]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyState:
+    """The last message on one registry key, read by a direct get (`read_key`).
+
+    ``kind``: ``"record"`` (a heartbeat's record), ``"expired"`` (the server's age-out marker: no heartbeat
+    within the TTL, and no indexer has claimed the expiry yet), ``"deleted"`` (a delete: a clean stop, or an
+    indexer's claim of an expiry, `claim_expiry`, after which the worker is removed from the index) or
+    ``"missing"`` (no message at all: never registered, or its marker aged out too). ``revision``: that
+    message's stream sequence (0 when missing), what a conditional write names as the last revision.
+    """
+
+    kind: KeyKind
+    revision: int
+
+
+def wrong_revision(exc: BaseException) -> bool:
+    """True for a conditional write refused because the key changed (nats-py raises it as
+    ``KeyWrongLastSequenceError`` from ``update`` and as a plain API error from ``delete``)."""
+    if isinstance(exc, nats.js.errors.KeyWrongLastSequenceError):
+        return True
+    return isinstance(exc, nats.js.errors.APIError) and exc.err_code == WRONG_LAST_SEQUENCE
+
+
+async def read_key(kv: Any, key: str) -> KeyState:
+    """The last message on registry ``key`` (`KeyState`), by a direct get (no consumer).
+
+    Raises:
+        nats.errors.Error, TimeoutError: no definite answer (timeout, no responders, bucket gone).
+    """
+    try:
+        entry = await kv.get(key)
+    except nats.js.errors.KeyNotFoundError as exc:
+        found = getattr(exc, "entry", None)
+        if found is not None:  # a delete or purge marker
+            return KeyState("deleted", int(found.revision))
+        js, stream, _ = bucket_stream(kv)
+        await js.stream_info(stream)  # raises NotFoundError if the bucket itself is gone
+        return KeyState("missing", 0)
+    return KeyState("record" if entry.value else "expired", int(entry.revision))
+
+
+async def put_record(kv: Any, record: WorkerRecord, *, last: int) -> int:
+    """Put ``record`` under `record_key` only if the key's last revision is still ``last`` (0: no message);
+    returns the new revision.
+
+    Raises:
+        nats.js.errors.KeyWrongLastSequenceError: the key changed since (`wrong_revision`).
+    """
+    return int(await kv.update(record_key(record), protocol.encode(record), last=last))
+
+
+async def claim_expiry(kv: Any, key: str, revision: int) -> KeyState:
+    """Claim an aged-out key for removal: a delete that holds only while the age-out marker at ``revision``
+    is still the key's last message, so it races the worker's own re-registration (`put_record` with the
+    marker's revision) and exactly one of the two wins.
+
+    Returns:
+        ``deleted`` when the key is deleted now (by this claim, revision 0: not read back, or by another
+        replica's: publish the removal),
+        ``record`` when the worker registered again first (keep it), ``expired`` at a later revision (a
+        newer expiry, claimed by its own watch event) or ``missing``.
+
+    Raises:
+        nats.errors.Error, TimeoutError: no definite answer.
+    """
+    try:
+        await kv.delete(key, last=revision)
+        return KeyState("deleted", 0)
+    except Exception as exc:
+        if not wrong_revision(exc):
+            raise
+    return await read_key(kv, key)
 
 
 async def worker_present(kv: Any, worker_id: str) -> bool:

@@ -37,6 +37,11 @@ class IndexerSettings(NatsAuth):
     worker_ttl_s: float = setting(
         15.0, "worker registry TTL in seconds (when this replica creates the bucket)"
     )
+    expiry_grace_s: float = setting(
+        5.0,
+        "seconds an expired worker may register again before this replica removes it from the index "
+        "(a registry failover can outlast the worker TTL; below --worker-ttl-s; 0: remove at once)",
+    )
     purge_after_snapshot: bool = setting(
         True, "after a snapshot, purge stream messages no kept snapshot needs (never an ingest's last cursor)"
     )
@@ -73,6 +78,12 @@ class IndexerSettings(NatsAuth):
             problems.append("--snapshot-every-messages and --snapshot-every-s must be ≥ 0")
         if self.lease_ttl_s <= 0 or self.worker_ttl_s <= 0:
             problems.append("--lease-ttl-s and --worker-ttl-s must be > 0")
+        if not 0 <= self.expiry_grace_s < self.worker_ttl_s:
+            # The age-out marker a worker writes over lives one TTL: a later claim finds nothing to race.
+            problems.append(
+                f"--expiry-grace-s must be ≥ 0 and below --worker-ttl-s ({self.worker_ttl_s}), "
+                f"got {self.expiry_grace_s}"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
         if self.max_blocks is not None and self.max_blocks < 1:

@@ -23,6 +23,7 @@ from kvmesh.indexer.config import IndexerSettings
 from kvmesh.runtime.registry import (
     WATCH_INACTIVE_S,
     NodeDeparture,
+    claim_expiry,
     last_node_incarnation,
     node_departure,
     node_records,
@@ -78,9 +79,22 @@ class RegistryWatch:
         self._registry: dict[str, WorkerRecord] = {}
         self._members: dict[str, str] = {}
         """Registry members (worker id → model), mirrored from the snapshot bucket."""
+        self._expiring: dict[str, asyncio.Task[None]] = {}
+        """Aged-out registry key → the task that claims its expiry once the grace is over."""
+        self._expired: dict[str, WorkerRecord] = {}
+        """Aged-out registry key → its last record (what its removal names)."""
+        self._claimed: dict[str, int] = {}
+        """Registry key → the revision of the expiry this replica claimed (its delete is still to come back)."""
 
     async def run(self) -> None:
         """Watch until stopped; a failed watch is logged and started again after `RETRY_S`."""
+        try:
+            await self._watch()
+        finally:
+            for task in self._expiring.values():
+                task.cancel()
+
+    async def _watch(self) -> None:
         while not self._stop.is_set():
             try:
                 self._members = await self._store.members()
@@ -208,6 +222,17 @@ class RegistryWatch:
     async def _on_entry(self, entry: Any, *, synced: bool = True) -> None:
         worker = worker_of_key(entry.key)
         if entry.operation is None:
+            self._claimed.pop(entry.key, None)
+            self._expired.pop(entry.key, None)
+            pending = self._expiring.pop(entry.key, None)
+            if pending is not None:  # registered again before its expiry was claimed: nothing is removed
+                pending.cancel()
+                log.warning(
+                    "indexer %s: worker %s registered again after its registry key aged out: kept",
+                    self.replica,
+                    entry.key,
+                    extra={"replica": self.replica, "worker_id": worker},
+                )
             with contextlib.suppress(ProtocolError):  # not a record this build reads: ignored
                 put = protocol.decode(entry.value or b"", WorkerRecord)
                 self._registry[entry.key] = put
@@ -215,12 +240,75 @@ class RegistryWatch:
                     await self._store.put_member(worker, put.model)
                     self._members[worker] = put.model
             return
+        if entry.operation != "PURGE":
+            if self._claimed.pop(entry.key, None) is not None:
+                return  # the delete of an expiry claim this replica saw through: its removal is published
+            pending = self._expiring.pop(entry.key, None)
+            if pending is not None:  # another replica claimed the expiry (or the worker stopped): removed now
+                pending.cancel()
+                await self._departed(entry.key, self._expired.pop(entry.key, None), "PURGE")
+                return
+        elif entry.key in self._expiring:
+            return  # the same expiry again (a restarted watch): its claim is pending
         record = self._registry.pop(entry.key, None)
         if not synced and parse_registry_key(entry.key)[1] is not None:
             # A node's delete among the initial values: its worker's other keys may come after it. The
             # reconcile at the end of the initial values decides (`_reconcile_nodes`, then the members').
             return
-        departure = node_departure(entry.key, record, self._registry)
+        if entry.operation == "PURGE" and record is not None and synced and self.settings.expiry_grace_s > 0:
+            # Aged out: the registry may have been out of reach (a failover) while the worker lives. It
+            # has `expiry_grace_s` to register again before this replica claims the expiry.
+            self._expired[entry.key] = record
+            self._expiring[entry.key] = asyncio.create_task(self._claim_later(entry.key, int(entry.revision)))
+            return
+        await self._departed(entry.key, record, entry.operation)
+
+    async def _claim_later(self, key: str, revision: int) -> None:
+        """After the grace, claim ``key``'s expiry (`claim_expiry`) and remove its worker unless it came back.
+
+        No definite answer (registry out of reach) is tried again every `RETRY_S`: the worker stays meanwhile.
+        """
+        me = asyncio.current_task()
+        await asyncio.sleep(self.settings.expiry_grace_s)
+        while True:
+            try:
+                found = await claim_expiry(self._kv, key, revision)
+                break
+            except Exception as exc:
+                log.warning(
+                    "indexer %s: cannot claim the expiry of registry key %s (%r); trying again",
+                    self.replica,
+                    key,
+                    exc,
+                    extra={"replica": self.replica, "worker_id": worker_of_key(key)},
+                )
+                await asyncio.sleep(RETRY_S)
+        if self._expiring.get(key) is not me:
+            return  # the watch saw the worker come back, or the delete, during the claim: it decided
+        del self._expiring[key]
+        record = self._expired.pop(key, None)
+        if found.kind == "record":
+            return  # registered again: its put reaches the watch and keeps the record
+        if found.kind == "expired":
+            return  # expired again at a later revision: that marker's own watch event decides
+        if found.kind == "deleted":
+            self._claimed[key] = revision  # the claim's delete comes back through the watch: handled here
+        try:
+            await self._departed(key, record, "PURGE")
+        except Exception as exc:  # the reconcile of the next watch removes a member without a key
+            log.error(
+                "indexer %s: could not publish the removal for registry key %s (%r)",
+                self.replica,
+                key,
+                exc,
+                extra={"replica": self.replica, "worker_id": worker_of_key(key)},
+            )
+
+    async def _departed(self, key: str, record: WorkerRecord | None, operation: str) -> None:
+        """Publish what the departure of registry ``key`` takes out of the index (a node's ranks, or the
+        worker), with its last record seen here (None: the index's model and epoch)."""
+        worker = worker_of_key(key)
+        departure = node_departure(key, record, self._registry)
         if departure is not None:  # one node of a multi-node worker left; the others stay
             info = self._stream.state.workers().get(worker)
             if info is None or info["removed"]:
@@ -234,7 +322,7 @@ class RegistryWatch:
                     "(overlapping node ranks): kept",
                     self.replica,
                     worker,
-                    entry.key,
+                    key,
                     sorted(set(departure.ranks) - set(gone)),
                     extra={"replica": self.replica, "worker_id": worker},
                 )
@@ -243,10 +331,10 @@ class RegistryWatch:
                 departure = dataclasses.replace(departure, ranks=gone)
             await self._clear_ranks(departure, info, "left the registry with their node")
             return
-        removal = policy.removal_on_delete(worker, entry.operation, record, self._stream.state.live_worker)
+        removal = policy.removal_on_delete(worker, operation, record, self._stream.state.live_worker)
         if removal is None:
             return
-        if parse_registry_key(entry.key)[1] is not None:  # the last node of a multi-node worker
+        if parse_registry_key(key)[1] is not None:  # the last node of a multi-node worker
             held = self._stream.state.workers().get(worker) or {}
             rank_epochs: dict[int, int] = held.get("epochs") or {}  # type: ignore[assignment]
             removal = dataclasses.replace(

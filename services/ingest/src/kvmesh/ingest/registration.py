@@ -5,8 +5,9 @@ block size, context length, KV capacity). An ingest that reads only some of its 
 a multi-node worker: ``--data-parallel-start-rank``, ``--data-parallel-size-local``) keeps its node's key
 instead (`kvmesh.runtime.registry.registry_key` with its ranks), so the nodes of one worker never overwrite
 each other; everything below applies to that key.
-A key that vanished while the ingest was away (TTL expired: the worker was removed from the index) starts a
-new incarnation on every rank. When every engine rank is gone the ingest leaves the registry and rejoins,
+Each heartbeat is a conditional put over the revision last written (`Registration._beat`): a key that aged out
+while the registry was out of reach is registered again with the same incarnation, unless an indexer claimed
+the expiry first (then the worker was removed from the index, and a new incarnation starts on every rank). When every engine rank is gone the ingest leaves the registry and rejoins,
 as a new incarnation, once the engine answers again.
 """
 
@@ -27,7 +28,16 @@ from kvmesh.ingest.batches import Rank
 from kvmesh.ingest.config import IngestSettings
 from kvmesh.ingest.liveness import EngineWatch
 from kvmesh.runtime import subjects
-from kvmesh.runtime.registry import RegistrySettings, deregister, heartbeat, key_present, open_registry
+from kvmesh.runtime.registry import (
+    RegistrySettings,
+    deregister,
+    key_present,
+    open_registry,
+    put_record,
+    read_key,
+    registry_key,
+    wrong_revision,
+)
 
 RETRY_S = 1.0
 """Seconds before a failed heartbeat is tried again (at most TTL/3)."""
@@ -65,6 +75,12 @@ class Registration:
         """True while every engine rank is gone and this ingest took the worker out of the registry."""
         self._rejoined_live = False
         """The engine came back and this ingest rejoined: the next heartbeat puts the key it had deleted."""
+        self._revision: int | None = None
+        """The key's revision this ingest last wrote or read (None: not read yet)."""
+        self._put_at = time.monotonic()
+        """When the last heartbeat that reached the registry was sent (monotonic seconds)."""
+        self.registered = False
+        """True once this incarnation's key is in the registry (written, or found at start and resumed)."""
         self.node: range | None = settings.local_ranks() if settings.multi_node() else None
         """The ranks of this ingest's node key, or None: it reads every rank and keeps the worker's key."""
 
@@ -85,12 +101,10 @@ class Registration:
     async def run(self) -> None:
         """Heartbeat until cancelled (see the module docstring).
 
-        The liveness check is a direct get of the own key (`key_present`): it creates no consumer, and only
-        a definite "no such key / deleted / aged out" counts as gone; a timeout or an unreadable bucket
-        leaves the worker as it is.
+        Each heartbeat is a conditional put (`_beat`); reading the key (a direct get) creates no consumer, and
+        a timeout or an unreadable bucket leaves the worker as it is.
         """
         s = self.settings
-        registered = False
         while True:
             try:
                 if self._kv is None:
@@ -109,18 +123,7 @@ class Registration:
                         await deregister(kv, s.worker_id, self.node)
                     await self._wait_beat()
                     continue
-                if self._rejoined_live:
-                    self._rejoined_live = False  # the key is missing because we deleted it: put it again
-                elif registered and not await self._key_present_or_unknown(kv):
-                    log.warning(
-                        "worker %s: registry entry expired; rejoining as a new incarnation",
-                        s.worker_id,
-                        extra={"worker_id": s.worker_id},
-                    )
-                    self.rejoin("rejoin")
-                epochs = [r.tracker.epoch for r in self.ranks.values()]
-                await heartbeat(kv, self.record(incarnation=max(epochs, default=0), now=time.time()))
-                registered = True
+                await self._beat(kv)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -139,6 +142,65 @@ class Registration:
                 await self._wait_beat(retry_s)
                 continue
             await self._wait_beat()
+
+    async def _beat(self, kv: Any) -> None:
+        """Put this worker's record only over the revision this ingest last wrote (`put_record`).
+
+        When the key changed since, its last message decides: an age-out marker (the registry was out of
+        reach for a TTL, a cluster failover say) is written over with the same incarnation, which wins the
+        race against the indexers' claim of the expiry (`kvmesh.runtime.registry.claim_expiry`), so nothing
+        is removed and the index keeps the engine's cache (unless the last heartbeat that landed is two TTLs
+        old: an indexer's claim may have aged out into the marker); a delete (an indexer claimed the expiry and
+        removes the worker) or no message at all starts a new incarnation; a record (an acknowledgement
+        lost in a timeout) is taken as the last revision.
+        """
+        s = self.settings
+        ttl = s.worker_ttl_s
+        for _ in range(3):
+            if self._revision is not None:
+                epochs = [r.tracker.epoch for r in self.ranks.values()]
+                record = self.record(incarnation=max(epochs, default=0), now=time.time())
+                sent_at = time.monotonic()
+                try:
+                    self._revision = await put_record(kv, record, last=self._revision)
+                    self.registered, self._put_at = True, sent_at
+                    return
+                except Exception as exc:
+                    if not wrong_revision(exc):
+                        raise
+            found = await read_key(kv, registry_key(s.worker_id, self.node))
+            if self._rejoined_live:
+                self._rejoined_live = False  # the key is deleted because this ingest deleted it: put it again
+            elif self.registered and found.kind in ("deleted", "missing"):
+                log.warning(
+                    "worker %s: registry entry %s (an indexer claimed its expiry and removed the worker, or it "
+                    "was deleted); rejoining as a new incarnation",
+                    s.worker_id,
+                    "deleted" if found.kind == "deleted" else "gone",
+                    extra={"worker_id": s.worker_id},
+                )
+                self.rejoin("rejoin")
+            elif self.registered and found.kind == "expired" and time.monotonic() - self._put_at >= 2 * ttl:
+                # A marker this late may stand for an indexer's claim that aged out too (a claim comes within a
+                # TTL of the first marker, and lives a TTL): the worker may be removed, so start afresh.
+                log.warning(
+                    "worker %s: registry entry expired %.1f s after the last heartbeat that reached it; "
+                    "rejoining as a new incarnation",
+                    s.worker_id,
+                    time.monotonic() - self._put_at,
+                    extra={"worker_id": s.worker_id},
+                )
+                self.rejoin("rejoin")
+            elif self.registered and found.kind == "expired":
+                log.warning(
+                    "worker %s: registry entry expired (no heartbeat reached the registry for %.1f s); "
+                    "registering again with the same incarnation",
+                    s.worker_id,
+                    s.worker_ttl_s,
+                    extra={"worker_id": s.worker_id},
+                )
+            self._revision = found.revision
+        raise RuntimeError("the registry key kept changing during one heartbeat")
 
     def record(self, *, incarnation: int, now: float) -> WorkerRecord:
         """This ingest's registry record: its worker's (or its node's) ranks, incarnation, stale ranks and
@@ -194,19 +256,6 @@ class Registration:
             out[rank.holder_rank if rank is not None and rank.holder_rank >= 0 else r] = reason
         return out
 
-    async def _key_present_or_unknown(self, kv: Any) -> bool:
-        """`key_present`, but True when there is no definite answer (the heartbeat is put regardless)."""
-        try:
-            return await key_present(kv, self.settings.worker_id, self.node)
-        except Exception as exc:
-            log.info(
-                "worker %s: registry check gave no answer (%r); heartbeating on",
-                self.settings.worker_id,
-                exc,
-                extra={"worker_id": self.settings.worker_id},
-            )
-            return True
-
     async def still_registered(self) -> bool:
         """Whether this worker's registry key exists, asked at start before resuming a recovered cursor.
 
@@ -215,7 +264,8 @@ class Registration:
         """
         try:
             self._kv = await self._open()
-            return await key_present(self._kv, self.settings.worker_id, self.node)
+            self.registered = await key_present(self._kv, self.settings.worker_id, self.node)
+            return self.registered
         except Exception as exc:
             self._kv = None
             log.warning(

@@ -1,0 +1,207 @@
+"""A worker whose heartbeats stop reaching the registry for longer than its TTL, while its engine keeps its
+cache (a registry failover on a cluster; here its ingest process frozen with SIGSTOP, which the server sees
+the same way: no put lands), and then reach it again.
+
+* Back within the indexers' grace (``--expiry-grace-s``): the ingest writes its key over the age-out marker with
+  the same incarnation, no indexer removes the worker, and every block it held stays in the index. (Before the
+  grace, the ingest found its key gone and started a new incarnation with a Cleared, and the indexers published
+  its removal at once: the index lost the whole cache, which the engine still held.)
+* Back after the grace: an indexer has claimed the expiry (a delete that holds only over the marker) and
+  published exactly one removal; the ingest sees the delete and rejoins as a new incarnation, and what the
+  engine stores next is indexed again.
+
+Real nats-server, real ZMQ publisher (`kvmesh.sim.publisher.EventPublisher`), a real ``python -m kvmesh.ingest``
+process, and the real indexer and router services in process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.pipeline import Pipeline, eventually
+from tests.test_ingest_faults import BS, T, blk, clean_pipeline, expect, stored
+
+from kvmesh.runtime import subjects
+from kvmesh.runtime.nats import connect
+from kvmesh.runtime.registry import RegistrySettings, open_registry, read_key
+from kvmesh.sim.publisher import EventPublisher
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.e2e]
+
+W = "w"
+TTL_S = 3.0
+GRACE_S = 2.0
+
+
+def spawn_ingest(p: Pipeline, endpoint: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.ingest",
+                "--worker-id",
+                W,
+                "--model",
+                p.model,
+                "--block-size",
+                str(BS),
+                "--zmq-endpoint",
+                endpoint,
+                "--nats-url",
+                p.nats_url,
+                "--stream",
+                p.stream,
+                "--events-prefix",
+                p.prefix,
+                "--stream-memory",
+                "--worker-ttl-s",
+                str(TTL_S),
+                "--engine-probe-after-s",
+                "0",
+                "--max-coalesced-batches",
+                "1",
+                "--log-format",
+                "json",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+
+@contextlib.asynccontextmanager
+async def fleet(nats_url: str, uid: str, tmp: Path) -> AsyncIterator[tuple[Pipeline, Any, Any]]:
+    """A pipeline whose ingest is a process; yields it, the ingest process and the registry bucket."""
+    pub = EventPublisher("tcp://127.0.0.1:*", None)
+    proc: subprocess.Popen[bytes] | None = None
+    nc = await connect(nats_url, name="test-expiry-grace")
+    try:
+        async with clean_pipeline(nats_url, uid) as p:
+            proc = spawn_ingest(p, pub.endpoint, tmp / "ingest.log")
+            kv = await open_registry(
+                nc.jetstream(),
+                RegistrySettings(bucket=subjects.registry_bucket(p.stream), ttl_s=TTL_S, memory=True),
+            )
+            await eventually(lambda: read_key(kv, W), lambda k: k.kind == "record", timeout_s=20.0)
+            await pub.wait_for_subscribers(1, timeout_s=20.0)
+            await p.start_indexer(worker_ttl_s=TTL_S, expiry_grace_s=GRACE_S, buckets_memory=True)
+            await p.start_router()
+            p.publisher = pub  # type: ignore[attr-defined]
+            yield p, proc, kv
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        pub.close()
+        await nc.close()
+
+
+def ingest_log(tmp: Path) -> str:
+    return (tmp / "ingest.log").read_text()
+
+
+async def freeze_until_expired(proc: subprocess.Popen[bytes], kv: Any, hold_s: float) -> float:
+    """SIGSTOP the ingest until its key has aged out (the server's marker) and ``hold_s`` more have passed;
+    SIGCONT it. Returns the seconds it stayed frozen after the marker."""
+    loop = asyncio.get_running_loop()
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        await eventually(lambda: read_key(kv, W), lambda k: k.kind == "expired", timeout_s=TTL_S + 10)
+        marker_at = loop.time()
+        await asyncio.sleep(hold_s)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    return loop.time() - marker_at
+
+
+async def test_a_worker_back_within_the_grace_keeps_its_cache(
+    nats_url: str, uid: str, tmp_path: Path
+) -> None:
+    async with fleet(nats_url, uid, tmp_path) as (p, proc, kv):
+        pub: EventPublisher = p.publisher  # type: ignore[attr-defined]
+        pub.publish([stored([1], blk(T, 0))])
+        pub.publish([stored([2], blk(T, 1), parent=1)])
+        await expect(p, [T], [{"w/0": 2}])
+        frozen = await freeze_until_expired(proc, kv, hold_s=0.5)
+        assert frozen < GRACE_S - 0.5, f"frozen {frozen:.1f} s past the marker: too close to the grace"
+        back = await eventually(lambda: read_key(kv, W), lambda k: k.kind == "record", timeout_s=GRACE_S)
+        assert back.kind == "record"
+        await asyncio.sleep(GRACE_S + 1.0)  # past the claim the indexer would have made
+        assert p.indexer is not None
+        assert p.indexer.removals_published == 0
+        assert (await read_key(kv, W)).kind == "record"
+        await expect(p, [T], [{"w/0": 2}])
+        pub.publish([stored([3], blk(T, 2), parent=2)])  # the same incarnation goes on
+        await expect(p, [T], [{"w/0": 3}])
+        log = ingest_log(tmp_path)
+        assert "registering again with the same incarnation" in log
+        assert "rejoining as a new incarnation" not in log
+
+
+async def test_a_worker_back_after_the_grace_rejoins_as_a_new_incarnation(
+    nats_url: str, uid: str, tmp_path: Path
+) -> None:
+    async with fleet(nats_url, uid, tmp_path) as (p, proc, kv):
+        pub: EventPublisher = p.publisher  # type: ignore[attr-defined]
+        pub.publish([stored([1], blk(T, 0))])
+        pub.publish([stored([2], blk(T, 1), parent=1)])
+        await expect(p, [T], [{"w/0": 2}])
+        assert p.indexer is not None
+        indexer = p.indexer
+        await freeze_until_expired(proc, kv, hold_s=0.0)
+        os.kill(proc.pid, signal.SIGSTOP)  # frozen again until an indexer has claimed the expiry
+        try:
+            await eventually(lambda: read_key(kv, W), lambda k: k.kind == "deleted", timeout_s=GRACE_S + 10)
+            await eventually(
+                lambda: asyncio.sleep(0, indexer.removals_published), lambda n: n == 1, timeout_s=10
+            )
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        await eventually(lambda: read_key(kv, W), lambda k: k.kind == "record", timeout_s=10)
+        await expect(p, [T], [{"w/0": 0}])
+        pub.publish([stored([4], blk(T, 0))])
+        await expect(p, [T], [{"w/0": 1}])
+        assert indexer.removals_published == 1
+        assert "rejoining as a new incarnation" in ingest_log(tmp_path)
+
+
+async def test_a_worker_back_after_its_removal_aged_out_still_rejoins(
+    nats_url: str, uid: str, tmp_path: Path
+) -> None:
+    """Frozen until the indexer's claim (a delete) has aged out into a marker of its own: the key then looks
+    like a plain expiry, but the worker was removed, so the ingest must not keep its incarnation (the index
+    would drop everything it sends as stale)."""
+    async with fleet(nats_url, uid, tmp_path) as (p, proc, kv):
+        pub: EventPublisher = p.publisher  # type: ignore[attr-defined]
+        pub.publish([stored([1], blk(T, 0))])
+        await expect(p, [T], [{"w/0": 1}])
+        assert p.indexer is not None
+        indexer = p.indexer
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            await eventually(lambda: read_key(kv, W), lambda k: k.kind == "deleted", timeout_s=3 * TTL_S + 5)
+            await eventually(lambda: read_key(kv, W), lambda k: k.kind == "expired", timeout_s=TTL_S + 5)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        await eventually(lambda: read_key(kv, W), lambda k: k.kind == "record", timeout_s=10)
+        await expect(p, [T], [{"w/0": 0}])
+        pub.publish([stored([4], blk(T, 0))])
+        await expect(p, [T], [{"w/0": 1}])
+        assert indexer.removals_published == 1
+        assert "rejoining as a new incarnation" in ingest_log(tmp_path)

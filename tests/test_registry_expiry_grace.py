@@ -205,3 +205,33 @@ async def test_a_worker_back_after_its_removal_aged_out_still_rejoins(
         await expect(p, [T], [{"w/0": 1}])
         assert indexer.removals_published == 1
         assert "rejoining as a new incarnation" in ingest_log(tmp_path)
+
+
+async def test_an_indexer_started_during_the_outage_claims_before_it_removes(
+    nats_url: str, uid: str, tmp_path: Path
+) -> None:
+    """An indexer that starts while the worker's key is an age-out marker (its watch delivers the marker
+    among the initial values, with no record seen before it) gives the worker the same grace: back within
+    it, nothing is removed, by it or by its reconcile of the registry members."""
+    async with fleet(nats_url, uid, tmp_path) as (p, proc, kv):
+        pub: EventPublisher = p.publisher  # type: ignore[attr-defined]
+        pub.publish([stored([1], blk(T, 0))])
+        pub.publish([stored([2], blk(T, 1), parent=1)])
+        await expect(p, [T], [{"w/0": 2}])
+        first = p.indexer
+        assert first is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            first.stop()
+            await eventually(lambda: read_key(kv, W), lambda k: k.kind == "expired", timeout_s=TTL_S + 10)
+            second = await p.start_indexer(worker_ttl_s=TTL_S, expiry_grace_s=GRACE_S, buckets_memory=True)
+            await asyncio.sleep(0.5)  # its watch has delivered the marker
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        await eventually(lambda: read_key(kv, W), lambda k: k.kind == "record", timeout_s=GRACE_S)
+        await asyncio.sleep(GRACE_S + 1.0)
+        assert (first.removals_published, second.removals_published) == (0, 0)
+        assert (await read_key(kv, W)).kind == "record"
+        held = second.state.workers()[W]
+        assert (held["blocks"], held["removed"]) == (2, False)
+        assert "rejoining as a new incarnation" not in ingest_log(tmp_path)

@@ -40,7 +40,7 @@ class IndexerSettings(NatsAuth):
     expiry_grace_s: float = setting(
         5.0,
         "seconds an expired worker may register again before this replica removes it from the index "
-        "(a registry failover can outlast the worker TTL; below --worker-ttl-s; 0: remove at once)",
+        "(a registry failover can outlast the worker TTL; below --worker-ttl-s; 0: claim at once)",
     )
     purge_after_snapshot: bool = setting(
         True, "after a snapshot, purge stream messages no kept snapshot needs (never an ingest's last cursor)"

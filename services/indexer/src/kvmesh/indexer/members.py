@@ -127,7 +127,10 @@ class RegistryWatch:
         A multi-node worker that still has node keys loses the ranks no node key reads (`_reconcile_nodes`).
         """
         await self._reconcile_nodes()
+        claiming = {worker_of_key(k) for k in self._expiring}
         for worker, model in sorted(self._members.items()):
+            if worker in claiming:
+                continue  # an aged-out key whose claim is pending decides (`_claim_later`)
             action = policy.reconcile_member(worker, model, registered, self._stream.state.live_worker)
             if isinstance(action, policy.Forget):
                 await self._store.delete_member(worker)
@@ -176,7 +179,7 @@ class RegistryWatch:
         """Take out the index's ranks of each multi-node worker that none of its node keys reads now (a node
         whose key aged out while no replica watched), read from the keys themselves before anything goes."""
         nodes = {worker_of_key(k) for k, rec in self._registry.items() if rec.dp_ranks_local is not None}
-        for worker in sorted(nodes):
+        for worker in sorted(nodes - {worker_of_key(k) for k in self._expiring}):
             info = self._stream.state.workers().get(worker)
             if info is None or info["removed"]:
                 continue
@@ -251,15 +254,19 @@ class RegistryWatch:
         elif entry.key in self._expiring:
             return  # the same expiry again (a restarted watch): its claim is pending
         record = self._registry.pop(entry.key, None)
+        if entry.operation == "PURGE":
+            # Aged out: the registry may have been out of reach (a failover) while the worker lives. It has
+            # `expiry_grace_s` to register again before this replica claims the expiry; nothing is removed
+            # for an expiry without a claim (the worker would keep its incarnation over an unclaimed marker).
+            if record is None and (synced or self._stream.state.live_worker(worker) is None):
+                return  # a delete's own age-out (its departure was handled), or a worker no longer indexed
+            if record is not None:
+                self._expired[entry.key] = record
+            self._expiring[entry.key] = asyncio.create_task(self._claim_later(entry.key, int(entry.revision)))
+            return
         if not synced and parse_registry_key(entry.key)[1] is not None:
             # A node's delete among the initial values: its worker's other keys may come after it. The
             # reconcile at the end of the initial values decides (`_reconcile_nodes`, then the members').
-            return
-        if entry.operation == "PURGE" and record is not None and synced and self.settings.expiry_grace_s > 0:
-            # Aged out: the registry may have been out of reach (a failover) while the worker lives. It
-            # has `expiry_grace_s` to register again before this replica claims the expiry.
-            self._expired[entry.key] = record
-            self._expiring[entry.key] = asyncio.create_task(self._claim_later(entry.key, int(entry.revision)))
             return
         await self._departed(entry.key, record, entry.operation)
 

@@ -315,13 +315,17 @@ class RegistryWatch:
         """Publish what the departure of registry ``key`` takes out of the index (a node's ranks, or the
         worker), with its last record seen here (None: the index's model and epoch)."""
         worker = worker_of_key(key)
-        departure = node_departure(key, record, self._registry)
+        # A key whose expiry claim is pending still counts: its node may register again within the grace and
+        # keep its incarnation, which a removal of the whole worker would make stale.
+        pending = {k: self._expired.get(k) for k in self._expiring if k != key}
+        departure = node_departure(key, record, [*self._registry, *pending])
         if departure is not None:  # one node of a multi-node worker left; the others stay
             info = self._stream.state.workers().get(worker)
             if info is None or info["removed"]:
                 return
             # A rank another node key still reads (node ranges that overlap) is that node's: it stays.
-            others = [rec for k, rec in self._registry.items() if worker_of_key(k) == worker]
+            keys = [*self._registry.items(), *((k, rec) for k, rec in pending.items() if rec is not None)]
+            others = [rec for k, rec in keys if worker_of_key(k) == worker]
             gone = uncovered_ranks(departure.ranks, others)
             if len(gone) != len(departure.ranks):
                 log.warning(

@@ -7,8 +7,9 @@ instead (`kvmesh.runtime.registry.registry_key` with its ranks), so the nodes of
 each other; everything below applies to that key.
 Each heartbeat is a conditional put over the revision last written (`Registration._beat`): a key that aged out
 while the registry was out of reach is registered again with the same incarnation, unless an indexer claimed
-the expiry first (then the worker was removed from the index, and a new incarnation starts on every rank). When every engine rank is gone the ingest leaves the registry and rejoins,
-as a new incarnation, once the engine answers again.
+the expiry first (then the worker was removed from the index, and a new incarnation starts on every rank).
+When every engine rank is gone the ingest leaves the registry and rejoins, as a new incarnation, once the
+engine answers again.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class Registration:
                     "worker %s: registry entry expired (no heartbeat reached the registry for %.1f s); "
                     "registering again with the same incarnation",
                     s.worker_id,
-                    s.worker_ttl_s,
+                    time.monotonic() - self._put_at,
                     extra={"worker_id": s.worker_id},
                 )
             self._revision = found.revision

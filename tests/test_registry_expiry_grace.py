@@ -235,3 +235,14 @@ async def test_an_indexer_started_during_the_outage_claims_before_it_removes(
         held = second.state.workers()[W]
         assert (held["blocks"], held["removed"]) == (2, False)
         assert "rejoining as a new incarnation" not in ingest_log(tmp_path)
+
+
+async def test_a_grace_longer_than_the_markers_live_is_capped(
+    nats_url: str, uid: str, tmp_path: Path
+) -> None:
+    """The registry's markers live one TTL (3 s here): a claim after that finds nothing to race, so a 5 s
+    grace is used as 2 s."""
+    async with fleet(nats_url, uid, tmp_path) as (p, _proc, _kv):
+        capped = await p.start_indexer(worker_ttl_s=TTL_S, expiry_grace_s=5.0, buckets_memory=True)
+        got = await eventually(lambda: asyncio.sleep(0, capped.expiry_grace_s), lambda g: g != 5.0)
+        assert got == 2.0

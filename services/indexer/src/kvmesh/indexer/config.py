@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ class IndexerSettings(NatsAuth):
     expiry_grace_s: float = setting(
         5.0,
         "seconds an expired worker may register again before this replica removes it from the index "
-        "(a registry failover can outlast the worker TTL; below --worker-ttl-s; 0: claim at once)",
+        "(a registry failover can outlast the worker TTL; at most 2/3 of the registry's TTL is used; 0: claim at once)",
     )
     purge_after_snapshot: bool = setting(
         True, "after a snapshot, purge stream messages no kept snapshot needs (never an ingest's last cursor)"
@@ -76,14 +77,14 @@ class IndexerSettings(NatsAuth):
             problems.append("--snapshot-keep must be ≥ 1")
         if self.snapshot_every_messages < 0 or self.snapshot_every_s < 0:
             problems.append("--snapshot-every-messages and --snapshot-every-s must be ≥ 0")
-        if self.lease_ttl_s <= 0 or self.worker_ttl_s <= 0:
-            problems.append("--lease-ttl-s and --worker-ttl-s must be > 0")
-        if not 0 <= self.expiry_grace_s < self.worker_ttl_s:
-            # The age-out marker a worker writes over lives one TTL: a later claim finds nothing to race.
+        ttls_ok = all(math.isfinite(t) and t > 0 for t in (self.lease_ttl_s, self.worker_ttl_s))
+        if not ttls_ok:
             problems.append(
-                f"--expiry-grace-s must be ≥ 0 and below --worker-ttl-s ({self.worker_ttl_s}), "
-                f"got {self.expiry_grace_s}"
+                f"--lease-ttl-s and --worker-ttl-s must be numbers of seconds > 0, "
+                f"got {self.lease_ttl_s} and {self.worker_ttl_s}"
             )
+        if not (math.isfinite(self.expiry_grace_s) and self.expiry_grace_s >= 0):
+            problems.append(f"--expiry-grace-s must be a number of seconds ≥ 0, got {self.expiry_grace_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append(f"--metrics-port must be in [0, 65535] (0: a free port), got {self.metrics_port}")
         if self.max_blocks is not None and self.max_blocks < 1:

@@ -83,6 +83,8 @@ class RegistryWatch:
         """Aged-out registry key → the task that claims its expiry once the grace is over."""
         self._expired: dict[str, WorkerRecord] = {}
         """Aged-out registry key → its last record (what its removal names)."""
+        self.grace_s = settings.expiry_grace_s
+        """The expiry grace in use (`_fit_grace`)."""
         self._claimed: dict[str, int] = {}
         """Registry key → the revision of the expiry this replica claimed (its delete is still to come back)."""
 
@@ -97,6 +99,7 @@ class RegistryWatch:
     async def _watch(self) -> None:
         while not self._stop.is_set():
             try:
+                await self._fit_grace()
                 self._members = await self._store.members()
                 watcher = await self._kv.watchall(inactive_threshold=WATCH_INACTIVE_S)
                 sync = policy.RegistrySync()
@@ -119,6 +122,23 @@ class RegistryWatch:
                     extra={"replica": self.replica},
                 )
                 await asyncio.sleep(RETRY_S)
+
+    async def _fit_grace(self) -> None:
+        """Cap the expiry grace at two thirds of the registry's marker lifetime (its TTL): a claim made after
+        the marker aged out would find nothing left to race the worker's own put over."""
+        status = await self._kv.status()
+        lives = status.marker_ttl or status.ttl
+        wanted = self.settings.expiry_grace_s
+        self.grace_s = min(wanted, lives * 2 / 3) if lives else wanted
+        if self.grace_s < wanted:
+            log.warning(
+                "indexer %s: the registry's markers live %.1f s: expiry grace %.1f s instead of %.1f s",
+                self.replica,
+                lives,
+                self.grace_s,
+                wanted,
+                extra={"replica": self.replica},
+            )
 
     async def _reconcile(self, registered: set[str]) -> None:
         """Remove every member live in the index that has no key now; forget those that are not live.
@@ -276,7 +296,7 @@ class RegistryWatch:
         No definite answer (registry out of reach) is tried again every `RETRY_S`: the worker stays meanwhile.
         """
         me = asyncio.current_task()
-        await asyncio.sleep(self.settings.expiry_grace_s)
+        await asyncio.sleep(self.grace_s)
         while True:
             try:
                 found = await claim_expiry(self._kv, key, revision)

@@ -126,6 +126,11 @@ class IndexerService:
         return self._watch.removals_published if self._watch is not None else 0
 
     @property
+    def expiry_grace_s(self) -> float:
+        """The expiry grace in use: ``--expiry-grace-s``, capped at 2/3 of the registry's TTL."""
+        return self._watch.grace_s if self._watch is not None else self.settings.expiry_grace_s
+
+    @property
     def recovery(self) -> dict[str, Any]:
         """How this replica started: snapshot used, skipped ones, start sequence, messages read to ready."""
         return self._replica.recovery if self._replica is not None else {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -118,7 +119,9 @@ class IngestSettings(NatsAuth):
     max_buffered_batches: int = setting(100_000, "batches buffered while NATS is unreachable; oldest dropped")
     registry_bucket: str = setting("", "KV bucket of the worker registry (default: <stream>_WORKERS)")
     worker_ttl_s: float = setting(
-        15.0, "registry TTL: the worker is removed this long after its last heartbeat"
+        15.0,
+        "registry TTL in seconds (a heartbeat every TTL/3): the worker leaves the routes this long after its "
+        "last heartbeat, and the index one indexer --expiry-grace-s later unless it heartbeats again",
     )
     metrics_url: str | None = setting(
         None,
@@ -213,6 +216,8 @@ class IngestSettings(NatsAuth):
         problems = []
         if not self.worker_id:
             problems.append("--worker-id / KVMESH_INGEST_WORKER_ID is required")
+        if not (math.isfinite(self.worker_ttl_s) and self.worker_ttl_s > 0):
+            problems.append(f"--worker-ttl-s must be a number of seconds > 0, got {self.worker_ttl_s}")
         if not self.model:
             problems.append("--model / KVMESH_INGEST_MODEL is required")
         if not 1 <= self.data_parallel_size <= MAX_DP_RANKS:

@@ -14,13 +14,13 @@ import functools
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from tests.pipeline import Pipeline, eventually, overlaps
-from tests.test_ingest_faults import BS, T, U, blk, clean_pipeline, stored
+from tests.test_ingest_faults import T, U, blk, clean_pipeline, stored
+from tests.test_registry_expiry_grace import spawn_ingest
 
 from kvmesh.client import RouteReply
 from kvmesh.core.endpoints import offset_endpoint
@@ -40,47 +40,11 @@ KEY_A, KEY_B = registry_key(W, range(0, 2)), registry_key(W, range(2, 4))
 
 
 def spawn_node(p: Pipeline, base: str, start: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvmesh.ingest",
-                "--worker-id",
-                W,
-                "--model",
-                p.model,
-                "--block-size",
-                str(BS),
-                "--zmq-endpoint",
-                base,
-                "--nats-url",
-                p.nats_url,
-                "--stream",
-                p.stream,
-                "--events-prefix",
-                p.prefix,
-                "--stream-memory",
-                "--worker-ttl-s",
-                str(TTL_S),
-                "--engine-probe-after-s",
-                "0",
-                "--max-coalesced-batches",
-                "1",
-                "--data-parallel-size",
-                str(DP),
-                "--data-parallel-start-rank",
-                str(start),
-                "--data-parallel-size-local",
-                "2",
-                "--log-format",
-                "json",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    """One node's ingest: ranks ``[start, start + 2)`` of the worker's `DP`."""
+    return spawn_ingest(
+        p, base, log, "--data-parallel-size", str(DP), "--data-parallel-start-rank", str(start),
+        "--data-parallel-size-local", "2", worker=W,
+    )  # fmt: skip
 
 
 def held(reply: RouteReply) -> dict[str, int]:

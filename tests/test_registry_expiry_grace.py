@@ -42,42 +42,21 @@ TTL_S = 3.0
 GRACE_S = 2.0
 
 
-def spawn_ingest(p: Pipeline, endpoint: str, log: Path) -> subprocess.Popen[bytes]:
+def spawn_ingest(
+    p: Pipeline, endpoint: str, log: Path, *extra: str, worker: str = W
+) -> subprocess.Popen[bytes]:
+    """A ``python -m kvmesh.ingest`` process of ``worker`` on ``endpoint`` (``extra``: more flags), TTL `TTL_S`,
+    engine probes off, one stream message per batch, its output appended to ``log``."""
+    argv = [
+        sys.executable, "-m", "kvmesh.ingest", "--worker-id", worker, "--model", p.model,
+        "--block-size", str(BS), "--zmq-endpoint", endpoint, "--nats-url", p.nats_url,
+        "--stream", p.stream, "--events-prefix", p.prefix, "--stream-memory",
+        "--worker-ttl-s", str(TTL_S), "--engine-probe-after-s", "0", "--max-coalesced-batches", "1",
+        "--log-format", "json", *extra,
+    ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     with log.open("ab") as out:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvmesh.ingest",
-                "--worker-id",
-                W,
-                "--model",
-                p.model,
-                "--block-size",
-                str(BS),
-                "--zmq-endpoint",
-                endpoint,
-                "--nats-url",
-                p.nats_url,
-                "--stream",
-                p.stream,
-                "--events-prefix",
-                p.prefix,
-                "--stream-memory",
-                "--worker-ttl-s",
-                str(TTL_S),
-                "--engine-probe-after-s",
-                "0",
-                "--max-coalesced-batches",
-                "1",
-                "--log-format",
-                "json",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 @contextlib.asynccontextmanager
@@ -114,6 +93,17 @@ async def fleet(nats_url: str, uid: str, tmp: Path) -> AsyncIterator[tuple[Pipel
 
 def ingest_log(tmp: Path) -> str:
     return (tmp / "ingest.log").read_text()
+
+
+async def rejoined(p: Pipeline, kv: Any, pub: EventPublisher, indexer: Any, tmp: Path) -> None:
+    """The worker, removed once, registered again as a new incarnation: its old blocks are gone from the
+    index and what its engine stores next is indexed."""
+    await eventually(lambda: read_key(kv, W), lambda k: k.kind == "record", timeout_s=10)
+    await expect(p, [T], [{"w/0": 0}])
+    pub.publish([stored([4], blk(T, 0))])
+    await expect(p, [T], [{"w/0": 1}])
+    assert indexer.removals_published == 1
+    assert "rejoining as a new incarnation" in ingest_log(tmp)
 
 
 async def freeze_until_expired(proc: subprocess.Popen[bytes], kv: Any, hold_s: float) -> float:
@@ -173,12 +163,7 @@ async def test_a_worker_back_after_the_grace_rejoins_as_a_new_incarnation(
             )
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        await eventually(lambda: read_key(kv, W), lambda k: k.kind == "record", timeout_s=10)
-        await expect(p, [T], [{"w/0": 0}])
-        pub.publish([stored([4], blk(T, 0))])
-        await expect(p, [T], [{"w/0": 1}])
-        assert indexer.removals_published == 1
-        assert "rejoining as a new incarnation" in ingest_log(tmp_path)
+        await rejoined(p, kv, pub, indexer, tmp_path)
 
 
 async def test_a_worker_back_after_its_removal_aged_out_still_rejoins(
@@ -199,12 +184,7 @@ async def test_a_worker_back_after_its_removal_aged_out_still_rejoins(
             await eventually(lambda: read_key(kv, W), lambda k: k.kind == "expired", timeout_s=TTL_S + 5)
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        await eventually(lambda: read_key(kv, W), lambda k: k.kind == "record", timeout_s=10)
-        await expect(p, [T], [{"w/0": 0}])
-        pub.publish([stored([4], blk(T, 0))])
-        await expect(p, [T], [{"w/0": 1}])
-        assert indexer.removals_published == 1
-        assert "rejoining as a new incarnation" in ingest_log(tmp_path)
+        await rejoined(p, kv, pub, indexer, tmp_path)
 
 
 async def test_an_indexer_started_during_the_outage_claims_before_it_removes(

@@ -298,17 +298,7 @@ async def key_present(kv: Any, worker_id: str, ranks: range | None = None) -> bo
         nats.errors.Error, TimeoutError: no definite answer (timeout, no responders, bucket unreadable);
             callers must not treat the worker as gone.
     """
-    try:
-        entry = await kv.get(registry_key(worker_id, ranks))
-    except nats.js.errors.KeyNotFoundError as exc:
-        if isinstance(exc, nats.js.errors.KeyDeletedError) or getattr(exc, "op", None) is not None:
-            return False
-        # A 404 from the server (no message on the key's subject); nats-py also maps a missing stream
-        # to this error on a non-direct get, which is no answer about the key: check the stream is there.
-        js, stream, _ = bucket_stream(kv)
-        await js.stream_info(stream)  # raises NotFoundError if the bucket itself is gone
-        return False
-    return bool(entry.value)  # an empty value is a server marker (the key aged out)
+    return (await read_key(kv, registry_key(worker_id, ranks))).kind == "record"
 
 
 WRONG_LAST_SEQUENCE: Final[int] = 10071

@@ -170,25 +170,19 @@ class Registration:
                     if not wrong_revision(exc):
                         raise
             found = await read_key(kv, registry_key(s.worker_id, self.node))
+            away = time.monotonic() - self._put_at
+            # A marker two TTLs after the last heartbeat that landed may stand for an indexer's claim that
+            # aged out too (a claim comes within a TTL of the first marker, and lives a TTL).
+            removed = found.kind in ("deleted", "missing") or (found.kind == "expired" and away >= 2 * ttl)
             if self._rejoined_live:
                 self._rejoined_live = False  # the key is deleted because this ingest deleted it: put it again
-            elif self.registered and found.kind in ("deleted", "missing"):
+            elif self.registered and removed:
                 log.warning(
-                    "worker %s: registry entry %s (an indexer claimed its expiry and removed the worker, or it "
-                    "was deleted); rejoining as a new incarnation",
+                    "worker %s: registry entry %s %.1f s after the last heartbeat that reached it (an indexer "
+                    "may have claimed its expiry and removed the worker); rejoining as a new incarnation",
                     s.worker_id,
-                    "deleted" if found.kind == "deleted" else "gone",
-                    extra={"worker_id": s.worker_id},
-                )
-                self.rejoin("rejoin")
-            elif self.registered and found.kind == "expired" and time.monotonic() - self._put_at >= 2 * ttl:
-                # A marker this late may stand for an indexer's claim that aged out too (a claim comes within a
-                # TTL of the first marker, and lives a TTL): the worker may be removed, so start afresh.
-                log.warning(
-                    "worker %s: registry entry expired %.1f s after the last heartbeat that reached it; "
-                    "rejoining as a new incarnation",
-                    s.worker_id,
-                    time.monotonic() - self._put_at,
+                    "gone" if found.kind == "missing" else found.kind,
+                    away,
                     extra={"worker_id": s.worker_id},
                 )
                 self.rejoin("rejoin")
@@ -197,7 +191,7 @@ class Registration:
                     "worker %s: registry entry expired (no heartbeat reached the registry for %.1f s); "
                     "registering again with the same incarnation",
                     s.worker_id,
-                    time.monotonic() - self._put_at,
+                    away,
                     extra={"worker_id": s.worker_id},
                 )
             self._revision = found.revision

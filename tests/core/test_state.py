@@ -156,6 +156,40 @@ def test_late_message_of_removed_epoch_stays_dropped_after_rejoin() -> None:
     assert _candidates(state) == (_hm("w1", 0, 1, 1), _hm("w2", 0, 0, 1))
 
 
+def test_a_removal_that_lands_after_the_worker_came_back_keeps_the_new_incarnation() -> None:
+    """The claimer of an expired key published the removal of epoch 1 late: after the worker had registered
+    again (epoch 2) and stored a block. The new incarnation's block stays; a late message of epoch 1 is stale.
+    (Before: the whole worker was removed, and the engine's next blocks, chained to the lost one, were
+    never indexed.)"""
+    state = IndexState()
+    state.apply(1, _msg("w1", 0, [Stored([11, 12], None, LOCAL[:2])], epoch=1))
+    state.apply(2, _msg("w1", 0, [Cleared("rejoin")], epoch=2, seq=0))
+    state.apply(3, _msg("w1", 0, [Stored([61], None, LOCAL[:1])], epoch=2))
+    state.apply(4, WorkerRemoved(worker_id="w1", model=MODEL, epoch=1, reason="expired"))
+    assert _candidates(state) == (_hm("w1", 0, 1, 1),)
+    assert (state.counters.workers_removed, state.counters.stale_removals) == (0, 1)
+    assert state.workers()["w1"]["removed"] is False
+    state.apply(5, _msg("w1", 0, [Stored([62], 61, LOCAL[1:2])], epoch=2, seq=2))
+    assert _candidates(state) == (_hm("w1", 0, 2, 2),)
+    state.apply(6, _msg("w1", 0, [Stored([13], 12, LOCAL[2:3])], epoch=1, seq=2))
+    assert state.counters.stale_messages == 1
+    assert _candidates(state) == (_hm("w1", 0, 2, 2),)
+
+
+def test_a_late_removal_clears_only_the_ranks_still_at_the_removed_epoch() -> None:
+    """Rank 0 came back at epoch 2 before the removal of epoch 1 landed; rank 1 had not: it loses its blocks
+    and stays known, and its next incarnation is accepted."""
+    state = _fleet()
+    state.apply(4, _msg("w1", 0, [Stored([61], None, LOCAL[:1])], epoch=2))
+    state.apply(5, WorkerRemoved(worker_id="w1", model=MODEL, epoch=1))
+    assert _candidates(state) == (_hm("w1", 0, 1, 1), _hm("w1", 1, 0, 0), _hm("w2", 0, 0, 1))
+    assert (state.counters.workers_removed, state.counters.stale_removals) == (0, 1)
+    state.apply(6, _msg("w1", 1, [Stored([21], None, LOCAL[:1])], epoch=1, seq=9))
+    assert state.counters.stale_messages == 1
+    state.apply(7, _msg("w1", 1, [Stored([71], None, LOCAL[:1])], epoch=2))
+    assert _candidates(state) == (_hm("w1", 0, 1, 1), _hm("w1", 1, 1, 1), _hm("w2", 0, 0, 1))
+
+
 def test_removing_the_only_worker_makes_model_unknown() -> None:
     """When every worker of a model is removed, matching that model raises UnknownModelError."""
     state = IndexState()

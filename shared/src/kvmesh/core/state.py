@@ -9,7 +9,9 @@ Rules applied here, besides the index's own:
   holder first (ingest also publishes a clear, this makes replay safe on its own); a message with an older
   epoch is stale and dropped.
 * `WorkerRemoved` drops every dp rank of the worker; later messages of the removed incarnation (epoch ≤ the
-  removed one) are dropped, a newer incarnation is accepted again.
+  removed one) are dropped, a newer incarnation is accepted again. A WorkerRemoved that reaches the stream
+  after the worker came back (some rank already at a newer epoch: the claimer of its expiry published late)
+  removes only the ranks still at the removed epoch or older; it is counted in ``stale_removals``.
 * `IndexReset` forgets everything (index and worker bookkeeping) and raises ``reset_epoch``.
 * A Stored or Removed event's ``medium`` selects the holder's storage tier in the index (no medium: GPU);
   `match` reports each candidate's overlap per tier in `HolderMatch.tiers`.
@@ -186,7 +188,8 @@ class _Counters:
     clears: int = 0
     workers_removed: int = 0
     stale_removals: int = 0
-    """WorkerRemoved messages ignored: they named another model than the worker's live incarnation."""
+    """WorkerRemoved messages that did not remove the worker: they named another model than its live incarnation,
+    or an epoch older than one of its ranks' (that rank came back before the removal landed)."""
     duplicate_messages: int = 0
     """Engine messages refused as repeats of what a holder already applied."""
     out_of_order: int = 0
@@ -678,6 +681,21 @@ class IndexState:
             # was re-used): the live incarnation is not the one that left.
             self.counters.stale_removals += 1
             return
+        if info is not None and msg.epoch is not None and info.removed_epoch is None:
+            live = {rank for rank, epoch in info.epochs.items() if epoch > msg.epoch}
+            if live:
+                # The removal of an earlier incarnation that reached the stream after the worker registered
+                # again (its claimer published late, or died and a lagging replica published it): the ranks
+                # of the new incarnation stay; only ranks still at the removed one lose their blocks.
+                self.counters.stale_removals += 1
+                index = self._indexes.get(info.model, {}).get(info.block_size)
+                for rank in sorted(set(info.epochs) - live):
+                    if index is not None:
+                        index.clear(Holder(msg.worker_id, rank))
+                if info.stale_through is None or info.stale_model == info.model:
+                    info.stale_through = max(info.stale_through or 0, msg.epoch)
+                    info.stale_model = info.model
+                return
         for by_size in self._indexes.values():
             for index in by_size.values():
                 index.remove_worker(msg.worker_id)

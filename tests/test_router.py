@@ -402,10 +402,10 @@ async def test_tiers_reported_by_the_index_are_weighted(nats_url: str, uid: str)
 
 
 async def test_prefill_progress_flag_reaches_the_ledger(nats_url: str, uid: str) -> None:
-    """``--prefill-progress`` (off by default) turns on the ledger's estimate; the default leaves it off."""
+    """The ledger's estimate is on by default; ``--no-prefill-progress`` turns it off."""
     async with fleet(nats_url, uid) as f:
-        on = await f.start_router(prefill_progress=True)
-        off = await f.start_router()
+        on = await f.start_router()
+        off = await f.start_router(prefill_progress=False)
         assert (on.ledger.prefill_progress, off.ledger.prefill_progress) == (True, False)
 
 

@@ -50,9 +50,9 @@ def test_head_progress_at_the_learned_rate_later_requests_wait_whole() -> None:
 
 def test_disabled_or_without_a_sample_the_whole_prefill_counts() -> None:
     """prefill_progress=False is the former accounting; a prior rate applies until the first sample."""
-    off = LoadLedger()
-    assert off.prefill_progress is False  # the default: the former accounting
-    on = LoadLedger(prefill_progress=True)
+    off = LoadLedger(prefill_progress=False)
+    assert LoadLedger().prefill_progress is True  # the default
+    on = LoadLedger()
     prior = LoadLedger(prefill_progress=True, prefill_rate_prior=1000.0)
     for led in (off, on, prior):
         led.routed(routed("r1", prefill=1000), 0.0)

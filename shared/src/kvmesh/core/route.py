@@ -19,7 +19,7 @@ Cost of a candidate (NVIDIA Dynamo's documented form; lowest wins)::
 ``cached_tokens`` is the candidate's leading overlap in tokens, each block weighted by its storage tier
 (`Policy.tier_weights`: GPU 1.0, CPU 0.5, DISK 0.25 by default; when the index reports no tiers every
 overlapping block counts as GPU). ``active_prefill_tokens`` and ``active_blocks`` come from the router's
-request ledger (`kvmesh.core.load.LoadLedger`); with ``LoadLedger.prefill_progress`` (opt-in) the worker's
+request ledger (`kvmesh.core.load.LoadLedger`); with ``LoadLedger.prefill_progress`` (the default) the worker's
 oldest request still prefilling counts only its estimated remainder (elapsed time × the worker's learned
 prefill throughput) and the ones queued behind it count whole. Dynamo adds the request's own new blocks to
 ``decode_blocks``; kvmesh does not know which of them are already active on a worker, so that term would be

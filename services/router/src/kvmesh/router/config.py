@@ -90,9 +90,11 @@ class RouterSettings(NatsAuth):
     )
     load_ttl_s: float = setting(DEFAULT_LOAD_TTL_S, "seconds after which an engine load report is ignored")
     prefill_progress: bool = setting(
-        False,
+        True,
         "count only the estimated remainder of each worker's oldest unfinished prefill, at a rate learned "
-        "from its routed -> prefill_done intervals (experimental; docs/benchmarks.md section 1)",
+        "from its routed -> prefill_done intervals (a worker without prefill_done notes counts whole); "
+        "--no-prefill-progress counts every routed prefill whole until its prefill_done "
+        "(docs/benchmarks.md section 1)",
     )
     sync_timeout_s: float = setting(0.5, "seconds to wait for a peer's accounting snapshot at start-up")
     max_candidates: int = setting(

@@ -9,6 +9,7 @@ Worked examples with explicit times (`kvmesh.core.load.LoadLedger`, "Prefill pro
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -139,3 +140,58 @@ def test_replicas_fed_the_same_events_agree_and_a_restored_one_waits_for_samples
 def test_invalid_settings_are_refused(kw: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         LoadLedger(**kw)
+
+
+def test_a_queued_request_that_leaves_does_not_restart_the_heads_progress() -> None:
+    """Rate 1,000 tokens/s; h (10,000 tokens) and q (100) routed at 10.0. At 15.0 h has 5,000 left. q finishing,
+    or moving to worker b, does not end h's prefill: the load is h's remainder, and h's sample at 20.0 is
+    10,000 tokens over 10 s. (Before: q's leaving restarted h's estimate at 15.0, the load rose to 10,000, and
+    h's sample read 10,000 tokens over 5 s.)"""
+    for leave in ("finished", "moved"):
+        led = LoadLedger(prefill_progress=True, prefill_rate_prior=1000.0)
+        led.routed(routed("h", prefill=10_000, blocks=625), 10.0)
+        led.routed(routed("q", prefill=100, blocks=7), 10.0)
+        assert led.load("a", 0, now_s=15.0) == ActiveLoad(prefill_tokens=5_100, blocks=632, requests=2)
+        if leave == "finished":
+            led.finished("q", now_s=15.0)
+        else:
+            led.routed(routed("q", w="b", prefill=100, blocks=7), 15.0)
+        assert led.load("a", 0, now_s=15.0) == ActiveLoad(prefill_tokens=5_000, blocks=625, requests=1)
+        led.prefill_done("h", 20.0)
+        assert led.prefill_rate("a", 0) == pytest.approx(1000.0)
+
+
+def test_the_head_leaving_ends_its_prefill_for_the_next() -> None:
+    """The head finishing before its PrefillDone (cancelled) ends the worker's current prefill: the request
+    behind it starts then, not when it was routed."""
+    led = LoadLedger(prefill_progress=True, prefill_rate_prior=1000.0)
+    led.routed(routed("h", prefill=10_000), 10.0)
+    led.routed(routed("q", prefill=3_000), 10.0)
+    led.finished("h", now_s=12.0)
+    assert led.load("a", 0, now_s=13.0).prefill_tokens == 2_000
+
+
+@pytest.mark.parametrize(
+    ("age_s", "prefill", "blocks", "want"),
+    [
+        (float("nan"), 500, 8, None),
+        (float("inf"), 500, 8, None),
+        (-2.0, 500, 8, ActiveLoad(prefill_tokens=500, blocks=8, requests=1)),
+        (1.0, -10, -1, ActiveLoad(prefill_tokens=0, blocks=0, requests=1)),
+    ],
+)
+def test_a_peers_snapshot_with_odd_values_restores_nothing_odd(
+    age_s: float, prefill: int, blocks: int, want: ActiveLoad | None
+) -> None:
+    """A peer's entry whose age is not finite is skipped (NaN used to reach the progress estimate, whose
+    ``round`` raised on every later `load`); a negative age counts as 0 and negative counts as 0."""
+    from kvmesh.core.protocol import LedgerEntry, LedgerSnapshot
+
+    led = LoadLedger(prefill_progress=True, prefill_rate_prior=1000.0)
+    entry = LedgerEntry(
+        request_id="r", worker_id="a", dp_rank=0, prefill_tokens=prefill, blocks=blocks, age_s=age_s
+    )
+    assert led.restore(LedgerSnapshot(entries=[entry]), 100.0) == (0 if want is None else 1)
+    got = led.load("a", 0, now_s=100.0)
+    assert got == (ActiveLoad(prefill_tokens=0, blocks=0, requests=0) if want is None else want)
+    assert led.load("a", 0, now_s=math.inf).prefill_tokens == 0

@@ -176,18 +176,30 @@ def test_a_removal_that_lands_after_the_worker_came_back_keeps_the_new_incarnati
     assert _candidates(state) == (_hm("w1", 0, 2, 2),)
 
 
-def test_a_late_removal_clears_only_the_ranks_still_at_the_removed_epoch() -> None:
-    """Rank 0 came back at epoch 2 before the removal of epoch 1 landed; rank 1 had not: it loses its blocks
-    and stays known, and its next incarnation is accepted."""
-    state = _fleet()
-    state.apply(4, _msg("w1", 0, [Stored([61], None, LOCAL[:1])], epoch=2))
-    state.apply(5, WorkerRemoved(worker_id="w1", model=MODEL, epoch=1))
-    assert _candidates(state) == (_hm("w1", 0, 1, 1), _hm("w1", 1, 0, 0), _hm("w2", 0, 0, 1))
-    assert (state.counters.workers_removed, state.counters.stale_removals) == (0, 1)
-    state.apply(6, _msg("w1", 1, [Stored([21], None, LOCAL[:1])], epoch=1, seq=9))
+def test_a_multi_node_workers_last_removal_names_its_lowest_epoch_and_removes_every_rank() -> None:
+    """Node A (rank 0) at incarnation 1, node B (rank 1) at 3: the removal for the last node names the lowest
+    rank epoch (`kvmesh.runtime.registry.last_node_incarnation`), and every rank goes, B's too. (A rule that
+    kept every rank above the removed epoch kept B's.)"""
+    state = IndexState()
+    state.apply(1, _msg("w1", 0, [Stored([11], None, LOCAL[:1])], epoch=1))
+    state.apply(2, _msg("w1", 1, [Stored([21, 22], None, LOCAL[:2])], epoch=3))
+    state.apply(3, WorkerRemoved(worker_id="w1", model=MODEL, epoch=1))
+    assert state.workers()["w1"]["removed"] is True
+    assert (state.counters.workers_removed, state.counters.stale_removals) == (1, 0)
+    assert state.block_total() == 0
+
+
+def test_an_older_removal_after_a_removal_does_not_lower_the_stale_bound() -> None:
+    """Removed at epoch 5, then a late removal of epoch 3 (another claimer's): epoch 4 stays dropped."""
+    state = IndexState()
+    state.apply(1, _msg("w1", 0, [Stored([11], None, LOCAL[:1])], epoch=5))
+    state.apply(2, _msg("w2", 0, [Stored([31], None, OTHER_LOCAL[:1])]))
+    state.apply(3, WorkerRemoved(worker_id="w1", model=MODEL, epoch=5))
+    state.apply(4, WorkerRemoved(worker_id="w1", model=MODEL, epoch=3))
+    assert (state.counters.workers_removed, state.counters.stale_removals) == (1, 1)
+    state.apply(5, _msg("w1", 1, [Stored([12], None, LOCAL[:1])], epoch=4))
     assert state.counters.stale_messages == 1
-    state.apply(7, _msg("w1", 1, [Stored([71], None, LOCAL[:1])], epoch=2))
-    assert _candidates(state) == (_hm("w1", 0, 1, 1), _hm("w1", 1, 1, 1), _hm("w2", 0, 0, 1))
+    assert _candidates(state) == (_hm("w2", 0, 0, 1),)
 
 
 def test_removing_the_only_worker_makes_model_unknown() -> None:

@@ -378,9 +378,12 @@ class LoadLedger:
                 return 0
             head = nxt[1]
         elapsed = now - max(head.routed_s, w.last_done_s)
-        if elapsed <= 0:
+        if not elapsed > 0:  # also NaN
             return 0
-        return min(head.prefill_tokens, round(rate * elapsed))
+        done = rate * elapsed
+        if not math.isfinite(done):
+            return head.prefill_tokens
+        return min(head.prefill_tokens, round(done))
 
     def _sample(self, key: Holder, w: _Worker, a: _Active, now: float) -> None:
         """Learn from a request whose prefill ended at ``now``; it ends the worker's current prefill."""
@@ -416,15 +419,21 @@ class LoadLedger:
         """Add a peer's in-flight requests this ledger does not hold yet; return how many were added.
 
         Entries are inserted oldest first so expiry order stays by routing time. Requests already held
-        (seen live since start-up) are kept as they are.
+        (seen live since start-up) are kept as they are. An entry whose age is not a finite number is skipped
+        (a negative age counts as 0); negative token or block counts count as 0 (as a `Routed` note's do).
         """
         self._clock(now_s)
         added = 0
-        for e in sorted(snapshot.entries, key=lambda e: -e.age_s):
-            if e.request_id in self._requests or e.age_s >= self.ttl_s:
+        aged = [(max(e.age_s, 0.0), e) for e in snapshot.entries if math.isfinite(e.age_s)]
+        for age_s, e in sorted(aged, key=lambda x: -x[0]):
+            if e.request_id in self._requests or age_s >= self.ttl_s:
                 continue
             self._add(
-                e.request_id, Holder(e.worker_id, e.dp_rank), e.prefill_tokens, e.blocks, now_s - e.age_s
+                e.request_id,
+                Holder(e.worker_id, e.dp_rank),
+                max(e.prefill_tokens, 0),
+                max(e.blocks, 0),
+                now_s - age_s,
             )
             added += 1
         if added:
@@ -460,13 +469,16 @@ class LoadLedger:
             w.pending[rid] = a
 
     def _remove(self, rid: str, now_s: float | None) -> None:
-        """Drop a request; one still prefilling ends its worker's current prefill at ``now_s`` (if given)."""
+        """Drop a request. If it was its worker's head (the oldest still prefilling), the worker's current
+        prefill ends at ``now_s`` (if given); one queued behind the head leaves without moving the head's start
+        (the head is still being computed: its estimated progress must not restart)."""
         a = self._requests.pop(rid)
         w = self._workers[a.key]
         w.prefill_tokens -= a.prefill_tokens
         w.blocks -= a.blocks
         w.requests -= 1
-        if w.pending.pop(rid, None) is not None and now_s is not None:
+        head = next(iter(w.pending), None) == rid
+        if w.pending.pop(rid, None) is not None and head and now_s is not None:
             w.last_done_s = max(w.last_done_s, now_s)
         if w.requests == 0:
             del self._workers[a.key]

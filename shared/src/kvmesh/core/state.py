@@ -10,8 +10,9 @@ Rules applied here, besides the index's own:
   epoch is stale and dropped.
 * `WorkerRemoved` drops every dp rank of the worker; later messages of the removed incarnation (epoch ≤ the
   removed one) are dropped, a newer incarnation is accepted again. A WorkerRemoved that reaches the stream
-  after the worker came back (some rank already at a newer epoch: the claimer of its expiry published late)
-  removes only the ranks still at the removed epoch or older; it is counted in ``stale_removals``.
+  after the worker came back (every rank already at a newer epoch: the claimer of its expiry published late)
+  removes nothing, nor does one of an epoch at or below the one already removed; both are counted in
+  ``stale_removals``.
 * `IndexReset` forgets everything (index and worker bookkeeping) and raises ``reset_epoch``.
 * A Stored or Removed event's ``medium`` selects the holder's storage tier in the index (no medium: GPU);
   `match` reports each candidate's overlap per tier in `HolderMatch.tiers`.
@@ -189,7 +190,7 @@ class _Counters:
     workers_removed: int = 0
     stale_removals: int = 0
     """WorkerRemoved messages that did not remove the worker: they named another model than its live incarnation,
-    or an epoch older than one of its ranks' (that rank came back before the removal landed)."""
+    an epoch below all of its ranks' (it came back before the removal landed), or one already removed."""
     duplicate_messages: int = 0
     """Engine messages refused as repeats of what a holder already applied."""
     out_of_order: int = 0
@@ -681,29 +682,35 @@ class IndexState:
             # was re-used): the live incarnation is not the one that left.
             self.counters.stale_removals += 1
             return
-        if info is not None and msg.epoch is not None and info.removed_epoch is None:
-            live = {rank for rank, epoch in info.epochs.items() if epoch > msg.epoch}
-            if live:
-                # The removal of an earlier incarnation that reached the stream after the worker registered
-                # again (its claimer published late, or died and a lagging replica published it): the ranks
-                # of the new incarnation stay; only ranks still at the removed one lose their blocks.
+        if info is not None and msg.epoch is not None:
+            if info.removed_epoch is not None and msg.epoch <= info.removed_epoch:
+                self.counters.stale_removals += 1  # that departure again, or an older one: already removed
+                return
+            if info.removed_epoch is None and info.epochs and min(info.epochs.values()) > msg.epoch:
+                # The removal of an earlier incarnation that reached the stream after every rank of the worker
+                # registered again (the claimer of its expiry published late, or died and a paused replica
+                # published it): the new incarnation stays. (A multi-node worker's last node names the lowest
+                # of its ranks' epochs, `last_node_incarnation`, so some rank is always at it.)
                 self.counters.stale_removals += 1
-                index = self._indexes.get(info.model, {}).get(info.block_size)
-                for rank in sorted(set(info.epochs) - live):
-                    if index is not None:
-                        index.clear(Holder(msg.worker_id, rank))
-                if info.stale_through is None or info.stale_model == info.model:
-                    info.stale_through = max(info.stale_through or 0, msg.epoch)
-                    info.stale_model = info.model
+                self._raise_stale_bound(info, msg.epoch)
                 return
         for by_size in self._indexes.values():
             for index in by_size.values():
                 index.remove_worker(msg.worker_id)
         self.counters.workers_removed += 1
         if info is not None:
-            info.removed_epoch = msg.epoch if msg.epoch is not None else max(info.epochs.values(), default=0)
-            info.stale_through = info.removed_epoch
-            info.stale_model = info.model
+            epoch = msg.epoch if msg.epoch is not None else max(info.epochs.values(), default=0)
+            info.removed_epoch = max(epoch, info.removed_epoch or 0)
+            self._raise_stale_bound(info, info.removed_epoch)
+
+    @staticmethod
+    def _raise_stale_bound(info: _WorkerInfo, epoch: int) -> None:
+        """Drop the worker's later messages of ``epoch`` or older (of its model; a bound of another model's
+        incarnation is replaced); a bound only rises within one model."""
+        if info.stale_through is not None and info.stale_model == info.model:
+            epoch = max(epoch, info.stale_through)
+        info.stale_through = epoch
+        info.stale_model = info.model
 
     # ------------------------------------------------------------------ queries
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from tests.pipeline import Pipeline, eventually, overlaps
 from tests.test_ingest_faults import T, U, blk, clean_pipeline, stored
-from tests.test_registry_expiry_grace import spawn_ingest
+from tests.test_registry_expiry_grace import spawn_ingest, stop_ingest
 
 from kvmesh.client import RouteReply
 from kvmesh.core.endpoints import offset_endpoint
@@ -128,14 +128,7 @@ async def test_a_node_back_within_its_grace_after_the_other_nodes_claim_keeps_be
             )
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+            stop_ingest(proc)
         for pub in pubs:
             pub.close()
         await nc.close()

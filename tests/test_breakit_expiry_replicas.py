@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from tests.pipeline import eventually
 from tests.test_ingest_faults import T, blk, clean_pipeline, expect, stored
-from tests.test_registry_expiry_grace import W, spawn_ingest
+from tests.test_registry_expiry_grace import W, spawn_ingest, stop_ingest
 
 from kvmesh.runtime import subjects
 from kvmesh.runtime.nats import connect
@@ -108,10 +108,8 @@ async def run_fleet(nats_url: str, uid: str, tmp: Path, grace: float, hold_until
                         timeout_s=10,
                     )
     finally:
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.terminate()
-            proc.wait(10)
+        if proc is not None:
+            stop_ingest(proc)
         pub.close()
         await nc.close()
 

@@ -79,16 +79,30 @@ async def fleet(nats_url: str, uid: str, tmp: Path) -> AsyncIterator[tuple[Pipel
             p.publisher = pub  # type: ignore[attr-defined]
             yield p, proc, kv
     finally:
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        if proc is not None:
+            stop_ingest(proc)
         pub.close()
         await nc.close()
+
+
+def stop_ingest(proc: subprocess.Popen[bytes]) -> None:
+    """Stop an ingest process that may be frozen (SIGSTOP): wake it, SIGTERM, SIGKILL after 10 s."""
+    if proc.poll() is not None:
+        return
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+async def index_two_blocks(p: Pipeline, pub: EventPublisher) -> None:
+    """The engine stores the first two blocks of `T`, and the pipeline indexes them for worker `W`."""
+    pub.publish([stored([1], blk(T, 0))])
+    pub.publish([stored([2], blk(T, 1), parent=1)])
+    await expect(p, [T], [{"w/0": 2}])
 
 
 def ingest_log(tmp: Path) -> str:
@@ -125,9 +139,7 @@ async def test_a_worker_back_within_the_grace_keeps_its_cache(
 ) -> None:
     async with fleet(nats_url, uid, tmp_path) as (p, proc, kv):
         pub: EventPublisher = p.publisher  # type: ignore[attr-defined]
-        pub.publish([stored([1], blk(T, 0))])
-        pub.publish([stored([2], blk(T, 1), parent=1)])
-        await expect(p, [T], [{"w/0": 2}])
+        await index_two_blocks(p, pub)
         frozen = await freeze_until_expired(proc, kv, hold_s=0.5)
         assert frozen < GRACE_S - 0.5, f"frozen {frozen:.1f} s past the marker: too close to the grace"
         back = await eventually(lambda: read_key(kv, W), lambda k: k.kind == "record", timeout_s=GRACE_S)
@@ -149,9 +161,7 @@ async def test_a_worker_back_after_the_grace_rejoins_as_a_new_incarnation(
 ) -> None:
     async with fleet(nats_url, uid, tmp_path) as (p, proc, kv):
         pub: EventPublisher = p.publisher  # type: ignore[attr-defined]
-        pub.publish([stored([1], blk(T, 0))])
-        pub.publish([stored([2], blk(T, 1), parent=1)])
-        await expect(p, [T], [{"w/0": 2}])
+        await index_two_blocks(p, pub)
         assert p.indexer is not None
         indexer = p.indexer
         await freeze_until_expired(proc, kv, hold_s=0.0)
@@ -195,9 +205,7 @@ async def test_an_indexer_started_during_the_outage_claims_before_it_removes(
     it, nothing is removed, by it or by its reconcile of the registry members."""
     async with fleet(nats_url, uid, tmp_path) as (p, proc, kv):
         pub: EventPublisher = p.publisher  # type: ignore[attr-defined]
-        pub.publish([stored([1], blk(T, 0))])
-        pub.publish([stored([2], blk(T, 1), parent=1)])
-        await expect(p, [T], [{"w/0": 2}])
+        await index_two_blocks(p, pub)
         first = p.indexer
         assert first is not None
         os.kill(proc.pid, signal.SIGSTOP)

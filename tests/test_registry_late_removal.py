@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from tests.pipeline import eventually
 from tests.test_ingest_faults import BS, T, blk, clean_pipeline, expect, stored
-from tests.test_registry_expiry_grace import TTL_S, W, ingest_log, spawn_ingest
+from tests.test_registry_expiry_grace import TTL_S, W, ingest_log, spawn_ingest, stop_ingest
 
 from kvmesh.core.events import EventsMessage, WorkerRemoved, decode_message
 from kvmesh.runtime import subjects
@@ -108,9 +108,8 @@ async def test_a_removal_published_after_the_rejoin_keeps_the_new_incarnation(
             await expect(p, [T], [{"w/0": 2}])
             assert "rejoining as a new incarnation" in ingest_log(tmp_path)
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            proc.wait(10)
+        if proc is not None:
+            stop_ingest(proc)
         pub.close()
         await nc.close()
 

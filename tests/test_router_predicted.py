@@ -147,3 +147,75 @@ def test_every_request_form_gives_the_same_prompt_keys() -> None:
     assert prompt_keys_of(RouteRequest(model="m", seq_hashes=keys, block_size=32), BS) is None
     salted = prompt_keys_of(RouteRequest(model="m", token_ids=tokens, cache_salt="t"), BS)
     assert salted is not None and salted[0] != keys[0] and len(salted) == 5
+
+
+async def test_a_replica_started_later_takes_its_peers_predicted_caches(nats_url: str, uid: str) -> None:
+    """Before multi-part sync a replica started later knew nothing of the event-less workers' predicted caches
+    (the sync answer carried only the ledger and sessions) and routed the model cold; predicted entries beside
+    the KV events were lost the same way. Now the answer comes in as many messages as the caches need (here a
+    150,000-entry cache: 2.7 MB, three times the server's 1 MB ``max_payload``), from one peer though two
+    answer, in the peer's recency order."""
+    async with fleet(nats_url, uid) as f:
+        bucket = f"T{uid}_WORKERS"
+        kv = await open_registry(f.nc.jetstream(), RegistrySettings(bucket=bucket, ttl_s=30.0, memory=True))
+        for w, cap in (("x", 8), ("y", 200_000)):
+            await heartbeat(
+                kv,
+                WorkerRecord(
+                    worker_id=w, model="m", dp_ranks=1, block_size=BS, incarnation=0, kv_capacity_blocks=cap,
+                    kv_events=False,
+                ),
+            )  # fmt: skip
+        f.answer = lambda q: answer([MatchHolder("a", 0, 0, 0)])
+        clock = Clock()
+        kw: dict[str, Any] = {"use_registry": True, "registry_bucket": bucket, "predicted_ttl_s": 5.0}
+        r0 = await start(f, clock, **kw)
+        r1 = await start(f, clock, **kw)
+        await until(lambda: r0.endpoint.ranks("m") is not None and r1.endpoint.ranks("m") is not None)
+        assert (await f.client(0).route("m", P, candidates=["x"])).worker_id == "x"
+        await until(lambda: len(r1.notes.predictions.approx) == 5)
+        big = list(range(1, 150_001))
+        for r in (r0, r1):  # the same large cache on both peers: both answer the sync, one is kept
+            assert r.notes.predictions.add(Holder("y", 0), big, clock.now)
+        # predicted entries beside the KV events: worker a (not in the registry: a stand-in indexer's holder)
+        for r in (r0, r1):
+            r.notes.predictions.ttl.add(Holder("a", 0), [11, 12, 13], clock.now)  # type: ignore[union-attr]
+        clock.now += 1.0
+        late = await start(f, clock, **kw)
+        assert late.notes.synced_predicted == 5 + 150_000 + 3
+        for h in (Holder("x", 0), Holder("y", 0)):
+            assert late.notes.predictions.approx.entries(h, clock.now) == r0.notes.predictions.approx.entries(
+                h, clock.now
+            )
+        assert late.notes.predictions.approx.capacity(Holder("y", 0)) == 200_000
+        assert late.notes.predictions.ttl.entries(Holder("a", 0), clock.now) == (  # type: ignore[union-attr]
+            [13, 12, 11],
+            [4.0, 4.0, 4.0],  # added 1 s before the restore: 4 of its 5 s left
+        )
+        await until(lambda: late.endpoint.ranks("m") is not None)
+        again = await f.client(2).route("m", P, explain=True)
+        assert (again.worker_id, again.overlap_blocks) == ("x", 5)
+        assert {(s.worker_id, s.overlap_blocks, s.cached_blocks) for s in again.scores or []} == {
+            ("x", 5, 5),
+            ("y", 0, 150_000),
+        }
+
+
+async def test_a_sync_request_without_the_parts_header_gets_the_ledger_alone(nats_url: str, uid: str) -> None:
+    """A router from before multi-part sync asks without ``Kvmesh-Sync-Parts``: it gets one message, the
+    `LedgerSnapshot` it decodes, and no predicted parts it would misread."""
+    from kvmesh.core.protocol import LedgerSnapshot, decode
+
+    async with fleet(nats_url, uid) as f:
+        clock = Clock()
+        r0 = await start(f, clock, predicted_ttl_s=5.0)
+        r0.notes.predictions.ttl.add(Holder("a", 0), [1, 2], clock.now)  # type: ignore[union-attr]
+        await f.client(0).route("m", P, request_id="r-1")
+        inbox = f.nc.new_inbox()
+        sub = await f.nc.subscribe(inbox)
+        await f.nc.publish(f"t{uid}.requests.sync", b"", reply=inbox)
+        msg = await sub.next_msg(timeout=3.0)
+        snap = decode(msg.data, LedgerSnapshot, format="msgpack")
+        assert ([e.request_id for e in snap.entries], msg.headers) == (["r-1"], None)
+        with pytest.raises(Exception, match="timeout"):
+            await sub.next_msg(timeout=0.5)

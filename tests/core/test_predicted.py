@@ -113,6 +113,46 @@ def test_forget_drops_a_holder_only() -> None:
     assert p.holders() == [B]
 
 
+def test_entries_and_restore_carry_a_cache_to_another_replica_in_recency_order() -> None:
+    """What a starting router replica does with a peer's sync: its own newer entries stay on top, the peer's go
+    under them, oldest out first past the capacity."""
+    peer = PredictedBlocks(ttl_s=None, capacity_blocks=6)
+    peer.add(A, [1, 2, 3], 0.0)
+    peer.add(A, [4, 5], 1.0)  # LRU order now: 3, 2, 1, 5, 4 (a prompt's head is its most recent)
+    keys, left = peer.entries(A, 2.0)
+    assert (keys, left) == ([3, 2, 1, 5, 4], None)
+    assert peer.entries(B, 2.0) == ([], None)
+    fresh = PredictedBlocks(ttl_s=None, capacity_blocks=5)
+    fresh.add(A, [9, 4], 2.0)  # a note that arrived before the sync answer: newer than the peer's copy
+    assert fresh.entries(A, 2.0) == ([4, 9], None)
+    assert fresh.restore(A, keys, left, 2.0) == 3  # 4 is held already; room for 3 of the other 4
+    assert fresh.entries(A, 2.0) == ([2, 1, 5, 4, 9], None)  # the peer's oldest, 3, did not fit
+    assert (fresh.match([1], 3.0), fresh.match([3], 3.0), fresh.match([9, 4], 3.0)) == ({A: 1}, {}, {A: 2})
+    assert fresh.restore(B, [], None, 2.0) == 0 and fresh.holders() == [A]
+    with pytest.raises(ValueError, match="2 keys but 1 remaining times"):
+        fresh.restore(A, [7, 8], [1.0], 2.0)
+
+
+def test_restored_entries_keep_their_remaining_time_and_expire_under_the_newer_ones() -> None:
+    peer = PredictedBlocks(ttl_s=10.0)
+    peer.add(A, [1, 2], 0.0)
+    peer.add(A, [3], 4.0)
+    keys, left = peer.entries(A, 6.0)
+    assert (keys, left) == ([2, 1, 3], [4.0, 4.0, 8.0])
+    assert left is not None
+    assert peer.entries(A, 10.0) == ([3], [4.0])  # expired ones are not sent
+    fresh = PredictedBlocks(ttl_s=10.0)
+    fresh.add(A, [5], 100.0)  # lives until 110
+    # 3 had 8 s left, 1 and 2 had 4 s; one more entry claims 50 s (more than the TTL): capped at the one above
+    assert fresh.restore(A, [*keys, 7], [*left, 50.0], 100.0) == 4
+    got, remaining = fresh.entries(A, 100.0)
+    assert (got, remaining) == ([2, 1, 3, 7, 5], [4.0, 4.0, 8.0, 10.0, 10.0])
+    assert fresh.restore(A, [8, 9], [0.0, math.nan], 100.0) == 0  # expired or not a number: left out
+    assert fresh.match([2], 104.0) == {} and fresh.match([3], 104.0) == {A: 1}
+    assert fresh.expire(108.0) == 3
+    assert fresh.entries(A, 108.0) == ([7, 5], [2.0, 2.0])
+
+
 # ---------------------------------------------------------------------- against a reference model
 
 

@@ -190,6 +190,17 @@ SAMPLES: list[tuple[msgspec.Struct, str]] = [
         ),
         "msgpack",
     ),
+    (
+        p.PredictedSnapshot(
+            caches=[
+                p.PredictedCache(
+                    worker_id="w", dp_rank=0, kind="no_events", keys=[1, 2**64 - 1], capacity_blocks=8
+                ),
+                p.PredictedCache(worker_id="v", dp_rank=1, kind="ttl", keys=[3], remaining_s=[1.5]),
+            ]
+        ),
+        "msgpack",
+    ),
     (p.WorkerLoad(worker_id="w", dp_rank=1, running=2, kv_usage=0.3), "json"),
     (
         p.WorkerRecord(
@@ -238,6 +249,7 @@ def test_every_message_type_has_a_round_trip_sample() -> None:
         "LedgerStats",
         "LedgerEntry",
         "SessionEntry",
+        "PredictedCache",
         "Message",
         "MicroEndpointStats",
         # stream messages: round-tripped with their own codec in tests/core/test_events*.py / test_state.py

@@ -33,8 +33,8 @@ latest one given is read as that latest time, which keeps the expiry order of ea
 its recency order (so `expire` pops from the old end and stops at the first live entry).
 
 Costs: `add` is O(prompt blocks + entries evicted); `match` is O(prompt blocks + Σ matched blocks over the
-holders matched), never O(all holders × blocks); `expire` is O(holders + entries dropped); `forget` is
-O(the holder's entries).
+holders matched), never O(all holders × blocks); `expire` is O(holders + entries dropped); `forget`,
+`entries` and `restore` are O(the holder's entries).
 """
 
 from __future__ import annotations
@@ -169,7 +169,84 @@ class PredictedBlocks:
             dropped += self._drop_expired(holder, self._held[holder], now)
         return dropped
 
+    def restore(
+        self, holder: Holder, keys: Sequence[int], remaining_s: Sequence[float] | None, now_s: float
+    ) -> int:
+        """Take a peer's entries of ``holder`` (`entries`) as entries older than any already held.
+
+        A starting router replica subscribes to the notes before it asks a peer for its entries, so what it
+        holds already is newer than the peer's copy: ``keys`` go in *under* it (least recently used end) and a
+        key already held keeps its place and expiry. Each restored entry expires ``remaining_s`` after
+        ``now_s`` (never later than the entry above it, so expiry order stays recency order); ``remaining_s``
+        None or a structure without TTL: entries that never expire. Past the holder's capacity the oldest go.
+
+        Args:
+            holder: the (worker, dp rank).
+            keys: its entries, least recently used first (as `entries` gives them).
+            remaining_s: seconds each entry still had to live at the peer (same length as ``keys``), or None.
+            now_s: the time of the restore, in seconds.
+
+        Returns:
+            the number of entries added (keys already held, expired ones, and ones past the capacity left out).
+
+        Raises:
+            ValueError: ``remaining_s`` is not as long as ``keys``.
+        """
+        if remaining_s is not None and len(remaining_s) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(remaining_s)} remaining times")
+        now = self._clock(now_s)
+        entries = self._held.get(holder)
+        if entries is None:
+            entries = self._held[holder] = OrderedDict()
+        cap = self.capacity(holder)
+        room = math.inf if cap is None else cap - len(entries)
+        ceiling = next(iter(entries.values())) if entries else math.inf
+        added = 0
+        by_key = self._by_key
+        for i in range(len(keys) - 1, -1, -1):  # newest first, each one under the last
+            if added >= room:
+                break
+            key = keys[i]
+            if key in entries:
+                continue
+            if self._ttl_s is None:
+                expiry = math.inf
+            else:
+                left = remaining_s[i] if remaining_s is not None else self._ttl_s
+                if not left > 0:
+                    continue  # expired (or not a number)
+                expiry = min(now + min(left, self._ttl_s), ceiling)
+                ceiling = expiry
+            entries[key] = expiry
+            entries.move_to_end(key, last=False)
+            holders = by_key.get(key)
+            if holders is None:
+                by_key[key] = {holder: None}
+            else:
+                holders[holder] = None
+            added += 1
+        if not entries:
+            del self._held[holder]
+        return added
+
     # ------------------------------------------------------------------ queries
+
+    def entries(self, holder: Holder, now_s: float) -> tuple[list[int], list[float] | None]:
+        """Return ``holder``'s live entries, least recently used first, and the seconds each has left to live
+        at ``now_s`` (None when entries never expire): what `restore` takes on another replica."""
+        now = self._clock(now_s)
+        held = self._held.get(holder)
+        if not held:
+            return [], None
+        if self._ttl_s is None:
+            return list(held), None
+        keys: list[int] = []
+        left: list[float] = []
+        for key, expiry in held.items():
+            if expiry > now:
+                keys.append(key)
+                left.append(expiry - now)
+        return keys, left
 
     def match(self, keys: Sequence[int], now_s: float) -> dict[Holder, int]:
         """Return, per holder, how many leading keys of a prompt it holds live at ``now_s``.

@@ -94,6 +94,8 @@ __all__ = [
     "MAX_TOKEN_ID",
     "PROTOCOL_VERSION",
     "ROUTE_FORMS",
+    "SYNC_FROM_HEADER",
+    "SYNC_PARTS_HEADER",
     "BlockHash",
     "EngineStatus",
     "ErrorBody",
@@ -116,6 +118,8 @@ __all__ = [
     "MicroEndpointStats",
     "MicroServiceStats",
     "PolicyOverride",
+    "PredictedCache",
+    "PredictedSnapshot",
     "RequestRef",
     "RouteNote",
     "RouteReceipts",
@@ -165,6 +169,13 @@ ROUTE_FORMS: Final[tuple[str, ...]] = (BODY_JSON, BODY_TOKENS_U32LE, BODY_HASHES
 """Every ``Kvmesh-Body`` value this build reads."""
 FORMS_METADATA_KEY: Final[str] = "route_forms"
 """Key of a router's ``$SRV.INFO`` metadata listing the forms it reads, comma-separated."""
+SYNC_PARTS_HEADER: Final[str] = "Kvmesh-Sync-Parts"
+"""Header of ``kvmesh.requests.sync``. On the request: ``"1"`` when the asker takes a reply in several
+messages (routers before multi-part sync send no header and get the `LedgerSnapshot` alone). On the first
+reply: how many messages the reply has in all (the `LedgerSnapshot`, then `PredictedSnapshot` parts)."""
+SYNC_FROM_HEADER: Final[str] = "Kvmesh-Sync-From"
+"""Header of every part of a multi-part sync reply: the answering replica's id, so an asker that hears two
+peers keeps one peer's parts."""
 
 ERROR_STATUS: Final[dict[str, int]] = {cls.code: cls.status for cls in ROUTE_ERRORS}
 """Error code → the numeric ``Nats-Service-Error-Code`` it is sent with (from `kvmesh.core.errors`'s classes:
@@ -716,6 +727,30 @@ class LedgerSnapshot(msgspec.Struct, kw_only=True, frozen=True):
     version: int = 1
     sessions: list[SessionEntry] = msgspec.field(default_factory=list)
     """Every session the replica knows (absent from replicas before session affinity)."""
+
+
+class PredictedCache(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
+    """One holder's predicted entries in a sync part (`PredictedSnapshot`), or a slice of them."""
+
+    worker_id: str
+    dp_rank: int
+    kind: str
+    """``"no_events"`` (the predicted cache of a worker without KV events) or ``"ttl"`` (predicted entries
+    beside the KV events, ``--predicted-ttl-s``); another kind is skipped by the receiver."""
+    keys: list[int]
+    """Prefix keys, least recently used first (a holder split over several parts: each part continues the
+    previous one's order, newer keys later)."""
+    remaining_s: list[float] | None = None
+    """``"ttl"``: seconds each key still had to live at the sender (as long as ``keys``); None otherwise."""
+    capacity_blocks: int | None = None
+    """The holder's bound at the sender (its worker's ``kv_capacity_blocks``), None: the default."""
+
+
+class PredictedSnapshot(msgspec.Struct, kw_only=True, frozen=True):
+    """A later part of a multi-part ``kvmesh.requests.sync`` reply (msgpack): predicted entries."""
+
+    caches: list[PredictedCache]
+    version: int = 1
 
 
 class WorkerLoad(Message, kw_only=True, frozen=True, omit_defaults=True):

@@ -11,21 +11,28 @@ Plain subscriptions (no queue group), so every replica sees every note:
   ``request_id`` that the others must know about (one with a ``request_id`` says the same in its ``routed``
   note): where its ``session_id`` went (`kvmesh.core.sessions.SessionTable`) and its blocks for predicted
   entries (`kvmesh.router.predictions`);
-* ``<requests_prefix>.sync`` — a starting replica asks its peers for their ledger and sessions
-  (`LedgerSnapshot`, msgpack); it subscribes to the notes first, so nothing falls between the snapshot and
-  the live notes;
+* ``<requests_prefix>.sync`` — a starting replica asks its peers for their ledger, sessions and predicted
+  entries; it subscribes to the notes first, so nothing falls between the snapshot and the live notes. The
+  answer is a `LedgerSnapshot` (msgpack), then, to an asker that sends ``Kvmesh-Sync-Parts: 1``, as many
+  `PredictedSnapshot` parts as the predicted caches need, each within the server's ``max_payload`` (the
+  first message's ``Kvmesh-Sync-Parts`` header gives the count; every part's ``Kvmesh-Sync-From`` names the
+  peer, so the asker keeps one peer's answer when several reply). An asker without the header (a router
+  before multi-part sync) gets the `LedgerSnapshot` alone;
 * ``<load_prefix>.<worker>`` — engine load reports (`WorkerLoad`, JSON).
 
 An undecodable note is logged (a load report at debug level) and dropped; nothing else is lost. Undecodable
 lifecycle notes are counted (`LifecycleNotes.undecodable`), and so are ``routed`` / ``noted`` notes that no
 router sends (a negative rank, a session id outside 1 – 256 characters, a key outside [0, 2⁶⁴)), dropped
-whole. A sync answer is cut to the server's ``max_payload`` (least recently seen sessions out first).
+whole. A sync answer's `LedgerSnapshot` is cut to the server's ``max_payload`` (least recently seen sessions
+out first); predicted entries are never cut, only split over parts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -39,8 +46,12 @@ from kvmesh.core.errors import ProtocolError
 from kvmesh.core.index import Holder
 from kvmesh.core.load import EngineLoads, LoadLedger
 from kvmesh.core.protocol import (
+    SYNC_FROM_HEADER,
+    SYNC_PARTS_HEADER,
     LedgerEntry,
     LedgerSnapshot,
+    PredictedCache,
+    PredictedSnapshot,
     RequestRef,
     Routed,
     RouteNote,
@@ -59,6 +70,11 @@ log = logging.getLogger("kvmesh.router")
 _N = TypeVar("_N", Routed, RouteNote)
 
 _KEY_LIMIT = 1 << 64
+_FLUSH_EVERY_BYTES = 4 << 20
+_KEY_BYTES = 18
+"""Most msgpack bytes a predicted entry takes: its key (uint64, 9) and its remaining time (float64, 9)."""
+_CACHE_BYTES = 64
+"""Most msgpack bytes of a `PredictedCache` beside its keys, times and worker id."""
 
 
 def _problem(dp_rank: int, session_id: str | None, block_keys: list[int] | None) -> str | None:
@@ -94,6 +110,38 @@ def _fitted(entries: list[LedgerEntry], sessions: list[SessionEntry], limit: int
     return data
 
 
+def _sync_parts(caches: list[PredictedCache], limit: int) -> list[bytes]:
+    """``caches`` as `PredictedSnapshot` parts (msgpack) of at most ``limit`` bytes each (the server's
+    ``max_payload``), a holder's keys cut into consecutive slices where they do not fit one part."""
+    room = limit - 64
+    parts: list[bytes] = []
+    batch: list[PredictedCache] = []
+    used = 0
+    for c in caches:
+        start = 0
+        while start < len(c.keys):
+            fixed = _CACHE_BYTES + len(c.worker_id.encode())
+            if used + fixed + _KEY_BYTES > room:
+                parts.append(encode(PredictedSnapshot(caches=batch), format="msgpack"))
+                batch, used = [], 0
+            take = max(min(len(c.keys) - start, (room - used - fixed) // _KEY_BYTES), 1)
+            end = start + take
+            batch.append(
+                c
+                if (start, end) == (0, len(c.keys))
+                else msgspec.structs.replace(
+                    c,
+                    keys=c.keys[start:end],
+                    remaining_s=None if c.remaining_s is None else c.remaining_s[start:end],
+                )
+            )
+            used += fixed + take * _KEY_BYTES
+            start = end
+    if batch:
+        parts.append(encode(PredictedSnapshot(caches=batch), format="msgpack"))
+    return parts
+
+
 class LifecycleNotes:
     """Keeps a replica's ledger and engine loads in step with every other replica's.
 
@@ -126,6 +174,10 @@ class LifecycleNotes:
         """Sessions restored from a peer at start-up."""
         self.synced_requests = 0
         """In-flight requests restored from a peer's ledger at start-up."""
+        self.synced_predicted = 0
+        """Predicted entries restored from a peer at start-up."""
+        self._id = uuid.uuid4().hex
+        """This replica's id in the headers of its sync answers."""
         self.undecodable = 0
         """Lifecycle notes (routed, prefill_done, finished) dropped because they did not decode."""
         self._warned: set[str] = set()
@@ -146,15 +198,31 @@ class LifecycleNotes:
         ]
 
     async def sync_from_peers(self, nc: Client) -> None:
-        """Ask one peer replica for its in-flight requests (none answering is fine: first replica)."""
+        """Ask the peer replicas for their in-flight requests, sessions and predicted entries; take the first
+        peer's answer (none answering is fine: the first replica).
+
+        The answer may come in several messages (`_sync_parts`); parts missing after the sync timeout are
+        logged and what arrived is kept.
+        """
         s = self.settings
         if s.sync_timeout_s <= 0:
             return
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
         try:
-            msg = await nc.request(self._subject("sync"), b"", timeout=s.sync_timeout_s)
-            snap = decode(msg.data, LedgerSnapshot, format="msgpack")
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
+            await nc.publish(self._subject("sync"), b"", reply=inbox, headers={SYNC_PARTS_HEADER: "1"})
+            parts = await self._collect_sync(sub, s.sync_timeout_s)
+        except nats.errors.Error as exc:
+            log.warning("router: accounting sync failed: %s", exc, extra={"kind": "sync"})
             return
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        if not parts:
+            return
+        try:
+            snap = decode(parts[0], LedgerSnapshot, format="msgpack")
+            later = [decode(p, PredictedSnapshot, format="msgpack") for p in parts[1:]]
         except ProtocolError as exc:
             log.warning(
                 "router: undecodable accounting snapshot from a peer: %s", exc, extra={"kind": "sync"}
@@ -170,6 +238,50 @@ class LifecycleNotes:
             ),
             now,
         )
+        restored, refused = self.predictions.restore((c for part in later for c in part.caches), now)
+        self.synced_predicted = restored
+        if refused:
+            log.warning(
+                "router: %d predicted caches from a peer refused (malformed)", refused, extra={"kind": "sync"}
+            )
+
+    async def _collect_sync(self, sub: Subscription, timeout_s: float) -> list[bytes]:
+        """The bodies of one peer's sync answer, in order (empty: no peer answered within ``timeout_s``).
+
+        A peer that sends one message (a router before multi-part sync) gives a one-part answer; parts of a
+        second peer are ignored.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        parts: list[bytes] = []
+        sender: str | None = None
+        expected = 1
+        while len(parts) < expected:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except nats.errors.TimeoutError:
+                break
+            headers = msg.headers or {}
+            if headers.get("Status") == "503":
+                return []  # no responders: the first replica
+            if not parts:
+                sender = headers.get(SYNC_FROM_HEADER)
+                try:
+                    expected = max(int(headers.get(SYNC_PARTS_HEADER, "1")), 1)
+                except ValueError:
+                    expected = 1
+            elif headers.get(SYNC_FROM_HEADER) != sender:
+                continue  # another peer answered too
+            parts.append(msg.data)
+        if parts and len(parts) < expected:
+            log.warning(
+                "router: accounting sync got %d of %d parts from a peer within %.1f s; kept what arrived",
+                len(parts), expected, timeout_s, extra={"kind": "sync"},
+            )  # fmt: skip
+        return parts
 
     async def serve_sync(self, nc: Client) -> Subscription:
         """Answer later replicas' sync requests with this replica's ledger; return the subscription."""
@@ -233,18 +345,33 @@ class LifecycleNotes:
             await self._nc.publish(self._subject("finished"), encode(RequestRef(request_id=request_id)))
 
     async def _on_sync(self, msg: Msg) -> None:
-        if msg.reply:
-            now = self._clock()
-            self.ledger.expire(now)
-            with contextlib.suppress(nats.errors.Error):
-                self.sessions.expire(now)
-                snap = self.ledger.snapshot(now)
-                sessions = [
-                    SessionEntry(session_id=sid, worker_id=h.worker_id, dp_rank=h.dp_rank, idle_s=idle)
-                    for sid, h, idle in self.sessions.entries(now)
-                ]
-                limit = (self._nc.max_payload if self._nc is not None else 1 << 20) - 1024
-                await msg.respond(_fitted(snap.entries, sessions, limit))
+        if not msg.reply:
+            return
+        now = self._clock()
+        self.ledger.expire(now)
+        with contextlib.suppress(nats.errors.Error):
+            self.sessions.expire(now)
+            snap = self.ledger.snapshot(now)
+            sessions = [
+                SessionEntry(session_id=sid, worker_id=h.worker_id, dp_rank=h.dp_rank, idle_s=idle)
+                for sid, h, idle in self.sessions.entries(now)
+            ]
+            nc = self._nc
+            limit = (nc.max_payload if nc is not None else 1 << 20) - 1024
+            first = _fitted(snap.entries, sessions, limit)
+            if nc is None or (msg.headers or {}).get(SYNC_PARTS_HEADER) != "1":
+                await msg.respond(first)  # an asker that takes one message
+                return
+            parts = _sync_parts(self.predictions.caches(now), limit)
+            headers = {SYNC_FROM_HEADER: self._id}
+            await nc.publish(msg.reply, first, headers={**headers, SYNC_PARTS_HEADER: str(1 + len(parts))})
+            sent = len(first)
+            for part in parts:
+                await nc.publish(msg.reply, part, headers=headers)
+                sent += len(part)
+                if sent >= _FLUSH_EVERY_BYTES:  # stay within the client's outgoing buffer
+                    await nc.flush()
+                    sent = 0
 
     async def _on_routed(self, msg: Msg) -> None:
         event = self._checked(msg, Routed, "routed")

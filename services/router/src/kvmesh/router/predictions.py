@@ -17,29 +17,36 @@ prefix keys (the standard sequence hash of each full block, what the index store
   departed worker's blocks.
 
 Every replica keeps the same entries: the replica that routes sends the prompt's keys in its `Routed` note
-(or a `RouteNote` for a request without a ``request_id``), and each replica adds them on receipt. No I/O and
+(or a `RouteNote` for a request without a ``request_id``), and each replica adds them on receipt; a replica
+started later restores a peer's entries (`Predictions.caches` there, `Predictions.restore` here) under the
+ones the notes already gave it. No I/O and
 no clock here: times are the caller's monotonic seconds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
 from kvmesh.core import tables
 from kvmesh.core.hashing import sequence_hashes
 from kvmesh.core.index import Holder
 from kvmesh.core.predicted import PredictedBlocks
-from kvmesh.core.protocol import RouteRequest
+from kvmesh.core.protocol import PredictedCache, RouteRequest
 from kvmesh.core.route import Candidate, CandidateLike
 from kvmesh.router.answer import MatchAnswer, match_answer
 from kvmesh.router.health import RecordLike
 
-__all__ = ["DEFAULT_CAPACITY_BLOCKS", "Predictions", "prompt_keys_of"]
+__all__ = ["DEFAULT_CAPACITY_BLOCKS", "NO_EVENTS", "TTL", "Predictions", "prompt_keys_of"]
 
 DEFAULT_CAPACITY_BLOCKS: Final[int] = 16_384
 """Predicted-cache bound of a worker without KV events whose record gives no ``kv_capacity_blocks``."""
+NO_EVENTS: Final[str] = "no_events"
+"""`PredictedCache.kind` of a worker without KV events' predicted cache."""
+TTL: Final[str] = "ttl"
+"""`PredictedCache.kind` of predicted entries beside the KV events."""
+_KEY_LIMIT: Final[int] = 1 << 64
 _EXPIRE_EVERY_S: Final[float] = 1.0
 _REREAD_S: Final[float] = 1.0
 """How long the set of workers without KV events is reused before the registry's records are read again."""
@@ -173,6 +180,78 @@ class Predictions:
         if len(self.approx):
             out["no_events"] = len(self.approx)
         return out
+
+    def caches(self, now_s: float) -> list[PredictedCache]:
+        """Every holder's live entries at ``now_s``, least recently used first, with its bound: what a starting
+        replica restores from a peer (`restore`)."""
+        out: list[PredictedCache] = []
+        for kind, blocks in ((NO_EVENTS, self.approx), (TTL, self.ttl)):
+            if blocks is None:
+                continue
+            for h in blocks.holders():
+                keys, left = blocks.entries(h, now_s)
+                if keys:
+                    out.append(
+                        PredictedCache(
+                            worker_id=h.worker_id,
+                            dp_rank=h.dp_rank,
+                            kind=kind,
+                            keys=keys,
+                            remaining_s=left,
+                            capacity_blocks=blocks.capacity(h),
+                        )
+                    )
+        return out
+
+    def restore(self, caches: Iterable[PredictedCache], now_s: float) -> tuple[int, int]:
+        """Take a peer's predicted entries (`caches` there) under the ones this replica holds already.
+
+        A holder's slices must come in the sender's order (they are concatenated). Predicted entries (kind
+        ``ttl``) are taken only when they are on here too. The registry is not read: a holder it does not list
+        as without KV events is forgotten at its next read, as any departed worker's cache.
+
+        Returns:
+            (entries restored, caches refused: an unknown kind, a negative rank, a key outside [0, 2⁶⁴),
+            ``remaining_s`` not as long as ``keys``, or a bound below 1).
+        """
+        merged: dict[tuple[Holder, str], tuple[list[int], list[float] | None, int | None]] = {}
+        refused = 0
+        for c in caches:
+            bad = (
+                c.kind not in (NO_EVENTS, TTL)
+                or c.dp_rank < 0
+                or (c.keys and not (min(c.keys) >= 0 and max(c.keys) < _KEY_LIMIT))
+                or (c.remaining_s is not None and len(c.remaining_s) != len(c.keys))
+                or (c.capacity_blocks is not None and c.capacity_blocks < 1)
+            )
+            if bad:
+                refused += 1
+                continue
+            key = (Holder(c.worker_id, c.dp_rank), c.kind)
+            have = merged.get(key)
+            if have is None:
+                merged[key] = (
+                    list(c.keys),
+                    None if c.remaining_s is None else list(c.remaining_s),
+                    c.capacity_blocks,
+                )
+                continue
+            keys, left, cap = have
+            if (left is None) != (c.remaining_s is None):
+                refused += 1
+                continue
+            keys.extend(c.keys)
+            if left is not None and c.remaining_s is not None:
+                left.extend(c.remaining_s)
+        restored = 0
+        for (h, kind), (keys, left, cap) in merged.items():
+            blocks = self.approx if kind == NO_EVENTS else self.ttl
+            if blocks is None:
+                continue
+            if cap is not None and blocks.capacity(h) != cap:
+                blocks.set_capacity(h, cap)
+            restored += blocks.restore(h, keys, left if blocks.ttl_s is not None else None, now_s)
+        return restored, refused
 
     def keeps(self, holder: Holder) -> bool:
         """Whether a route to ``holder`` adds predicted entries (it publishes no KV events, or predicted entries

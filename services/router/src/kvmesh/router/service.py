@@ -230,10 +230,12 @@ class RouterService:
         http = await self._start_http()
         self.ready.set()
         log.info(
-            "router: serving %s (%s, %d in-flight requests from peers)",
+            "router: serving %s (%s; from peers: %d in-flight requests, %d sessions, %d predicted entries)",
             s.route_subject,
             "local index" if self.replica is not None else f"indexers on {s.match_subject}",
             self.synced_requests,
+            self.notes.synced_sessions,
+            self.notes.synced_predicted,
         )
         if self.replica is None and s.max_blocks is not None:
             log.warning(

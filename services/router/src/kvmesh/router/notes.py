@@ -63,7 +63,7 @@ from kvmesh.core.protocol import (
 )
 from kvmesh.core.sessions import MAX_SESSION_ID_CHARS, SessionTable
 from kvmesh.router.config import RouterSettings
-from kvmesh.router.predictions import Predictions
+from kvmesh.router.predictions import TTL, Predictions
 from kvmesh.runtime import subjects
 
 log = logging.getLogger("kvmesh.router")
@@ -71,8 +71,8 @@ _N = TypeVar("_N", Routed, RouteNote)
 
 _KEY_LIMIT = 1 << 64
 _FLUSH_EVERY_BYTES = 4 << 20
-_KEY_BYTES = 18
-"""Most msgpack bytes a predicted entry takes: its key (uint64, 9) and its remaining time (float64, 9)."""
+_MAX_SYNC_PARTS = 1 << 20
+"""The most parts an asker waits for (a larger ``Kvmesh-Sync-Parts`` is read as this)."""
 _CACHE_BYTES = 64
 """Most msgpack bytes of a `PredictedCache` beside its keys, times and worker id."""
 
@@ -110,36 +110,42 @@ def _fitted(entries: list[LedgerEntry], sessions: list[SessionEntry], limit: int
     return data
 
 
-def _sync_parts(caches: list[PredictedCache], limit: int) -> list[bytes]:
-    """``caches`` as `PredictedSnapshot` parts (msgpack) of at most ``limit`` bytes each (the server's
-    ``max_payload``), a holder's keys cut into consecutive slices where they do not fit one part."""
-    room = limit - 64
-    parts: list[bytes] = []
-    batch: list[PredictedCache] = []
+def _plan_parts(sizes: list[tuple[str, int, bool]], limit: int) -> list[list[tuple[int, int, int]]]:
+    """How predicted caches go into `PredictedSnapshot` parts of at most ``limit`` bytes each (the server's
+    ``max_payload``), from each cache's ``(worker id, entries, with remaining times)``: per part,
+    ``(cache index, start, end)`` slices of its keys. A cache too large for one part is cut into consecutive
+    slices, its newest keys (the end of its list) in the first part, so an answer cut short keeps what is
+    most likely still cached. Sizes come from the counts alone (at most 9 msgpack bytes a key and 9 a
+    remaining time), so the plan is known before any entry is exported."""
+    room = max(limit - 64, 1)
+    plan: list[list[tuple[int, int, int]]] = []
+    batch: list[tuple[int, int, int]] = []
     used = 0
-    for c in caches:
-        start = 0
-        while start < len(c.keys):
-            fixed = _CACHE_BYTES + len(c.worker_id.encode())
-            if used + fixed + _KEY_BYTES > room:
-                parts.append(encode(PredictedSnapshot(caches=batch), format="msgpack"))
+    for i, (worker_id, count, timed) in enumerate(sizes):
+        per_key = 18 if timed else 9
+        fixed = _CACHE_BYTES + len(worker_id.encode())
+        end = count
+        while end > 0:
+            if batch and used + fixed + per_key > room:
+                plan.append(batch)
                 batch, used = [], 0
-            take = max(min(len(c.keys) - start, (room - used - fixed) // _KEY_BYTES), 1)
-            end = start + take
-            batch.append(
-                c
-                if (start, end) == (0, len(c.keys))
-                else msgspec.structs.replace(
-                    c,
-                    keys=c.keys[start:end],
-                    remaining_s=None if c.remaining_s is None else c.remaining_s[start:end],
-                )
-            )
-            used += fixed + take * _KEY_BYTES
-            start = end
+            take = max(min(end, (room - used - fixed) // per_key), 1)
+            batch.append((i, end - take, end))
+            used += fixed + take * per_key
+            end -= take
     if batch:
-        parts.append(encode(PredictedSnapshot(caches=batch), format="msgpack"))
-    return parts
+        plan.append(batch)
+    return plan
+
+
+def _slice(c: PredictedCache, start: int, end: int) -> PredictedCache:
+    """``c`` with its keys (and remaining times) ``[start:end]``, bounds clamped to the keys it has."""
+    start, end = max(start, 0), max(end, 0)
+    if (start, end) == (0, len(c.keys)):
+        return c
+    return msgspec.structs.replace(
+        c, keys=c.keys[start:end], remaining_s=None if c.remaining_s is None else c.remaining_s[start:end]
+    )
 
 
 class LifecycleNotes:
@@ -198,11 +204,12 @@ class LifecycleNotes:
         ]
 
     async def sync_from_peers(self, nc: Client) -> None:
-        """Ask the peer replicas for their in-flight requests, sessions and predicted entries; take the first
+        """Ask the peer replicas for their in-flight requests, sessions and predicted entries, and take one
         peer's answer (none answering is fine: the first replica).
 
-        The answer may come in several messages (`_sync_parts`); parts missing after the sync timeout are
-        logged and what arrived is kept.
+        The answer may come in several messages (`_collect_sync`): the ledger and sessions first, then the
+        predicted parts, newest entries first. A part that does not decode is skipped alone; parts missing
+        after the sync timeout are logged and what arrived is kept.
         """
         s = self.settings
         if s.sync_timeout_s <= 0:
@@ -211,23 +218,16 @@ class LifecycleNotes:
         sub = await nc.subscribe(inbox)
         try:
             await nc.publish(self._subject("sync"), b"", reply=inbox, headers={SYNC_PARTS_HEADER: "1"})
-            parts = await self._collect_sync(sub, s.sync_timeout_s)
+            answer = await self._collect_sync(sub, s.sync_timeout_s)
         except nats.errors.Error as exc:
             log.warning("router: accounting sync failed: %s", exc, extra={"kind": "sync"})
             return
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
-        if not parts:
+        if answer is None:
             return
-        try:
-            snap = decode(parts[0], LedgerSnapshot, format="msgpack")
-            later = [decode(p, PredictedSnapshot, format="msgpack") for p in parts[1:]]
-        except ProtocolError as exc:
-            log.warning(
-                "router: undecodable accounting snapshot from a peer: %s", exc, extra={"kind": "sync"}
-            )
-            return
+        snap, parts = answer
         now = self._clock()
         self.synced_requests = self.ledger.restore(snap, now)
         self.synced_sessions = self.sessions.restore(
@@ -238,25 +238,47 @@ class LifecycleNotes:
             ),
             now,
         )
-        restored, refused = self.predictions.restore((c for part in later for c in part.caches), now)
-        self.synced_predicted = restored
-        if refused:
+        undecodable = refused = 0
+        for data in parts:
+            try:
+                part = decode(data, PredictedSnapshot, format="msgpack")
+            except ProtocolError as exc:
+                if not undecodable:
+                    log.warning(
+                        "router: undecodable predicted part from a peer, skipped: %s",
+                        exc,
+                        extra={"kind": "sync"},
+                    )
+                undecodable += 1
+                continue
+            restored, bad = self.predictions.restore(part.caches, self._clock())
+            self.synced_predicted += restored
+            refused += bad
+            await asyncio.sleep(0)  # let the notes that arrive meanwhile in
+        if undecodable or refused:
             log.warning(
-                "router: %d predicted caches from a peer refused (malformed)", refused, extra={"kind": "sync"}
-            )
+                "router: from a peer's sync answer, %d undecodable predicted parts and %d malformed predicted "
+                "caches were skipped; the rest was kept",
+                undecodable, refused, extra={"kind": "sync"},
+            )  # fmt: skip
 
-    async def _collect_sync(self, sub: Subscription, timeout_s: float) -> list[bytes]:
-        """The bodies of one peer's sync answer, in order (empty: no peer answered within ``timeout_s``).
+    async def _collect_sync(
+        self, sub: Subscription, timeout_s: float
+    ) -> tuple[LedgerSnapshot, list[bytes]] | None:
+        """One peer's sync answer: its decoded `LedgerSnapshot` and the bodies of its predicted parts, in order;
+        None when no peer answered.
 
-        A peer that sends one message (a router before multi-part sync) gives a one-part answer; parts of a
-        second peer are ignored.
+        Every peer answers; the first whose answer is complete is taken. A peer whose first message does not
+        decode is ignored (logged), so a broken or stalled peer does not hide a good one; at the timeout the
+        most complete answer is kept (logged). A peer that sends one message (a router before multi-part
+        sync) gives a complete answer of one part.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        parts: list[bytes] = []
-        sender: str | None = None
-        expected = 1
-        while len(parts) < expected:
+        answers: dict[str, tuple[LedgerSnapshot, int, list[bytes]]] = {}
+        ignored: set[str] = set()
+        heard = False
+        while True:
             left = deadline - loop.time()
             if left <= 0:
                 break
@@ -265,23 +287,52 @@ class LifecycleNotes:
             except nats.errors.TimeoutError:
                 break
             headers = msg.headers or {}
-            if headers.get("Status") == "503":
-                return []  # no responders: the first replica
-            if not parts:
-                sender = headers.get(SYNC_FROM_HEADER)
+            sender = headers.get(SYNC_FROM_HEADER, "")
+            if not heard and not sender and headers.get("Status") == "503":
+                return None  # no responders: the first replica
+            heard = True
+            if sender in ignored:
+                continue
+            have = answers.get(sender)
+            if have is not None:
+                have[2].append(msg.data)
+            else:
                 try:
-                    expected = max(int(headers.get(SYNC_PARTS_HEADER, "1")), 1)
+                    snap = decode(msg.data, LedgerSnapshot, format="msgpack")
+                except ProtocolError as exc:
+                    log.warning(
+                        "router: undecodable accounting snapshot from a peer, waiting for another: %s",
+                        exc, extra={"kind": "sync"},
+                    )  # fmt: skip
+                    if sender:  # a peer without an id sends one message: nothing more of it to ignore
+                        ignored.add(sender)
+                    continue
+                try:
+                    expected = min(max(int(headers.get(SYNC_PARTS_HEADER, "1")), 1), _MAX_SYNC_PARTS)
                 except ValueError:
                     expected = 1
-            elif headers.get(SYNC_FROM_HEADER) != sender:
-                continue  # another peer answered too
-            parts.append(msg.data)
-        if parts and len(parts) < expected:
-            log.warning(
-                "router: accounting sync got %d of %d parts from a peer within %.1f s; kept what arrived",
-                len(parts), expected, timeout_s, extra={"kind": "sync"},
-            )  # fmt: skip
-        return parts
+                have = answers[sender] = (snap, expected, [])
+            if 1 + len(have[2]) >= have[1]:
+                return have[0], have[2]
+        if not answers:
+            if heard:
+                log.warning(
+                    "router: no peer's accounting snapshot decoded within %.1f s; starting without one",
+                    timeout_s, extra={"kind": "sync"},
+                )  # fmt: skip
+            else:
+                log.warning(
+                    "router: the sync subject has subscribers but none answered within %.1f s; starting "
+                    "without a peer's ledger (raise --sync-timeout-s if peers are slow to answer)",
+                    timeout_s, extra={"kind": "sync"},
+                )  # fmt: skip
+            return None
+        snap, expected, parts = max(answers.values(), key=lambda a: len(a[2]))
+        log.warning(
+            "router: accounting sync got %d of %d parts from a peer within %.1f s; kept what arrived",
+            1 + len(parts), expected, timeout_s, extra={"kind": "sync"},
+        )  # fmt: skip
+        return snap, parts
 
     async def serve_sync(self, nc: Client) -> Subscription:
         """Answer later replicas' sync requests with this replica's ledger; return the subscription."""
@@ -357,21 +408,36 @@ class LifecycleNotes:
                 for sid, h, idle in self.sessions.entries(now)
             ]
             nc = self._nc
-            limit = (nc.max_payload if nc is not None else 1 << 20) - 1024
+            max_payload = nc.max_payload if nc is not None else 1 << 20
+            limit = max(max_payload - 1024, max_payload // 2)
             first = _fitted(snap.entries, sessions, limit)
             if nc is None or (msg.headers or {}).get(SYNC_PARTS_HEADER) != "1":
                 await msg.respond(first)  # an asker that takes one message
                 return
-            parts = _sync_parts(self.predictions.caches(now), limit)
+            sizes = self.predictions.sizes(now)
+            plan = _plan_parts([(h.worker_id, n, kind == TTL) for kind, h, n in sizes], limit)
             headers = {SYNC_FROM_HEADER: self._id}
-            await nc.publish(msg.reply, first, headers={**headers, SYNC_PARTS_HEADER: str(1 + len(parts))})
-            sent = len(first)
-            for part in parts:
-                await nc.publish(msg.reply, part, headers=headers)
-                sent += len(part)
+            # the ledger first and at once: the asker's timeout is short, and its in-flight requests matter most
+            await nc.publish(msg.reply, first, headers={**headers, SYNC_PARTS_HEADER: str(1 + len(plan))})
+            await nc.flush()
+            exported: dict[int, PredictedCache] = {}
+            sent = 0
+            for slices in plan:
+                part = []
+                for i, start, end in slices:
+                    kind, h, n = sizes[i]
+                    c = exported.get(i)
+                    if c is None:  # exported at its first slice: notes may have changed it since the plan
+                        c = exported[i] = self.predictions.cache(kind, h, now)
+                    shift = len(c.keys) - n  # slices count from the newest end
+                    part.append(_slice(c, shift + start, shift + end))
+                data = encode(PredictedSnapshot(caches=part), format="msgpack")
+                await nc.publish(msg.reply, data, headers=headers)
+                sent += len(data)
                 if sent >= _FLUSH_EVERY_BYTES:  # stay within the client's outgoing buffer
                     await nc.flush()
                     sent = 0
+                await asyncio.sleep(0)  # a large answer does not hold up this replica's routes
 
     async def _on_routed(self, msg: Msg) -> None:
         event = self._checked(msg, Routed, "routed")

@@ -181,41 +181,44 @@ class Predictions:
             out["no_events"] = len(self.approx)
         return out
 
-    def caches(self, now_s: float) -> list[PredictedCache]:
-        """Every holder's live entries at ``now_s``, least recently used first, with its bound: what a starting
-        replica restores from a peer (`restore`)."""
-        out: list[PredictedCache] = []
+    def sizes(self, now_s: float) -> list[tuple[str, Holder, int]]:
+        """``(kind, holder, entries)`` of every holder with entries, expired predicted entries dropped first: what
+        a sync answer plans its parts by before it exports them (`cache`). O(holders + entries dropped)."""
+        out: list[tuple[str, Holder, int]] = []
         for kind, blocks in ((NO_EVENTS, self.approx), (TTL, self.ttl)):
             if blocks is None:
                 continue
-            for h in blocks.holders():
-                keys, left = blocks.entries(h, now_s)
-                if keys:
-                    out.append(
-                        PredictedCache(
-                            worker_id=h.worker_id,
-                            dp_rank=h.dp_rank,
-                            kind=kind,
-                            keys=keys,
-                            remaining_s=left,
-                            capacity_blocks=blocks.capacity(h),
-                        )
-                    )
+            blocks.expire(now_s)
+            out.extend((kind, h, blocks.block_count(h)) for h in blocks.holders())
         return out
 
-    def restore(self, caches: Iterable[PredictedCache], now_s: float) -> tuple[int, int]:
-        """Take a peer's predicted entries (`caches` there) under the ones this replica holds already.
+    def cache(self, kind: str, holder: Holder, now_s: float) -> PredictedCache:
+        """``holder``'s live entries of ``kind`` (`NO_EVENTS` or `TTL`) at ``now_s``, least recently used first,
+        with its bound: what a starting replica restores from a peer (`restore`). O(the holder's entries)."""
+        blocks = self.approx if kind == NO_EVENTS else self.ttl
+        keys, left = blocks.entries(holder, now_s) if blocks is not None else ([], None)
+        return PredictedCache(
+            worker_id=holder.worker_id,
+            dp_rank=holder.dp_rank,
+            kind=kind,
+            keys=keys,
+            remaining_s=left,
+            capacity_blocks=blocks.capacity(holder) if blocks is not None else None,
+        )
 
-        A holder's slices must come in the sender's order (they are concatenated). Predicted entries (kind
-        ``ttl``) are taken only when they are on here too. The registry is not read: a holder it does not list
-        as without KV events is forgotten at its next read, as any departed worker's cache.
+    def restore(self, caches: Iterable[PredictedCache], now_s: float) -> tuple[int, int]:
+        """Take a peer's predicted entries (`cache` there) under the ones this replica holds already.
+
+        Each cache goes in under what the holder holds by then, so a holder's slices must come newest first
+        (as a peer sends them). Predicted entries (kind ``ttl``) are taken only when they are on here too.
+        The registry is not read: a holder it does not list as without KV events is forgotten at its next
+        read, as any departed worker's cache.
 
         Returns:
             (entries restored, caches refused: an unknown kind, a negative rank, a key outside [0, 2⁶⁴),
             ``remaining_s`` not as long as ``keys``, or a bound below 1).
         """
-        merged: dict[tuple[Holder, str], tuple[list[int], list[float] | None, int | None]] = {}
-        refused = 0
+        restored = refused = 0
         for c in caches:
             bad = (
                 c.kind not in (NO_EVENTS, TTL)
@@ -227,30 +230,13 @@ class Predictions:
             if bad:
                 refused += 1
                 continue
-            key = (Holder(c.worker_id, c.dp_rank), c.kind)
-            have = merged.get(key)
-            if have is None:
-                merged[key] = (
-                    list(c.keys),
-                    None if c.remaining_s is None else list(c.remaining_s),
-                    c.capacity_blocks,
-                )
-                continue
-            keys, left, cap = have
-            if (left is None) != (c.remaining_s is None):
-                refused += 1
-                continue
-            keys.extend(c.keys)
-            if left is not None and c.remaining_s is not None:
-                left.extend(c.remaining_s)
-        restored = 0
-        for (h, kind), (keys, left, cap) in merged.items():
-            blocks = self.approx if kind == NO_EVENTS else self.ttl
+            blocks = self.approx if c.kind == NO_EVENTS else self.ttl
             if blocks is None:
                 continue
-            if cap is not None and blocks.capacity(h) != cap:
-                blocks.set_capacity(h, cap)
-            restored += blocks.restore(h, keys, left if blocks.ttl_s is not None else None, now_s)
+            h = Holder(c.worker_id, c.dp_rank)
+            if c.capacity_blocks is not None and blocks.capacity(h) != c.capacity_blocks:
+                blocks.set_capacity(h, c.capacity_blocks)
+            restored += blocks.restore(h, c.keys, c.remaining_s if blocks.ttl_s is not None else None, now_s)
         return restored, refused
 
     def keeps(self, holder: Holder) -> bool:

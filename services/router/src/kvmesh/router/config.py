@@ -96,7 +96,11 @@ class RouterSettings(NatsAuth):
         "--no-prefill-progress counts every routed prefill whole until its prefill_done "
         "(docs/benchmarks.md section 1)",
     )
-    sync_timeout_s: float = setting(0.5, "seconds to wait for a peer's accounting snapshot at start-up")
+    sync_timeout_s: float = setting(
+        0.5,
+        "seconds to wait at start-up for a peer's accounting snapshot (ledger and sessions first, then the "
+        "predicted entries; what has not arrived by then is left out, with a warning; 0: no sync)",
+    )
     max_candidates: int = setting(
         DEFAULT_MAX_CANDIDATES,
         "most candidates one route scores per model: holders with overlap first, then holders without "

@@ -143,10 +143,10 @@ async def test_one_undecodable_predicted_part_loses_only_that_part(nats_url: str
 
 
 def test_parts_stay_within_the_limit_and_carry_the_newest_entries_first() -> None:
-    """`_plan_parts` from counts alone: every encoded part fits, each holder's newest keys go in the first
+    """`plan_parts` from counts alone: every encoded part fits, each holder's newest keys go in the first
     part, consecutive slices cover each cache exactly once, and a small ``max_payload`` gives no empty
     parts (it used to send empty ones)."""
-    from kvmesh.router.notes import _plan_parts, _slice
+    from kvmesh.router.sync import plan_parts, slice_cache
 
     caches = [
         PredictedCache(
@@ -159,17 +159,17 @@ def test_parts_stay_within_the_limit_and_carry_the_newest_entries_first() -> Non
     ]
     sizes = [(c.worker_id, len(c.keys), c.remaining_s is not None) for c in caches]
     for limit in (4096, 65_536, 512):
-        plan = _plan_parts(sizes, limit)
+        plan = plan_parts(sizes, limit)
         assert all(plan)
         seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
         for slices in plan:
-            part = PredictedSnapshot(caches=[_slice(caches[i], a, b) for i, a, b in slices])
+            part = PredictedSnapshot(caches=[slice_cache(caches[i], a, b) for i, a, b in slices])
             assert len(encode(part, format="msgpack")) <= limit
             for i, a, b in slices:
                 seen[i] = list(range(a, b)) + seen[i]  # newest first: each slice is older than the last
         assert seen == {i: list(range(len(c.keys))) for i, c in enumerate(caches)}
         first = {i: b for i, _a, b in plan[0]}
         assert first[0] == 5000  # the first part starts with the first cache's newest key
-    assert len(_plan_parts(sizes, 65_536)) == 1  # 5,000 × 9 + 300 × 18 bytes: one part
-    assert len(_plan_parts(sizes, 4096)) == 13
-    assert _plan_parts([], 4096) == []
+    assert len(plan_parts(sizes, 65_536)) == 1  # 5,000 × 9 + 300 × 18 bytes: one part
+    assert len(plan_parts(sizes, 4096)) == 13
+    assert plan_parts([], 4096) == []

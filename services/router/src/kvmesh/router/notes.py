@@ -57,8 +57,6 @@ from kvmesh.runtime import subjects
 log = logging.getLogger("kvmesh.router")
 _N = TypeVar("_N", Routed, RouteNote)
 
-_FLUSH_EVERY_BYTES = 4 << 20
-
 
 class LifecycleNotes:
     """Keeps a replica's ledger and engine loads in step with every other replica's.

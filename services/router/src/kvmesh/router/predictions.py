@@ -18,7 +18,7 @@ prefix keys (the standard sequence hash of each full block, what the index store
 
 Every replica keeps the same entries: the replica that routes sends the prompt's keys in its `Routed` note
 (or a `RouteNote` for a request without a ``request_id``), and each replica adds them on receipt; a replica
-started later restores a peer's entries (`Predictions.caches` there, `Predictions.restore` here) under the
+started later restores a peer's entries (`Predictions.cache` there, `Predictions.restore` here) under the
 ones the notes already gave it. No I/O and
 no clock here: times are the caller's monotonic seconds.
 """
@@ -37,6 +37,7 @@ from kvmesh.core.protocol import PredictedCache, RouteRequest
 from kvmesh.core.route import Candidate, CandidateLike
 from kvmesh.router.answer import MatchAnswer, match_answer
 from kvmesh.router.health import RecordLike
+from kvmesh.router.sync import note_problem
 
 __all__ = ["DEFAULT_CAPACITY_BLOCKS", "NO_EVENTS", "TTL", "Predictions", "prompt_keys_of"]
 
@@ -46,7 +47,6 @@ NO_EVENTS: Final[str] = "no_events"
 """`PredictedCache.kind` of a worker without KV events' predicted cache."""
 TTL: Final[str] = "ttl"
 """`PredictedCache.kind` of predicted entries beside the KV events."""
-_KEY_LIMIT: Final[int] = 1 << 64
 _EXPIRE_EVERY_S: Final[float] = 1.0
 _REREAD_S: Final[float] = 1.0
 """How long the set of workers without KV events is reused before the registry's records are read again."""
@@ -222,8 +222,7 @@ class Predictions:
         for c in caches:
             bad = (
                 c.kind not in (NO_EVENTS, TTL)
-                or c.dp_rank < 0
-                or (c.keys and not (min(c.keys) >= 0 and max(c.keys) < _KEY_LIMIT))
+                or note_problem(c.dp_rank, None, c.keys) is not None
                 or (c.remaining_s is not None and len(c.remaining_s) != len(c.keys))
                 or (c.capacity_blocks is not None and c.capacity_blocks < 1)
             )

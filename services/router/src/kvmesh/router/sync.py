@@ -1,6 +1,6 @@
 """The router's start-up sync, its pure part: what a replica's answer holds and how an asker picks one.
 
-A starting replica asks every peer on ``<requests_prefix>.sync`` (`kvmesh.router.notes` does the I/O). A
+A starting replica asks every peer on ``<requests_prefix>.sync`` (`kvmesh.router.peer_sync` does the I/O). A
 peer answers with a `LedgerSnapshot` (its in-flight requests and sessions, cut to the server's
 ``max_payload``: `fitted_ledger`), then, to an asker that accepts parts (``Kvmesh-Sync-Parts: 1``), its
 predicted entries as `PredictedSnapshot` parts (`plan_parts`, `slice_cache`), newest entries first. The asker

@@ -270,12 +270,12 @@ MESSAGES = 4000
 BLOCKS = 64
 
 
-def _batches(g: Any, n: int, blocks: int, workers: int = 8) -> list[tuple[str, bytes]]:
-    """``n`` encoded batches of ``blocks`` new blocks each, round-robin over workers, continuing each
-    holder's chain and engine sequence: (subject, bytes)."""
+def _batches(g: Any, n: int, blocks: int, name: str, workers: int = 8) -> list[tuple[str, bytes]]:
+    """``n`` encoded batches of ``blocks`` new blocks each, round-robin over ``workers`` workers named after
+    ``name``, continuing each holder's chain and engine sequence: (subject, bytes)."""
     out = []
     for i in range(n):
-        holder = Holder(f"w{i % workers}", 0)
+        holder = Holder(f"{name}-w{i % workers}", 0)
         engine = [g.rng.getrandbits(63) for _ in range(blocks)]
         local = [g.rng.getrandbits(64) for _ in range(blocks)]
         msg = EventsMessage(
@@ -297,11 +297,15 @@ async def _ingest_rate(g: Any, replica: str, poll_hz: float) -> float:
     """Start an indexer replica, wait until it answers, publish `MESSAGES` batches of `BLOCKS` new blocks
     (pipelined, as an ingest does) and return the blocks per second from the first publish until the
     replica has applied the last one, while its status is asked ``poll_hz`` times a second."""
+    # Each round starts on an empty stream with workers of its own: the stream is bounded (16 MiB), and a
+    # third round's replica would otherwise replay a stream whose head (the first rounds' chain roots) was
+    # already discarded, so it would rightly hold none of the chains that continue from there.
+    await g.js.purge_stream(g.stream)
     proc = g.spawn(replica)
     try:
         await wait_for(g.status, lambda got: replica in got, timeout_s=30)
         before = (await g.status())[replica].blocks
-        batches = _batches(g, MESSAGES, BLOCKS)
+        batches = _batches(g, MESSAGES, BLOCKS, replica)
         started = time.monotonic()
         last = 0
         for i in range(0, len(batches), 256):

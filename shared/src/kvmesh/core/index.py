@@ -789,6 +789,11 @@ class PrefixIndex:
             return self._match_tiered(prompt_keys)
         return {h: Overlap(n, None) for h, n in self._match_default(prompt_keys).items()}
 
+    @property
+    def tiered(self) -> bool:
+        """Whether some holder has blocks off the default tier (`match_tiers` then splits overlaps per tier)."""
+        return self._tiered > 0
+
     def holders(self) -> list[Holder]:
         """Return every holder with indexed blocks or held events, sorted."""
         if self._sorted_holders is None:
@@ -1273,19 +1278,23 @@ class PrefixIndex:
         self._tiered -= 1
         self._release(cache)
 
+    def _array_run(self, keys: np.ndarray) -> tuple[tuple[list[int], list[int]], ...]:
+        """`_chunks` of keys all computed already (an array): one compiled lookup of the whole run, as one
+        chunk (a tuple, not a generator: the common case of a route, a few µs less per match)."""
+        if keys.dtype != np.uint64:
+            keys = keys.astype(np.uint64)
+        if not keys.shape[0]:
+            return ()
+        out = self._st if len(self._st) >= keys.shape[0] else self._scratch(keys.shape[0])[0]
+        found = tables.lookup_run(self._pk, self._pv, keys, out)
+        return ((keys[:found].tolist(), out[:found].tolist()),) if found else ()
+
     def _chunks(self, keys: Iterable[int]) -> Iterator[tuple[list[int], list[int]]]:
         """The prompt's leading run of indexed keys, in chunks: (keys, their ``p_val``s) per compiled lookup
         of 16, 32, 64, ... keys, taking keys from a lazy iterator only as far as the run goes. A ``p_val`` is
         a cache id, or `tables.SHARED` (the key's holders are in ``_shared``)."""
         if isinstance(keys, np.ndarray):  # every key already computed: one compiled lookup of the whole run
-            if keys.dtype != np.uint64:
-                keys = keys.astype(np.uint64)
-            if not keys.shape[0]:
-                return
-            out = self._st if len(self._st) >= keys.shape[0] else self._scratch(keys.shape[0])[0]
-            found = tables.lookup_run(self._pk, self._pv, keys, out)
-            if found:
-                yield keys[:found].tolist(), out[:found].tolist()
+            yield from self._array_run(keys)
             return
         it = iter(keys)
         size = _FIRST_CHUNK
@@ -1327,7 +1336,7 @@ class PrefixIndex:
         alive: set[int] | None = None
         only = -9  # the one cache still matching, while exactly one is (-9: none or several)
         depth = 0
-        for chunk, vals in self._chunks(keys):
+        for chunk, vals in self._array_run(keys) if isinstance(keys, np.ndarray) else self._chunks(keys):
             for k, v in zip(chunk, vals, strict=True):
                 if v == only:
                     depth += 1

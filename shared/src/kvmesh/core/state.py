@@ -158,9 +158,8 @@ class HolderMatch(msgspec.Struct, frozen=True, kw_only=True):
     """None when the holder's index is exact, else why it may not be (`IndexState.holder_health`)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MatchResult:
-    """Answer of `IndexState.match`.
+class MatchResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer of `IndexState.match` (immutable; a msgspec struct, as `HolderMatch`: built once per route).
 
     Attributes:
         index_seq: stream sequence the state had applied.
@@ -348,6 +347,8 @@ class IndexState:
         self._version = 0
         """Raised by every change (`apply`, `mark_gap`): what `_views` are valid for."""
         self._views: dict[PrefixIndex, _IndexView] = {}
+        self._lives: dict[str, dict[int, PrefixIndex]] = {}
+        """model → `_live_indexes`' answer, as of ``_views_version`` (never handed out: callers get a copy)."""
         self._views_version = -1
 
     # ------------------------------------------------------------------ apply
@@ -749,25 +750,32 @@ class IndexState:
         # Block size 0 holds workers that announced themselves before their block size was known: they have
         # nothing cached. They are zero-overlap candidates, but 0 is never the size a prompt is hashed with
         # (hashing needs a positive block size; choosing it used to crash the match).
-        unsized = live.pop(0, None)
+        unsized = live.pop(0, None) if 0 in live else None
         # Every holder is scored in its own block size (a worker whose engine uses another size than the
         # rest of its model still gets its exact overlap); the result's block size is the majority one.
         found: dict[Holder, HolderMatch] = {}
         block_size = prompt_blocks = 0
         if live:
-            block_size = _majority_size(live)
+            block_size = _majority_size(live) if len(live) > 1 else next(iter(live))
             prompt_blocks = len(token_ids) // block_size
             tokens = tables.token_array(token_ids)  # validates every token id
-            for bs, index in sorted(live.items()):
+            for bs, index in sorted(live.items()) if len(live) > 1 else live.items():
                 # Every block hashed in one compiled call (5 – 7 µs for 4,096 tokens): cheaper than hashing
                 # lazily in Python only as far as some holder matches.
                 keys = tables.prompt_keys(tokens, bs, lora_name=lora_name, cache_salt=cache_salt)
-                overlaps = index.match_tiers(keys)
                 view = self._view(index, bs)
-                for h, zero in view.zeros:
-                    if h not in found:
-                        o = overlaps.get(h)
-                        found[h] = zero if o is None else _with_overlap(zero, o)
+                if index.tiered:
+                    overlaps = index.match_tiers(keys)
+                    for h, zero in view.zeros:
+                        if h not in found:
+                            o = overlaps.get(h)
+                            found[h] = zero if o is None else _with_overlap(zero, o)
+                else:  # every block on the default tier: plain counts, no `Overlap` per holder
+                    counts = index.match(keys)
+                    for h, zero in view.zeros:
+                        if h not in found:
+                            n = counts.get(h)
+                            found[h] = zero if n is None else _with_blocks(zero, n)
                 self._add_backends(index, view.backends, keys.tolist, found)
         else:
             tables.token_array(token_ids)  # still validate the token ids
@@ -892,14 +900,24 @@ class IndexState:
         Raises:
             UnknownModelError: none does.
         """
-        live = {
-            bs: ix
-            for bs, ix in self._indexes.get(model, {}).items()
-            if any(not self._is_removed(h.worker_id) for h in ix.holders())
-        }
+        self._fresh_views()
+        live = self._lives.get(model)
+        if live is None:
+            live = self._lives[model] = {
+                bs: ix
+                for bs, ix in self._indexes.get(model, {}).items()
+                if any(not self._is_removed(h.worker_id) for h in ix.holders())
+            }
         if not live:
             raise UnknownModelError(model)
-        return live
+        return dict(live)
+
+    def _fresh_views(self) -> None:
+        """Drop the cached views and live indexes if the state changed since they were computed."""
+        if self._views_version != self._version:
+            self._views.clear()
+            self._lives.clear()
+            self._views_version = self._version
 
     def _zero_match(self, index: PrefixIndex, h: Holder, bs: int) -> HolderMatch:
         """A holder's `HolderMatch` of no leading block in its block size ``bs`` (`_with_overlap` adds one)."""
@@ -915,9 +933,7 @@ class IndexState:
     def _view(self, index: PrefixIndex, bs: int) -> _IndexView:
         """The index's live holders with their no-overlap `HolderMatch` and its backends, kept until the state
         changes (a match of a fleet of 1,024 workers used to build 1,024 of them per prompt)."""
-        if self._views_version != self._version:
-            self._views.clear()
-            self._views_version = self._version
+        self._fresh_views()
         view = self._views.get(index)
         if view is None:
             zeros: list[tuple[Holder, HolderMatch]] = []
@@ -1265,6 +1281,11 @@ def _with_overlap(zero: HolderMatch, o: Overlap) -> HolderMatch:
     return msgspec.structs.replace(
         zero, overlap_blocks=o.blocks, tiers=o.tiers, overlap_tokens=o.blocks * zero.block_size
     )
+
+
+def _with_blocks(zero: HolderMatch, blocks: int) -> HolderMatch:
+    """A holder's match with ``blocks`` leading blocks, all on the default tier (`_with_overlap`)."""
+    return msgspec.structs.replace(zero, overlap_blocks=blocks, overlap_tokens=blocks * zero.block_size)
 
 
 def _majority_size(indexes: dict[int, PrefixIndex]) -> int:

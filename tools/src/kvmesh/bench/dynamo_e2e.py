@@ -63,6 +63,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from kvmesh.bench.outputs import out_prefix
 from kvmesh.bench.trace import percentile
 from kvmesh.core.wire import BlockRemoved, BlockStored, EngineBatch, encode_batch
 from kvmesh.sim.blockpool import BlockPool, PoolExhaustedError
@@ -727,7 +728,7 @@ def command(argv: Sequence[str] | None = None) -> int:
         "--timeout-s", type=float, default=300.0, help="give up waiting to be queryable (default 300)"
     )
     p.add_argument("--log-dir", default=None, help="keep the child processes' logs here")
-    p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json")
+    p.add_argument("--out", metavar="PREFIX", type=out_prefix, help="write PREFIX.json")
     a = p.parse_args(argv)
     order = [s for s in a.order.split(",") if s]
     if not order or any(s not in (DYNAMO, KVMESH) for s in order):

@@ -53,6 +53,7 @@ from kvmesh.bench.dynamo_e2e import (
     _wait_subscribed,
     make_frames,
 )
+from kvmesh.bench.outputs import out_prefix
 from kvmesh.bench.trace import percentile
 from kvmesh.core import tables
 from kvmesh.core.events import EventsMessage, Stored
@@ -389,7 +390,7 @@ def command(argv: Sequence[str] | None = None) -> int:
         "runs, so a ratio within one round is the fairer figure)",
     )
     p.add_argument("--log-dir", default=None, help="keep the child processes' logs here")
-    p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json")
+    p.add_argument("--out", metavar="PREFIX", type=out_prefix, help="write PREFIX.json")
     p.add_argument(
         "--in-process",
         action="store_true",

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from kvmesh.bench.outputs import out_prefix
 from kvmesh.bench.trace import percentile
 from kvmesh.core.events import EventsMessage, Stored, encode_message
 from kvmesh.core.hashing import local_block_hashes, prompt_prefix_keys
@@ -488,7 +489,9 @@ def command(argv: Sequence[str] | None = None) -> int:
         "--route-requests", type=int, default=500, help="route requests per point, 0: skip NATS (default 500)"
     )
     p.add_argument("--no-memory", action="store_true", help="skip the memory-per-block processes")
-    p.add_argument("--out", metavar="PREFIX", help="write PREFIX.json (and PREFIX.png with matplotlib)")
+    p.add_argument(
+        "--out", metavar="PREFIX", type=out_prefix, help="write PREFIX.json (and PREFIX.png with matplotlib)"
+    )
     a = p.parse_args(argv)
     try:
         workers = [parse_count(x) for x in a.workers.split(",") if x.strip()]

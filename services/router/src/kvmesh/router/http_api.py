@@ -41,7 +41,6 @@ registered; 405 for a wrong method; 503 while the index is not ready; 500 for an
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import msgspec
@@ -181,8 +180,7 @@ def _instance(value: str | int | None) -> str | None:
     return None if value is None else str(value)
 
 
-@dataclass(frozen=True, slots=True)
-class _Query:
+class _Query(msgspec.Struct, frozen=True):
     model: str
     dynamo: bool
     tenant: str
@@ -297,14 +295,14 @@ def answer_query(
         for c in result.candidates
         if c.block_size == bs
         and (instance is None or c.worker_id == instance)
-        and tenants.get(c.worker_id, DEFAULT_TENANT) == tenant
+        and (tenants.get(c.worker_id, DEFAULT_TENANT) if tenants else DEFAULT_TENANT) == tenant
     ]
     if spec.dynamo:
         return _dynamo_reply(cands)
     instances: dict[str, dict[str, Any]] = {}
     for c in cands:
         tokens = c.overlap_blocks * c.block_size
-        gpu, cpu, disk = media_tokens(c)
+        gpu, cpu, disk = (tokens, tokens, tokens) if c.tiers is None else media_tokens(c)
         entry = instances.get(c.worker_id)
         if entry is None:
             instances[c.worker_id] = {

@@ -73,7 +73,7 @@ _STORED_BY_POSITION = (
 )
 _REMOVED_BY_POSITION = ("block_hashes", "medium", "group_idx")
 _STORED_NAMES = {f.name for f in fields(BlockStored)}
-_REMOVED_NAMES = {f.name for f in fields(BlockRemoved)}
+_REMOVED_NAMES = set(BlockRemoved.__struct_fields__)
 
 
 def _json_hash(v: Any) -> Any:

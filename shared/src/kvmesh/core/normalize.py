@@ -65,7 +65,7 @@ counted (``salt_mismatch``), its keys still following the chain.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import msgspec
 import xxhash
@@ -205,30 +205,37 @@ class Normalizer:
         st.unknown_events += batch.unknown_events
         st.malformed_events += len(batch.errors)
         non_full = self.non_full_groups
-        last_removed: Removed | None = None
+        # The last `Removed` put out (its keys list and tier): the next removal of the same tier extends it
+        # while it is still the last event of ``out``. Counters are kept in locals meanwhile.
+        run: list[int] = []
+        run_event: Removed | None = None
+        run_medium: str | None = None
+        removed_events = removed_blocks = 0
         for ev in batch.events:
             # The common case first: vLLM sends one BlockRemoved per evicted block.
             if type(ev) is BlockRemoved or isinstance(ev, BlockRemoved):
-                if ev.group_idx is not None and ev.group_idx in non_full:
+                group = ev.group_idx
+                if group is not None and group in non_full:
                     st.skipped_non_full += 1
                     continue
                 hashes = ev.block_hashes
                 if not hashes:
                     st.unkeyed_events += 1
                     continue
-                st.removed_events += 1
-                st.removed_blocks += len(hashes)
-                if len(hashes) == 1 and type(hashes[0]) is int:
-                    keys = [hashes[0] & _MASK64]  # engine_key of an int
-                else:
-                    keys = [engine_key(h) for h in hashes]
-                if out and out[-1] is last_removed and last_removed.medium == ev.medium:
+                removed_events += 1
+                medium = ev.medium
+                if run_event is None or out[-1] is not run_event or run_medium != medium:
                     # consecutive removals of one tier are one stream event (the index removes a copy per
                     # key either way): vLLM sends one BlockRemoved per evicted block
-                    last_removed.engine_hashes.extend(keys)
+                    run, run_medium = [], medium
+                    run_event = Removed(run, medium)
+                    out.append(run_event)
+                if len(hashes) == 1 and type(hashes[0]) is int:
+                    run.append(hashes[0] & _MASK64)  # engine_key of an int
+                    removed_blocks += 1
                 else:
-                    last_removed = Removed(keys, ev.medium)
-                    out.append(last_removed)
+                    run.extend([engine_key(h) for h in hashes])
+                    removed_blocks += len(hashes)
                 continue
             if isinstance(ev, BlockStored | SequenceStored):
                 try:
@@ -241,6 +248,8 @@ class Normalizer:
             elif isinstance(ev, AllBlocksCleared):
                 st.cleared_events += 1
                 out.append(Cleared("engine"))
+        st.removed_events += removed_events
+        st.removed_blocks += removed_blocks
         lost = False
         for err in batch.errors:
             if err.tag in _STORED_TAGS:
@@ -288,7 +297,11 @@ class Normalizer:
         st.stored_events += 1
         st.stored_blocks += n
         parent = engine_key(ev.parent_block_hash) if ev.parent_block_hash is not None else None
-        keys = [engine_key(h) for h in ev.block_hashes]
+        try:
+            # engine_key of ints, the usual form (a bytes hash raises TypeError: then each by engine_key)
+            keys = [h & _MASK64 for h in cast("tuple[int, ...]", ev.block_hashes)]
+        except TypeError:
+            keys = [engine_key(h) for h in ev.block_hashes]
         chain_salt = (
             _salt_digest(salt) if first_block else self._chain_salt(parent, _salt_digest(ev.cache_salt))
         )
@@ -383,7 +396,7 @@ def _split_extra_keys(ev: BlockStored, *, first_block: bool) -> tuple[str | None
     """
     salt = ev.cache_salt if first_block else None
     keys = ev.extra_keys
-    if not keys:
+    if not keys or not any(keys):  # vLLM ≥ 0.17 sends one entry per block, nearly always None
         return salt, None
     lora_entries: set[Any] = {x for x in (ev.lora_name, ev.lora_id) if x is not None}
     extras: list[bytes | None] = []

@@ -77,3 +77,37 @@ def test_a_merged_removal_changes_the_index_as_the_separate_ones_do() -> None:
         merged.counters,
     )
     assert (merged.block_total(), merged.counters.unknown_removals) == (0, 1)
+
+
+def test_events_that_put_nothing_out_do_not_split_a_run() -> None:
+    """A rejected store, an unknown tag, an empty removal and a removal of a non-full-attention group put
+    nothing out, so the removals around them stay one event; a clear splits the run. Counters exact."""
+    payload = msgspec.msgpack.encode(
+        [
+            0.0,
+            [
+                {"type": "BlockStored", "block_hashes": [20], "parent_block_hash": None, "token_ids": TOKENS,
+                 "block_size": BS, "kv_cache_spec_kind": "sliding_window", "group_idx": 1},
+                _removal(1),
+                {"type": "BlockStored", "block_hashes": [21], "parent_block_hash": None, "token_ids": [1, 2, 3],
+                 "block_size": BS},
+                {"type": "SomethingNew"},
+                _removal(2),
+                {"type": "BlockRemoved", "block_hashes": []},
+                {"type": "BlockRemoved", "block_hashes": [99], "group_idx": 1},
+                {"type": "BlockRemoved", "block_hashes": [2**64 + 3 - 2**64, b"\x00\x07"]},
+                {"type": "AllBlocksCleared"},
+                _removal(4),
+            ],
+        ]
+    )  # fmt: skip
+    norm = Normalizer()
+    result = norm.normalize(decode_batch(payload))
+    assert result.events[0] == Removed([1, 2, 3, 7], None)
+    assert result.events[2:] == [Removed([4], None)]
+    assert type(result.events[1]).__name__ == "Cleared"
+    assert [type(r).__name__ for r in result.rejections] == ["BlockAlignmentError"]
+    s = norm.stats
+    assert (s.removed_events, s.removed_blocks, s.unkeyed_events, s.skipped_non_full, s.unknown_events) == (
+        4, 5, 1, 2, 1,
+    )  # fmt: skip

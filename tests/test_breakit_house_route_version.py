@@ -26,5 +26,5 @@ def test_a_route_request_of_this_version_or_none_is_parsed() -> None:
     """``"version": PROTOCOL_VERSION`` and no version at all both parse to the same tokens."""
     with_version = parse_route_request(b'{"version": %d, "model": "m", "token_ids": [7]}' % PROTOCOL_VERSION)
     without = parse_route_request(b'{"model": "m", "token_ids": [7]}')
-    assert (with_version.version, with_version.token_ids) == (PROTOCOL_VERSION, [7])
-    assert without.token_ids == [7]
+    assert (with_version.version, list(with_version.token_ids)) == (PROTOCOL_VERSION, [7])
+    assert list(without.token_ids) == [7]

@@ -106,7 +106,7 @@ def answer(
     """Route ``parsed`` at time 100 (wall 1100) with the default policy and an empty ledger."""
     return route_answer(
         parsed,
-        msgspec.json.encode(parsed),
+        msgspec.json.encode(msgspec.structs.replace(parsed, token_ids=list(parsed.token_ids))),
         match,
         ranks,
         index_mode=mode,

@@ -7,6 +7,7 @@ engine events are still counted one by one.
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from kvmesh.core.events import EventsMessage, Removed, Stored
 from kvmesh.core.hashing import local_block_hashes
@@ -111,3 +112,30 @@ def test_events_that_put_nothing_out_do_not_split_a_run() -> None:
     assert (s.removed_events, s.removed_blocks, s.unkeyed_events, s.skipped_non_full, s.unknown_events) == (
         4, 5, 1, 2, 1,
     )  # fmt: skip
+
+
+def test_hashes_the_wire_never_gives_are_refused_and_the_removals_before_stay_counted() -> None:
+    """Events built in code (the wire decoder never yields these): a bool block hash in a BlockStored is
+    refused as `engine_key` refuses it, and a removal whose hash is a str raises after the removals before
+    it in the batch were counted (as they always were: the counters are not lost with the exception)."""
+    from kvmesh.core.errors import WireError
+    from kvmesh.core.wire import BlockRemoved, BlockStored, EngineBatch
+
+    norm = Normalizer()
+    stored = BlockStored(
+        block_hashes=(True,), parent_block_hash=None, token_ids=tuple(range(BS)), block_size=BS
+    )
+    with pytest.raises(WireError):
+        norm.normalize(EngineBatch(ts=0.0, events=(stored,), dp_rank=None))
+    bad = EngineBatch(
+        ts=0.0,
+        dp_rank=None,
+        events=(
+            BlockRemoved(block_hashes=(1,)),
+            BlockRemoved(block_hashes=(2, 3)),
+            BlockRemoved(block_hashes=("x",)),  # type: ignore[arg-type]
+        ),
+    )
+    with pytest.raises(WireError):
+        norm.normalize(bad)
+    assert (norm.stats.removed_events, norm.stats.removed_blocks) == (3, 4)

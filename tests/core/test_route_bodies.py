@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from array import array
+from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.core import protocol as p
+from kvmesh.core import route as route_module
 from kvmesh.core.errors import RequestError, UnknownModelError
 from kvmesh.core.events import Event, EventsMessage, Stored
 from kvmesh.core.hashing import local_block_hashes, prefix_keys, prompt_prefix_keys
@@ -50,7 +55,7 @@ def test_packed_tokens_decode_to_the_json_request() -> None:
     assert isinstance(req.token_ids, array)
     assert req.token_ids.typecode == "I"
     assert list(req.token_ids) == TOKENS
-    json = parse_route_request(
+    from_json = parse_route_request(
         b'{"model":"m","token_ids":[0,1,2,3,4,5,6,7],"request_id":"r-1","candidates":["w1"],'
         b'"explain":true,"policy":{"temperature":0.5}}'
     )
@@ -61,7 +66,10 @@ def test_packed_tokens_decode_to_the_json_request() -> None:
         True,
         PolicyOverride(temperature=0.5),
     )
-    assert p.encode(msgspec.structs.replace(req, token_ids=list(req.token_ids))) == p.encode(json)
+    # A plain JSON array is scanned into an array('I') too (the compiled scan), the same ids.
+    assert isinstance(from_json.token_ids, array) and from_json.token_ids.typecode == "I"
+    as_list = [msgspec.structs.replace(r, token_ids=list(r.token_ids)) for r in (req, from_json)]
+    assert p.encode(as_list[0]) == p.encode(as_list[1])
     # The largest token id survives the packing: 0xFFFFFFFF.
     top = parse_route_message(b"\xff\xff\xff\xff", tokens_headers('{"model":"m"}'))
     assert list(top.token_ids) == [2**32 - 1]
@@ -71,7 +79,10 @@ def test_json_and_absent_body_header_are_the_default_form() -> None:
     """No headers, or Kvmesh-Body: json, parse the body as JSON."""
     body = b'{"model":"m","token_ids":[5,6]}'
     for headers in (None, {}, {p.BODY_HEADER: p.BODY_JSON}, {"traceparent": "00-x"}):
-        assert parse_route_message(body, headers) == RouteRequest(model="m", token_ids=[5, 6])
+        got = parse_route_message(body, headers)
+        assert msgspec.structs.replace(got, token_ids=list(got.token_ids)) == RouteRequest(
+            model="m", token_ids=[5, 6]
+        )
 
 
 def test_pre_hashed_requests_decode_from_json_and_from_packed_u64() -> None:
@@ -245,3 +256,52 @@ def test_the_pre_hashed_match_equals_the_token_match_for_the_hashes_block_size()
     assert (unsized.block_size, [c.overlap_blocks for c in unsized.candidates]) == (16, [0, 0, 0, 0])
     with pytest.raises(UnknownModelError):
         match_local_hashes(state, "other", hashes)
+
+
+def _parsed_or_error(parse: Any, body: bytes) -> Any:
+    try:
+        req = parse(body)
+    except RequestError as exc:
+        return ("error", str(exc), exc.field)
+    return msgspec.structs.replace(req, token_ids=list(req.token_ids))
+
+
+def _whole_json(body: bytes) -> RouteRequest:
+    """The route body decoded whole by msgspec, as before the compiled scan (then the same checks)."""
+    req = route_module._decode_json(body, "request body")
+    route_module.check_route_request(req)
+    return req
+
+
+_token = st.one_of(
+    st.integers(0, 2**32 - 1), st.integers(2**32, 2**33), st.integers(-5, -1), st.floats(allow_nan=False),
+    st.just("7"), st.booleans(), st.none(),
+)  # fmt: skip
+
+
+@st.composite
+def _route_body(draw: st.DrawFn) -> bytes:
+    tokens = draw(st.lists(st.integers(0, 2**32 - 1) if draw(st.booleans()) else _token, max_size=6))
+    fields: dict[str, Any] = {"model": draw(st.sampled_from(["m", "m", "m", 3, None])), "token_ids": tokens}
+    if draw(st.booleans()):
+        fields["request_id"] = draw(st.sampled_from(["r-1", "", 5]))
+    if draw(st.booleans()):
+        fields["block_hashes"] = draw(st.lists(st.integers(0, 9), max_size=2))
+    if draw(st.booleans()):
+        fields["policy"] = draw(st.sampled_from([None, {"temperature": 0.5}, {"temperature": -1}, {"x": 1}]))
+    text = json.dumps(fields)
+    spaces = draw(st.sampled_from(["", " ", "\n\t "]))
+    text = text.replace(", ", "," + spaces).replace("[", "[" + spaces)
+    if draw(st.integers(0, 9)) == 0:
+        text = text.replace('"token_ids"', '"token_\\u0069ds"')  # an escaped member name: not scanned
+    if draw(st.integers(0, 9)) == 0:
+        text = text[: draw(st.integers(0, len(text)))]  # truncated
+    return text.encode()
+
+
+@settings(max_examples=500, deadline=None)
+@given(_route_body())
+def test_scanned_route_bodies_parse_as_the_whole_json_decode(body: bytes) -> None:
+    """`parse_route_request` (token ids by the compiled scan when they are a plain array) gives the same
+    request, or the same error and field, as decoding the whole body with msgspec."""
+    assert _parsed_or_error(parse_route_request, body) == _parsed_or_error(_whole_json, body)

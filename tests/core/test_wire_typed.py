@@ -5,6 +5,7 @@ captured release and on generated batches with every kind of bad field."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,8 @@ def test_one_block_removals_decode_into_block_removed() -> None:
             12.5,
             [
                 {"type": "BlockRemoved", "block_hashes": [2**64 - 1], "medium": "GPU", "group_idx": 0},
-                {"block_hashes": [b"\x01\x02"], "type": "BlockRemoved", "locality": "x"},
-                {"type": "AllBlocksCleared", "extra": 1},
+                {"block_hashes": [b"\x01\x02"], "type": "BlockRemoved"},
+                {"type": "AllBlocksCleared"},
             ],
             3,
         ]
@@ -214,3 +215,57 @@ def test_block_removed_is_still_a_plain_event() -> None:
     assert len({a, BlockRemoved(block_hashes=(1, b"\x02"), medium="CPU")}) == 1
     with pytest.raises(AttributeError):
         a.medium = "GPU"  # type: ignore[misc]
+
+
+def _fixstr(raw: bytes) -> bytes:
+    return bytes([0xA0 | len(raw)]) + raw
+
+
+def _removal_with(key: bytes, value: bytes) -> bytes:
+    """A one-block removal map (hash 1) with one more key, built byte by byte (msgspec writes only UTF-8)."""
+    return (
+        b"\x83"
+        + _fixstr(b"type") + _fixstr(b"BlockRemoved")
+        + _fixstr(b"block_hashes") + b"\x91\x01"
+        + key + value
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expect"),
+    [
+        (_fixstr(b"locality"), b"\xa2\xff\xfe", "event 0 (BlockRemoved): event does not decode"),
+        (b"\xa2\xff\xfe", b"\x01", "event 0 (BlockRemoved): event does not decode"),
+        (_fixstr(b"locality"), b"\xd7\xff" + b"\xff" * 8, "raised"),
+        (_fixstr(b"locality"), b"\xa1x", None),
+    ],
+    ids=["bad-utf8-value", "bad-utf8-key", "bad-timestamp", "plain-extra-key"],
+)
+def test_an_unknown_key_is_read_as_the_general_path_reads_it(
+    key: bytes, value: bytes, expect: str | None
+) -> None:
+    """A key the typed decode does not know sends the batch down the general path, which reads its value:
+    a string that is not UTF-8 makes the event an error there (a struct decode would skip it unread and
+    keep the removal), a broken timestamp refuses the batch, a plain extra key is ignored."""
+    payload = b"\x93\xcb" + struct.pack(">d", 1.0) + b"\x91" + _removal_with(key, value) + b"\x00"
+    assert not _typed_takes(payload)
+    got = _outcome(payload, decode_batch)
+    assert got == _outcome(payload, wire._decode_general)
+    if expect == "raised":
+        assert got[:2] == ("raised", "PayloadDecodeError")
+    elif expect is None:
+        assert got == (1.0, (BlockRemoved(block_hashes=(1,)),), 0, 0, ())
+    else:
+        assert got[1] == () and got[4][0][1].startswith(expect)
+
+
+def test_a_memoryview_payload_is_decoded_by_the_general_path() -> None:
+    """An RFC #1527 batch with vLLM aliases handed over as a memoryview (whose ``in`` cannot find the RFC
+    key): the same batch as from bytes, its millisecond ts and unsigned hashes read the RFC way."""
+    payload = msgspec.msgpack.encode(
+        [1_700_000_000_000, [{"event_type": "removed", "type": "BlockRemoved", "seq_hashes": [2**64 - 1],
+                              "block_hashes": [-1]}], 0]
+    )  # fmt: skip
+    from_bytes = decode_batch(payload)
+    assert decode_batch(memoryview(payload)) == from_bytes  # type: ignore[arg-type]
+    assert (from_bytes.ts, from_bytes.events) == (1_700_000_000.0, (BlockRemoved(block_hashes=(2**64 - 1,)),))

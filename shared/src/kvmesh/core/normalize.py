@@ -211,45 +211,46 @@ class Normalizer:
         run_event: Removed | None = None
         run_medium: str | None = None
         removed_events = removed_blocks = 0
-        for ev in batch.events:
-            # The common case first: vLLM sends one BlockRemoved per evicted block.
-            if type(ev) is BlockRemoved or isinstance(ev, BlockRemoved):
-                group = ev.group_idx
-                if group is not None and group in non_full:
-                    st.skipped_non_full += 1
-                    continue
-                hashes = ev.block_hashes
-                if not hashes:
-                    st.unkeyed_events += 1
-                    continue
-                removed_events += 1
-                medium = ev.medium
-                if run_event is None or out[-1] is not run_event or run_medium != medium:
-                    # consecutive removals of one tier are one stream event (the index removes a copy per
-                    # key either way): vLLM sends one BlockRemoved per evicted block
-                    run, run_medium = [], medium
-                    run_event = Removed(run, medium)
-                    out.append(run_event)
-                if len(hashes) == 1 and type(hashes[0]) is int:
-                    run.append(hashes[0] & _MASK64)  # engine_key of an int
-                    removed_blocks += 1
-                else:
-                    run.extend([engine_key(h) for h in hashes])
+        try:
+            for ev in batch.events:
+                # The common case first: vLLM sends one BlockRemoved per evicted block.
+                if type(ev) is BlockRemoved or isinstance(ev, BlockRemoved):
+                    group = ev.group_idx
+                    if group is not None and group in non_full:
+                        st.skipped_non_full += 1
+                        continue
+                    hashes = ev.block_hashes
+                    if not hashes:
+                        st.unkeyed_events += 1
+                        continue
+                    removed_events += 1
+                    medium = ev.medium
+                    if run_event is None or out[-1] is not run_event or run_medium != medium:
+                        # consecutive removals of one tier are one stream event (the index removes a copy per
+                        # key either way): vLLM sends one BlockRemoved per evicted block
+                        run, run_medium = [], medium
+                        run_event = Removed(run, medium)
+                        out.append(run_event)
                     removed_blocks += len(hashes)
-                continue
-            if isinstance(ev, BlockStored | SequenceStored):
-                try:
-                    stored = self._stored(ev) if isinstance(ev, BlockStored) else self._sequence(ev)
-                except (EventRejectedError, RequestError) as exc:
-                    rejections.append(exc)
+                    if len(hashes) == 1 and type(hashes[0]) is int:
+                        run.append(hashes[0] & _MASK64)  # engine_key of an int
+                    else:
+                        run.extend([engine_key(h) for h in hashes])
                     continue
-                if stored is not None:
-                    out.append(stored)
-            elif isinstance(ev, AllBlocksCleared):
-                st.cleared_events += 1
-                out.append(Cleared("engine"))
-        st.removed_events += removed_events
-        st.removed_blocks += removed_blocks
+                if isinstance(ev, BlockStored | SequenceStored):
+                    try:
+                        stored = self._stored(ev) if isinstance(ev, BlockStored) else self._sequence(ev)
+                    except (EventRejectedError, RequestError) as exc:
+                        rejections.append(exc)
+                        continue
+                    if stored is not None:
+                        out.append(stored)
+                elif isinstance(ev, AllBlocksCleared):
+                    st.cleared_events += 1
+                    out.append(Cleared("engine"))
+        finally:  # counted as they went, even when an event raises
+            st.removed_events += removed_events
+            st.removed_blocks += removed_blocks
         lost = False
         for err in batch.errors:
             if err.tag in _STORED_TAGS:
@@ -297,11 +298,11 @@ class Normalizer:
         st.stored_events += 1
         st.stored_blocks += n
         parent = engine_key(ev.parent_block_hash) if ev.parent_block_hash is not None else None
-        try:
-            # engine_key of ints, the usual form (a bytes hash raises TypeError: then each by engine_key)
-            keys = [h & _MASK64 for h in cast("tuple[int, ...]", ev.block_hashes)]
-        except TypeError:
-            keys = [engine_key(h) for h in ev.block_hashes]
+        hashes = ev.block_hashes
+        if all(type(h) is int for h in hashes):  # engine_key of an int, in one comprehension
+            keys = [h & _MASK64 for h in cast("tuple[int, ...]", hashes)]
+        else:
+            keys = [engine_key(h) for h in hashes]
         chain_salt = (
             _salt_digest(salt) if first_block else self._chain_salt(parent, _salt_digest(ev.cache_salt))
         )

@@ -70,6 +70,7 @@ from typing import Any, Final, Protocol
 import msgspec
 import xxhash
 
+from kvmesh.core import tables
 from kvmesh.core.errors import RequestError
 from kvmesh.core.index import Holder
 from kvmesh.core.load import ZERO_LOAD, ActiveLoad
@@ -164,6 +165,12 @@ def parse_route_request(
         max_tokens: the longest prompt accepted, in tokens (a pre-hashed one: at most this many blocks).
         base_policy: the router's policy, to check the request's overrides against (default `Policy()`).
 
+    Returns:
+        the request; its ``token_ids`` as an ``array('I')`` when they are a plain JSON array of integers
+        (found and read in one compiled pass over the body, `kvmesh.core.tables.scan_body_token_ids`: about
+        40 µs for 4,096 tokens here against 100 µs decoding them into Python ints, and the index reads the
+        array without packing it again), else as msgspec decodes them (a list).
+
     Raises:
         RequestError: not JSON, not an object, a missing or mistyped field, an unknown ``policy`` key, an
             out-of-range policy value, an empty or too long ``token_ids`` (more than ``max_tokens``
@@ -172,9 +179,30 @@ def parse_route_request(
             `kvmesh.core.protocol.PROTOCOL_VERSION`; ``field`` names the culprit when there is one
             (``token_ids``, ``block_hashes``, ``policy.temperature``, ``version``).
     """
-    req = _decode_json(body, "request body")
+    req = _decode_scanned(body)
+    if req is None:
+        req = _decode_json(body, "request body")
     check_route_request(req, max_tokens=max_tokens, base_policy=base_policy)
     return req
+
+
+def _decode_scanned(body: bytes) -> RouteRequest | None:
+    """The request with its ``token_ids`` read by the compiled scan and the rest (``[]`` in their place) by
+    msgspec; None when the scan refuses the body or the rest does not decode, so that `_decode_json` decodes
+    the whole body and gives its values and errors exactly as before."""
+    scanned = tables.scan_body_token_ids(body)
+    if scanned is None:
+        return None
+    tokens, start, end = scanned
+    try:
+        rest: RouteRequest = _decoder.decode(body[:start] + b"[]" + body[end:])
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+    if len(rest.token_ids):  # pragma: no cover - the scan found the one token_ids member
+        return None
+    ids = array("I")
+    ids.frombytes(tokens.tobytes())  # native order on both sides
+    return msgspec.structs.replace(rest, token_ids=ids)
 
 
 def parse_route_message(

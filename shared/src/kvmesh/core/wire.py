@@ -124,12 +124,22 @@ _WireHash: TypeAlias = int | Annotated[bytes, msgspec.Meta(min_length=1)]
 """`EngineHash` as msgspec checks it while decoding: an int, or ``bin`` of at least one byte."""
 
 
-class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="type", gc=False):
+class BlockRemoved(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    tag=True,
+    tag_field="type",
+    forbid_unknown_fields=True,
+    gc=False,
+):
     """Blocks evicted from an engine's prefix cache (vLLM: one hash per event; SGLang: many).
 
     A msgspec struct (immutable, untracked by the cyclic collector): vLLM ≥ 0.24's map form of the event,
     ``{"type": "BlockRemoved", "block_hashes": [...], "medium": ..., "group_idx": ...}``, decodes into it
-    directly (`decode_batch`), one per evicted block on a busy engine.
+    directly (`decode_batch`), one per evicted block on a busy engine. A map with any other key is refused
+    by that decode (and taken by the general path, which ignores the key): a decode into a struct skips an
+    unknown key's value unread, so a string in it that is not UTF-8 would go unnoticed.
 
     Attributes:
         block_hashes: hashes of the removed blocks, as sent.
@@ -241,8 +251,11 @@ _MS_TS_ABOVE: Final[float] = 1e11
 _UNSET: Final[Any] = msgspec.UNSET
 
 
-class _StoredMap(msgspec.Struct, kw_only=True, tag="BlockStored", tag_field="type"):
-    """A map-form ``BlockStored`` as sent: every key `_from_map` reads, absent ones `msgspec.UNSET`."""
+class _StoredMap(
+    msgspec.Struct, kw_only=True, tag="BlockStored", tag_field="type", forbid_unknown_fields=True
+):
+    """A map-form ``BlockStored`` as sent: every key `_from_map` reads, absent ones `msgspec.UNSET` (any
+    other key: refused, for the general path, as for `BlockRemoved`)."""
 
     block_hashes: Any = _UNSET
     token_ids: Any = _UNSET
@@ -260,8 +273,8 @@ class _StoredMap(msgspec.Struct, kw_only=True, tag="BlockStored", tag_field="typ
     session_id: Any = _UNSET
 
 
-class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
-    """A map-form ``AllBlocksCleared`` (its other keys, if any, ignored as `_from_map` ignores them)."""
+class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", forbid_unknown_fields=True):
+    """A map-form ``AllBlocksCleared`` with no other key (one with more: the general path)."""
 
 
 class _MapBatch(msgspec.Struct, array_like=True):
@@ -305,7 +318,7 @@ def decode_batch(payload: bytes) -> EngineBatch:
     per one-block removal here, against 0.85 µs through Python maps); any other batch, or one that this
     typed decode refuses for any reason, takes the general path, which gives every error and count as always.
     """
-    if payload[:1] in _BATCH_HEADS and b"event_type" not in payload:
+    if type(payload) is bytes and payload[:1] in _BATCH_HEADS and b"event_type" not in payload:
         try:
             typed = _MAP_BATCH.decode(payload)
         except (msgspec.DecodeError, RecursionError):

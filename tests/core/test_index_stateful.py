@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvmesh.core import index as index_module
 from kvmesh.core.hashing import local_block_hashes, prefix_keys
 from kvmesh.core.index import (
     DEFAULT_TIER,
@@ -388,3 +389,22 @@ test_prefix_index_matches_naive_model = PrefixIndexMachine.TestCase
 test_prefix_index_matches_naive_model.__doc__ = (
     "PrefixIndex agrees with a naive per-holder, per-tier model on every step."
 )
+
+
+class SmallTupleMachine(PrefixIndexMachine):
+    """The same machine with a shared prefix key's holders kept as a tuple of at most 2 caches (the index
+    keeps up to `kvmesh.core.index.SHARED_TUPLE_MAX`), so they change between a tuple and a dict at nearly
+    every shared store and removal."""
+
+    def __init__(self) -> None:
+        self._tuple_max = index_module.SHARED_TUPLE_MAX
+        setattr(index_module, "SHARED_TUPLE_MAX", 2)  # noqa: B010 - a Final of the module, patched for the run
+        super().__init__()
+
+    def teardown(self) -> None:
+        setattr(index_module, "SHARED_TUPLE_MAX", self._tuple_max)  # noqa: B010
+        super().teardown()
+
+
+SmallTupleMachine.TestCase.settings = PrefixIndexMachine.TestCase.settings
+test_prefix_index_with_small_holder_tuples_matches_naive_model = SmallTupleMachine.TestCase

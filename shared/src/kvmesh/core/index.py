@@ -65,8 +65,10 @@ Per stored block the index keeps one slot of a blocks table (engine key, cache i
 key: 16 bytes) and, for a prefix key no other block has, one slot of a prefixes table (prefix key and the
 cache holding it: 12 bytes): flat numpy arrays with compiled kernels (`kvmesh.core.tables`), filled to 57 –
 85 %, so 33 – 49 bytes of resident memory per block (`kvmesh bench index --memory`). A prefix key held by
-more than one block (other holders, tiers or copies) is marked shared in its slot and its ``{cache id:
-blocks}`` are kept in a dict; store counts above one are kept per cache in a dict too. No Python object
+more than one block (other holders, tiers or copies) is marked shared in its slot and its holders are kept
+in a Python map: a tuple of cache ids while each of up to `SHARED_TUPLE_MAX` caches holds it once (the usual
+case: a prefix that a few engines hold; 56 – 112 bytes where a dict took 224), else ``{cache id: blocks}``;
+store counts above one are kept per cache in a dict too. No Python object
 exists per block, so the garbage collector has nothing to traverse.
 
 Complexity (n = blocks in an event, h = holders, q = blocks in a query):
@@ -89,7 +91,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, TypeAlias
 
 import numpy as np
 import xxhash
@@ -110,6 +112,11 @@ ENGINE_KEY_PRIME: Final[int] = 2**60 - 93
 
 _MASK64: Final[int] = 2**64 - 1
 _SHARED: Final[int] = tables.SHARED
+SHARED_TUPLE_MAX: Final[int] = 8
+"""The most caches a shared prefix key keeps as a tuple of cache ids (one block each); more, or a second
+block of one cache, and its holders are a ``{cache id: blocks}`` dict (a match over a big fleet tests a dict's
+keys against its live set without building a set)."""
+_Holders: TypeAlias = "tuple[int, ...] | dict[int, int]"
 _FIRST_CHUNK: Final[int] = 16
 """Prompt keys looked up in the first compiled call of a match; each further call takes twice as many."""
 
@@ -407,8 +414,9 @@ class PrefixIndex:
         """Blocks below which the blocks table is rebuilt smaller (-1: at its minimum size)."""
         self._nb = 0
         """Blocks in the blocks table (the sum of every cache's `_Cache.n`)."""
-        # prefix key -> {cid: blocks of that cache with the key}, for keys whose slot is SHARED
-        self._shared: dict[int, dict[int, int]] = {}
+        # prefix key -> its holders, for keys whose slot is SHARED: a tuple of distinct cids, one block each
+        # (2 to SHARED_TUPLE_MAX of them), or {cid: blocks of that cache with the key}
+        self._shared: dict[int, _Holders] = {}
         self._st = np.zeros(64, dtype=np.int32)
         self._aux = np.zeros(64, dtype=np.int32)
         self._caches: list[_Cache | None] = []
@@ -1106,12 +1114,20 @@ class PrefixIndex:
             ):
                 if code == tables.STORED_SHARED:
                     holders = shared[p]
-                    holders[cid] = holders.get(cid, 0) + 1
+                    if isinstance(holders, tuple):
+                        if cid in holders or len(holders) >= SHARED_TUPLE_MAX:
+                            grown = dict.fromkeys(holders, 1)
+                            grown[cid] = grown.get(cid, 0) + 1
+                            shared[p] = grown
+                        else:
+                            shared[p] = (*holders, cid)
+                    else:
+                        holders[cid] = holders.get(cid, 0) + 1
                 elif code == tables.STORED_DUPLICATE:
                     cache.counts[h] = cache.counts.get(h, 1) + 1
                     dups += 1
                 else:  # STORED_PROMOTED
-                    shared[p] = {old: 2} if old == cid else {old: 1, cid: 1}
+                    shared[p] = {old: 2} if old == cid else (old, cid)
         attached = n - dups
         cache.n += attached
         self._nb += attached
@@ -1206,6 +1222,15 @@ class PrefixIndex:
             if holders is None:  # demoted to this cache by an earlier block of this removal: its last one
                 pv[slot] = tables.TOMB
                 gone += 1
+                continue
+            if isinstance(holders, tuple):  # each holds one block: cid's goes
+                at = holders.index(cid)
+                rest = holders[:at] + holders[at + 1 :]
+                if len(rest) > 1:
+                    shared[key] = rest
+                else:
+                    del shared[key]
+                    pv[slot] = rest[0]
                 continue
             count = holders[cid] - 1
             if count:
@@ -1320,9 +1345,10 @@ class PrefixIndex:
                 return
             size *= 2
 
-    def _lookup(self, keys: Iterable[int]) -> Iterator[tuple[int, int | dict[int, int]]]:
+    def _lookup(self, keys: Iterable[int]) -> Iterator[tuple[int, int | _Holders]]:
         """Yield (prefix key, holders) for the prompt's leading run of indexed keys (see `_chunks`): holders is
-        a cache id, or ``{cid: blocks}`` for a shared key."""
+        a cache id, or for a shared key a tuple of cache ids or ``{cid: blocks}`` (iterating either gives the
+        cache ids)."""
         shared = self._shared
         for chunk, vals in self._chunks(keys):
             for k, v in zip(chunk, vals, strict=True):
@@ -1341,9 +1367,9 @@ class PrefixIndex:
                 if v == only:
                     depth += 1
                     continue
-                here: int | dict[int, int] = shared[k] if v == _SHARED else v
+                here: int | _Holders = shared[k] if v == _SHARED else v
                 if alive is None:
-                    alive = set(here) if isinstance(here, dict) else {here}
+                    alive = {here} if isinstance(here, int) else set(here)
                     only = next(iter(alive)) if len(alive) == 1 else -9
                     depth = 1
                     continue
@@ -1352,6 +1378,11 @@ class PrefixIndex:
                         depth += 1
                         continue
                     nxt = alive.intersection(here)
+                elif type(here) is tuple:
+                    nxt = alive.intersection(here)
+                    if len(nxt) == len(alive):  # every holder still matching holds this block too
+                        depth += 1
+                        continue
                 else:
                     nxt = {here} if here in alive else set()
                 if len(nxt) != len(alive):
@@ -1375,7 +1406,7 @@ class PrefixIndex:
         depth = 0
         for _k, entry in self._lookup(keys):
             best: dict[Holder, str | None] = {}
-            for cid in entry if isinstance(entry, dict) else (entry,):
+            for cid in (entry,) if isinstance(entry, int) else entry:
                 cache = caches[cid]
                 assert cache is not None
                 holder, medium = cache.holder, cache.medium

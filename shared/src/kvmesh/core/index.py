@@ -1109,25 +1109,38 @@ class PrefixIndex:
         if special:
             shared = self._shared
             nz = np.flatnonzero(st[:n])
+            # A run of blocks that other caches hold too gets the same holders tuple at every key: the tuple
+            # made for one key is reused for the next that had the same one (memory, and `_match_default`
+            # passes a key whose holders are the previous key's object in O(1)).
+            grown_from: tuple[int, ...] | None = None
+            grown_to: tuple[int, ...] = ()
+            pair: tuple[int, int] = (-1, -1)
             for code, old, p, h in zip(
                 st[nz].tolist(), aux[nz].tolist(), prefixes[nz].tolist(), keys[nz].tolist(), strict=True
             ):
                 if code == tables.STORED_SHARED:
                     holders = shared[p]
                     if isinstance(holders, tuple):
-                        if cid in holders or len(holders) >= SHARED_TUPLE_MAX:
+                        if holders is grown_from:
+                            shared[p] = grown_to
+                        elif cid in holders or len(holders) >= SHARED_TUPLE_MAX:
                             grown = dict.fromkeys(holders, 1)
                             grown[cid] = grown.get(cid, 0) + 1
                             shared[p] = grown
                         else:
-                            shared[p] = (*holders, cid)
+                            grown_from, grown_to = holders, (*holders, cid)
+                            shared[p] = grown_to
                     else:
                         holders[cid] = holders.get(cid, 0) + 1
                 elif code == tables.STORED_DUPLICATE:
                     cache.counts[h] = cache.counts.get(h, 1) + 1
                     dups += 1
-                else:  # STORED_PROMOTED
-                    shared[p] = {old: 2} if old == cid else (old, cid)
+                elif old == cid:  # STORED_PROMOTED: a second block of the one cache holding the key
+                    shared[p] = {old: 2}
+                else:  # STORED_PROMOTED: a second cache
+                    if pair[0] != old or pair[1] != cid:
+                        pair = (old, cid)
+                    shared[p] = pair
         attached = n - dups
         cache.n += attached
         self._nb += attached
@@ -1217,6 +1230,8 @@ class PrefixIndex:
         shared = self._shared
         pv = self._pv
         gone = 0
+        cut_from: tuple[int, ...] | None = None  # as in `_hold`: one tuple for a run that had one
+        cut_to: tuple[int, ...] = ()
         for slot, key, val in zip(slots, keys, vals, strict=True):
             holders = shared.get(key) if val == _SHARED else None
             if holders is None:  # demoted to this cache by an earlier block of this removal: its last one
@@ -1224,8 +1239,12 @@ class PrefixIndex:
                 gone += 1
                 continue
             if isinstance(holders, tuple):  # each holds one block: cid's goes
-                at = holders.index(cid)
-                rest = holders[:at] + holders[at + 1 :]
+                if holders is cut_from:
+                    rest = cut_to
+                else:
+                    at = holders.index(cid)
+                    rest = holders[:at] + holders[at + 1 :]
+                    cut_from, cut_to = holders, rest
                 if len(rest) > 1:
                     shared[key] = rest
                 else:
@@ -1361,6 +1380,7 @@ class PrefixIndex:
         result: dict[Holder, int] = {}
         alive: set[int] | None = None
         only = -9  # the one cache still matching, while exactly one is (-9: none or several)
+        seen: object = None  # a holders tuple every cache in `alive` is in (they only ever leave `alive`)
         depth = 0
         for chunk, vals in self._array_run(keys) if isinstance(keys, np.ndarray) else self._chunks(keys):
             for k, v in zip(chunk, vals, strict=True):
@@ -1368,9 +1388,13 @@ class PrefixIndex:
                     depth += 1
                     continue
                 here: int | _Holders = shared[k] if v == _SHARED else v
+                if here is seen:  # the tuple of a key before: every cache still matching holds this one too
+                    depth += 1
+                    continue
                 if alive is None:
                     alive = {here} if isinstance(here, int) else set(here)
                     only = next(iter(alive)) if len(alive) == 1 else -9
+                    seen = here if type(here) is tuple else None
                     depth = 1
                     continue
                 if type(here) is dict:
@@ -1379,6 +1403,7 @@ class PrefixIndex:
                         continue
                     nxt = alive.intersection(here)
                 elif type(here) is tuple:
+                    seen = here  # `alive` is within it from here on
                     nxt = alive.intersection(here)
                     if len(nxt) == len(alive):  # every holder still matching holds this block too
                         depth += 1

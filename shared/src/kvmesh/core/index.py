@@ -67,7 +67,8 @@ cache holding it: 12 bytes): flat numpy arrays with compiled kernels (`kvmesh.co
 85 %, so 33 – 49 bytes of resident memory per block (`kvmesh bench index --memory`). A prefix key held by
 more than one block (other holders, tiers or copies) is marked shared in its slot and its holders are kept
 in a Python map: a tuple of cache ids while each of up to `SHARED_TUPLE_MAX` caches holds it once (the usual
-case: a prefix that a few engines hold; 56 – 112 bytes where a dict took 224), else ``{cache id: blocks}``;
+case; one tuple for a whole run of such keys, where a dict per key took 224 bytes), else ``{cache id:
+blocks}``;
 store counts above one are kept per cache in a dict too. No Python object
 exists per block, so the garbage collector has nothing to traverse.
 
@@ -112,10 +113,11 @@ ENGINE_KEY_PRIME: Final[int] = 2**60 - 93
 
 _MASK64: Final[int] = 2**64 - 1
 _SHARED: Final[int] = tables.SHARED
-SHARED_TUPLE_MAX: Final[int] = 8
+SHARED_TUPLE_MAX: Final[int] = 4096
 """The most caches a shared prefix key keeps as a tuple of cache ids (one block each); more, or a second
-block of one cache, and its holders are a ``{cache id: blocks}`` dict (a match over a big fleet tests a dict's
-keys against its live set without building a set)."""
+block of one cache, and its holders are a ``{cache id: blocks}`` dict. A run of keys that the same caches
+hold shares one tuple (`PrefixIndex._hold`), so a prefix that a whole fleet holds costs one tuple, and a
+match passes each of its keys in O(1) (1,024 workers: 0.87 → 0.35 ms per match, docs/benchmarks.md)."""
 _Holders: TypeAlias = "tuple[int, ...] | dict[int, int]"
 _FIRST_CHUNK: Final[int] = 16
 """Prompt keys looked up in the first compiled call of a match; each further call takes twice as many."""

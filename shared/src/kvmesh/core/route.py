@@ -190,16 +190,10 @@ def _decode_scanned(body: bytes) -> RouteRequest | None:
     """The request with its ``token_ids`` read by the compiled scan and the rest (``[]`` in their place) by
     msgspec; None when the scan refuses the body or the rest does not decode, so that `_decode_json` decodes
     the whole body and gives its values and errors exactly as before."""
-    scanned = tables.scan_body_token_ids(body)
-    if scanned is None:
+    decoded = tables.decode_scanning_token_ids(body, _decoder)
+    if decoded is None:
         return None
-    tokens, start, end = scanned
-    try:
-        rest: RouteRequest = _decoder.decode(body[:start] + b"[]" + body[end:])
-    except (msgspec.MsgspecError, RecursionError):
-        return None
-    if len(rest.token_ids):  # pragma: no cover - the scan found the one token_ids member
-        return None
+    rest, tokens = decoded
     ids = array("I")
     ids.frombytes(tokens.tobytes())  # native order on both sides
     return msgspec.structs.replace(rest, token_ids=ids)

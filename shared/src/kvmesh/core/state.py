@@ -750,16 +750,16 @@ class IndexState:
         # Block size 0 holds workers that announced themselves before their block size was known: they have
         # nothing cached. They are zero-overlap candidates, but 0 is never the size a prompt is hashed with
         # (hashing needs a positive block size; choosing it used to crash the match).
-        unsized = live.pop(0, None) if 0 in live else None
+        unsized = live.pop(0, None)
         # Every holder is scored in its own block size (a worker whose engine uses another size than the
         # rest of its model still gets its exact overlap); the result's block size is the majority one.
         found: dict[Holder, HolderMatch] = {}
         block_size = prompt_blocks = 0
         if live:
-            block_size = _majority_size(live) if len(live) > 1 else next(iter(live))
+            block_size = _majority_size(live)
             prompt_blocks = len(token_ids) // block_size
             tokens = tables.token_array(token_ids)  # validates every token id
-            for bs, index in sorted(live.items()) if len(live) > 1 else live.items():
+            for bs, index in sorted(live.items()):
                 # Every block hashed in one compiled call (5 – 7 µs for 4,096 tokens): cheaper than hashing
                 # lazily in Python only as far as some holder matches.
                 keys = tables.prompt_keys(tokens, bs, lora_name=lora_name, cache_salt=cache_salt)

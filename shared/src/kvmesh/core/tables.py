@@ -33,6 +33,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar, cast
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -959,6 +960,30 @@ def scan_body_token_ids(body: bytes) -> tuple[U32, int, int] | None:
     span = np.zeros(2, dtype=np.int64)
     count = json_member_token_ids(np.frombuffer(body, dtype=np.uint8), _TOKEN_IDS_KEY, out, span)
     return None if count < 0 else (out[:count], int(span[0]), int(span[1]))
+
+
+S = TypeVar("S")
+
+
+def decode_scanning_token_ids(body: bytes, decoder: msgspec.json.Decoder[S]) -> tuple[S, U32] | None:
+    """Decode a JSON object body whose ``token_ids`` are read by `scan_body_token_ids` and the rest by
+    ``decoder`` (``[]`` in the array's place): the decoded body (its ``token_ids`` empty) and the ids.
+
+    None when the scan refuses the body or the rest does not decode: the caller then decodes the whole body
+    with its full decoder, which gives the values and errors a whole decode gives (the scan's refusals: a
+    sign, a fraction, a value of 2**32 or more, an escaped or duplicate member name, anything else).
+    """
+    scanned = scan_body_token_ids(body)
+    if scanned is None:
+        return None
+    tokens, start, end = scanned
+    try:
+        rest = decoder.decode(body[:start] + b"[]" + body[end:])
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+    if getattr(rest, "token_ids", None) != []:  # pragma: no cover - the scan found the one member
+        return None
+    return rest, tokens
 
 
 def prompt_keys(

@@ -136,17 +136,10 @@ def decode_query(body: bytes) -> tuple[QueryBody, tables.U32 | None]:
     Raises:
         ApiError: as `decode_body`.
     """
-    scanned = tables.scan_body_token_ids(body)
-    if scanned is not None:
-        tokens, start, end = scanned
-        try:
-            q: QueryBody = _decoders[QueryBody].decode(body[:start] + b"[]" + body[end:])
-        except (msgspec.MsgspecError, RecursionError):
-            pass  # the whole body again, for its error
-        else:
-            if q.token_ids == []:
-                return q, tokens
-    return decode_body(body, QueryBody), None
+    decoded = tables.decode_scanning_token_ids(body, _decoders[QueryBody])
+    if decoded is not None:
+        return decoded
+    return decode_body(body, QueryBody), None  # the whole body again, for its values or its error
 
 
 def decode_body(body: bytes, kind: type[T], *, dynamo: bool | None = None) -> T:

@@ -14,7 +14,12 @@ in seconds, **not** multiplied by ``--speed``: for ``kvmesh`` the measured round
 simulated fleet directly, as a router in the engine's process would). Requests routed and not yet delivered
 are already in kvmesh's load accounting (the router records a request when it answers), as in a real fleet.
 Lifecycle notes are sent when they happen in simulated time: ``mark_prefill_done`` when a request's first
-token is out, ``finish`` at its last token.
+token is out, ``finish`` at its last token. For ``kvmesh`` the harness may fall behind its wall-time schedule
+(the pipeline's processes share the cores with it): a request it routes late *arrives* when it was routed
+(`dispatched`), so the engines' simulated clock and the router's clock stay in step (``route_late_p50_ms`` /
+``route_late_p99_ms`` say by how much, wall time). Kept at the trace's arrival instead, a late request would
+reach an engine whose state the router saw up to that lateness × ``--speed`` later, and the router's
+estimate of prefill progress (learned and applied on its own clock) would run ahead of the engines.
 
 * ``kvmesh`` runs through the real pipeline: each engine publishes its KV events on a real ZMQ PUB + replay
   socket at the wall time matching their simulated time (simulated time = wall time × ``--speed``), one
@@ -267,6 +272,13 @@ def _prepare(req: TraceRequest, i: int, t0_ms: int, *, sessions: bool = False) -
         output_tokens(tokens, req.output_length),
         session_of(req) if sessions else None,
     )
+
+
+def dispatched(p: _Prepared, now_s: float) -> _Prepared:
+    """Return ``p`` as the harness sends it at simulated time ``now_s``: unchanged when on time, else arriving
+    at ``now_s`` (a request the harness routes late reaches its engine, and has its TTFT counted, from when it
+    was routed, so the simulated engines' clock stays the router's clock × ``--speed``)."""
+    return p if now_s <= p.arrival_s else replace(p, arrival_s=now_s)
 
 
 def _count_session(result: PolicyResult, outcome: str | None) -> None:
@@ -832,6 +844,8 @@ async def run_kvmesh(
             t0_ms = trace[0].timestamp_ms if trace else 0
             wall0 = loop.time()
             late: list[float] = []
+            dispatch_late: list[float] = []
+            """Per route: wall seconds the harness sent it after its scheduled time (0 when on time)."""
             overlap: list[int] = []
             """Per route: the router's overlap for its chosen worker minus that pool's true hit, in blocks."""
             tasks: set[asyncio.Task[Any]] = set()
@@ -856,10 +870,15 @@ async def run_kvmesh(
             for i, req in enumerate(trace):
                 p = _prepare(req, i, t0_ms, sessions=sessions)
                 await play(fleet.advance(p.arrival_s))
-                fleet.sample()
                 delay = wall0 + p.arrival_s / speed - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                else:  # late: the fleet runs to now first, and the request arrives now
+                    now_s = (loop.time() - wall0) * speed
+                    await play(fleet.advance(now_s))
+                    p = dispatched(p, now_s)
+                dispatch_late.append(max(-delay, 0.0))
+                fleet.sample()
                 t_route = time.perf_counter()
                 try:
                     reply = await router.route(
@@ -893,6 +912,9 @@ async def run_kvmesh(
             fleet.close(0.0)
             result.extra["batches_late_over_10ms"] = len(late)
             result.extra["max_late_ms"] = round(1e3 * max(late, default=0.0), 1)
+            result.extra["routes_late_over_10ms"] = sum(1 for d in dispatch_late if d > _LATE_S)
+            result.extra["route_late_p50_ms"] = round(1e3 * percentile(dispatch_late or [0.0], 0.5), 1)
+            result.extra["route_late_p99_ms"] = round(1e3 * percentile(dispatch_late or [0.0], 0.99), 1)
             result.extra["overlap_exact"] = sum(1 for d in overlap if d == 0)
             result.extra["overlap_under"] = sum(1 for d in overlap if d < 0)
             result.extra["overlap_over"] = sum(1 for d in overlap if d > 0)

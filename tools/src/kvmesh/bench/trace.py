@@ -181,6 +181,9 @@ class PolicyResult:
     available_tokens: int = 0
     """Route receipts: the most prompt tokens any worker had cached, summed over the requests (for ``kvmesh``
     the router's ``available_tokens``; in-process policies: the pools' truth at the decision)."""
+    arrivals_ms: list[int] = field(default_factory=list)
+    """``kvmesh``: each request's arrival as the harness dispatched it (`dispatched`), in the trace's
+    milliseconds: the schedule `oracle_on_arrivals` replays."""
     captured_tokens: int = 0
     """The chosen worker's cached tokens as the policy saw them (``kvmesh``: the reply's ``cached_tokens``).
     Delivered tokens are ``cached_tokens``: the engines' own count, which ``kvmesh`` reports to the router
@@ -878,6 +881,7 @@ async def run_kvmesh(
                     await play(fleet.advance(now_s))
                     p = dispatched(p, now_s)
                 dispatch_late.append(max(-delay, 0.0))
+                result.arrivals_ms.append(t0_ms + round(p.arrival_s * 1000))
                 fleet.sample()
                 t_route = time.perf_counter()
                 try:
@@ -1019,6 +1023,9 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
                     router_args=router_args, say=say, sessions=sessions, label=policy_label(policy, None, shown),
                 )  # fmt: skip
                 results.append(_report(r, say))
+                if "oracle" in args.policies and (o := oracle_on_arrivals(trace, spec, r)) is not None:
+                    say(f"policy {o.policy}")
+                    results.append(_report(o, say))
                 continue
             # kvmesh-lagged runs once per --predicted-ttl-s value (0: without predicted entries)
             for ttl in args.predicted_ttl_s if policy == "kvmesh-lagged" else [0.0]:
@@ -1029,6 +1036,23 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
                 )  # fmt: skip
                 results.append(_report(r, say))
     return results
+
+
+def oracle_on_arrivals(
+    trace: Sequence[TraceRequest], spec: FleetSpec, kvmesh: PolicyResult
+) -> PolicyResult | None:
+    """The oracle on the arrivals the pipeline's requests actually had (``kvmesh.arrivals_ms``), or None when
+    none was moved: a harness that fell behind its schedule gave ``kvmesh`` a slightly different workload than
+    the in-process policies, and this row is the reference on that same workload (``oracle @ kvmesh's
+    arrivals``; its ``extra`` gives how many arrivals moved and by how much at most, in simulated ms)."""
+    moved = [a - r.timestamp_ms for r, a in zip(trace, kvmesh.arrivals_ms, strict=False)]
+    if len(moved) != len(trace) or not any(moved):
+        return None
+    shifted = [replace(r, timestamp_ms=a) for r, a in zip(trace, kvmesh.arrivals_ms, strict=True)]
+    r = simulate_policy("oracle", shifted, spec)
+    r.policy = "oracle @ kvmesh's arrivals"
+    r.extra.update(arrivals_moved=sum(1 for m in moved if m), max_moved_ms=max(moved))
+    return r
 
 
 def _report(r: PolicyResult, say: Callable[[str], None]) -> PolicyResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -21,6 +22,7 @@ from kvmesh.client import (
     UnknownModelError,
 )
 from kvmesh.core import protocol
+from kvmesh.core.load import EngineLoads, LoadLedger
 from kvmesh.core.protocol import (
     ErrorReply,
     MatchHolder,
@@ -35,6 +37,7 @@ from kvmesh.core.protocol import (
     error_reply,
 )
 from kvmesh.router.config import RouterSettings
+from kvmesh.router.notes import LifecycleNotes
 from kvmesh.router.service import RouterService
 from kvmesh.runtime.nats import connect
 from kvmesh.runtime.vllm_metrics import MetricsLoadPublisher, publish_load
@@ -422,3 +425,34 @@ async def test_a_router_whose_connection_is_closed_for_good_exits(nats_url: str,
     await svc._nc.close()
     with pytest.raises(ConnectionClosedForGood):
         await asyncio.wait_for(task, 10)
+
+
+async def test_a_stamped_prefill_done_dates_the_prefill_by_the_callers_clock(nats_url: str, uid: str) -> None:
+    """`mark_prefill_done(at=...)`: the router learns the worker's prefill rate from the stamped time (0.2 s
+    after the route's reply), not from when the note arrived (0.6 s after it)."""
+    async with fleet(nats_url, uid) as f:
+        r0 = await f.start_router()
+        c = f.client(0)
+        await c.route("m", HOT)  # warm: the first route loads the compiled kernels
+        t_sent = time.time()
+        reply = await c.route("m", HOT, request_id="p0")
+        t_reply = time.time()  # the router received the route between t_sent and t_reply
+        tokens = r0.ledger.load(reply.worker_id, 0).prefill_tokens
+        assert tokens > 0
+        await asyncio.sleep(0.6)
+        await c.mark_prefill_done("p0", at=t_reply + 0.2)
+        await until(lambda: r0.ledger.load(reply.worker_id, 0).prefill_tokens == 0)
+        rate = r0.ledger.prefill_rate(reply.worker_id, 0)
+        assert tokens / (0.2 + (t_reply - t_sent)) * 0.98 <= rate <= tokens / 0.2 * 1.02
+        with pytest.raises(ValueError, match="at must be a finite number"):
+            await c.mark_prefill_done("p0", at=math.nan)
+        with pytest.raises(ValueError, match="at must be a finite number"):
+            await c.finish("p0", at=True)
+
+
+def test_a_notes_stamp_is_clamped_to_the_last_minute_before_its_receipt() -> None:
+    notes = LifecycleNotes(
+        RouterSettings(), LoadLedger(), EngineLoads(), clock=lambda: 100.0, wall=lambda: 1000.0
+    )
+    dated = [notes._dated(at) for at in (None, 999.5, 1000.0, 1005.0, 0.0, math.nan, math.inf)]
+    assert dated == [100.0, 99.5, 100.0, 100.0, 40.0, 100.0, 100.0]

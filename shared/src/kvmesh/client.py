@@ -52,6 +52,7 @@ its stats (``kvmesh status``) and metrics.
 
 from __future__ import annotations
 
+import math
 import ssl
 import time
 from array import array
@@ -497,11 +498,24 @@ class Router:
             raise UnavailableError(f"no router answered within {self._timeout_s:g} s") from exc
         return bytes(msg.data)
 
-    async def mark_prefill_done(self, request_id: str) -> None:
-        """Tell every router that ``request_id``'s prompt is computed (its prefill tokens stop counting)."""
-        await self._lifecycle("prefill_done", request_id)
+    async def mark_prefill_done(self, request_id: str, *, at: float | None = None) -> None:
+        """Tell every router that ``request_id``'s prompt is computed (its prefill tokens stop counting).
 
-    async def finish(self, request_id: str, *, cached_tokens: int | None = None) -> None:
+        Args:
+            request_id: the id the request was routed with.
+            at: when the first token was out, seconds since the epoch (``time.time()`` then); None (default):
+                the routers date the note by its receipt. Give it when notes may wait on their way (a
+                batching gateway): the routers learn each worker's prefill rate from these times.
+
+        Raises:
+            ValueError: ``at`` is not a finite number (nothing was sent).
+            UnavailableError: the note could not be published.
+        """
+        await self._lifecycle("prefill_done", request_id, at=_checked_at(at))
+
+    async def finish(
+        self, request_id: str, *, cached_tokens: int | None = None, at: float | None = None
+    ) -> None:
         """Tell every router that ``request_id`` is over (its KV blocks stop counting).
 
         Args:
@@ -510,22 +524,25 @@ class Router:
                 (vLLM's and SGLang's ``usage.prompt_tokens_details.cached_tokens``), ≥ 0; the router that
                 answered the route counts it as the worker's delivered tokens. None (default): not known,
                 nothing is counted delivered.
+            at: when the last token was out, seconds since the epoch; None (default): the note's receipt.
 
         Raises:
-            ValueError: ``cached_tokens`` is not an int ≥ 0 (nothing was sent).
+            ValueError: ``cached_tokens`` is not an int ≥ 0 or ``at`` not a finite number (nothing was sent).
             UnavailableError: the note could not be published.
         """
         if cached_tokens is not None and (
             isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int) or cached_tokens < 0
         ):
             raise ValueError(f"cached_tokens must be an int >= 0, got {cached_tokens!r}")
-        await self._lifecycle("finished", request_id, cached_tokens)
+        await self._lifecycle("finished", request_id, cached_tokens, at=_checked_at(at))
 
-    async def _lifecycle(self, event: str, request_id: str, cached_tokens: int | None = None) -> None:
+    async def _lifecycle(
+        self, event: str, request_id: str, cached_tokens: int | None = None, *, at: float | None = None
+    ) -> None:
         try:
             await self._nc.publish(
                 subjects.requests_subject(self._requests_prefix, event),
-                encode(RequestRef(request_id=request_id, cached_tokens=cached_tokens)),
+                encode(RequestRef(request_id=request_id, cached_tokens=cached_tokens, at=at)),
             )
         except nats.errors.Error as exc:
             raise UnavailableError(f"cannot publish {event} for {request_id!r}: {exc}") from exc
@@ -542,3 +559,12 @@ class Router:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
+
+
+def _checked_at(at: float | None) -> float | None:
+    """A lifecycle note's ``at`` as a float, or None; ValueError unless a finite number (bool is not one)."""
+    if at is None:
+        return None
+    if isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at):
+        raise ValueError(f"at must be a finite number of seconds since the epoch, got {at!r}")
+    return float(at)

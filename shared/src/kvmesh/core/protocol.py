@@ -705,6 +705,16 @@ class RequestRef(Message, kw_only=True, frozen=True, omit_defaults=True):
     ``usage.prompt_tokens_details.cached_tokens``), ≥ 0, which the router that answered the request counts as
     delivered; absent (None) when the caller does not know it (nothing is counted delivered). A negative
     value is ignored."""
+    at: float | None = None
+    """When it happened on the caller's clock, seconds since the epoch (the first token for ``prefill_done``,
+    the last for ``finished``); absent: when the router receives the note. A router dates the note that many
+    seconds before its receipt (at most `MAX_NOTE_AGE_S`; a time ahead of the router's clock counts as the
+    receipt), so a note held up on its way (a busy gateway, a batching client) still gives the worker's
+    prefill rate its true duration."""
+
+
+MAX_NOTE_AGE_S: Final[float] = 60.0
+"""The most seconds before its receipt a lifecycle note's ``at`` dates it (an older time counts as that)."""
 
 
 class LedgerEntry(msgspec.Struct, kw_only=True, frozen=True, array_like=True):

@@ -14,7 +14,8 @@ in seconds, **not** multiplied by ``--speed``: for ``kvmesh`` the measured round
 simulated fleet directly, as a router in the engine's process would). Requests routed and not yet delivered
 are already in kvmesh's load accounting (the router records a request when it answers), as in a real fleet.
 Lifecycle notes are sent when they happen in simulated time: ``mark_prefill_done`` when a request's first
-token is out, ``finish`` at its last token. For ``kvmesh`` the harness may fall behind its wall-time schedule
+token is out, ``finish`` at its last token, each stamped (``at``) with the wall time of its simulated time, as
+a gateway stamps the engine's first and last token. For ``kvmesh`` the harness may fall behind its wall-time schedule
 (the pipeline's processes share the cores with it): a request it routes late *arrives* when it was routed
 (`dispatched`), so the engines' simulated clock and the router's clock stay in step (``route_late_p50_ms`` /
 ``route_late_p99_ms`` say by how much, wall time). Kept at the trace's arrival instead, a late request would
@@ -846,6 +847,7 @@ async def run_kvmesh(
             say(f"  pipeline ready ({spec.workers} ingests, indexer, router); replaying at speed {speed:g}×")
             t0_ms = trace[0].timestamp_ms if trace else 0
             wall0 = loop.time()
+            epoch0 = time.time()  # the epoch time of wall0: a note's ``at`` is its scheduled wall time
             late: list[float] = []
             dispatch_late: list[float] = []
             """Per route: wall seconds the harness sent it after its scheduled time (0 when on time)."""
@@ -864,9 +866,10 @@ async def run_kvmesh(
                     if kind == _EVENTS:
                         pipe.publishers[k].publish(payload.events)
                     elif kind == _PREFILL_DONE:
-                        _fire(tasks, router.mark_prefill_done(payload))
+                        _fire(tasks, router.mark_prefill_done(payload, at=epoch0 + time_s / speed))
                     else:  # the engine's count of cached prompt tokens: the route's delivered reuse
-                        _fire(tasks, router.finish(payload, cached_tokens=fleet.delivered.pop(payload, None)))
+                        cached = fleet.delivered.pop(payload, None)
+                        _fire(tasks, router.finish(payload, cached_tokens=cached, at=epoch0 + time_s / speed))
                 await asyncio.sleep(0)
 
             start = time.perf_counter()

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 import uuid
 from collections.abc import Callable
 from typing import TypeVar
@@ -39,6 +41,7 @@ from kvmesh.core.errors import ProtocolError
 from kvmesh.core.index import Holder
 from kvmesh.core.load import EngineLoads, LoadLedger
 from kvmesh.core.protocol import (
+    MAX_NOTE_AGE_S,
     RequestRef,
     Routed,
     RouteNote,
@@ -75,11 +78,13 @@ class LifecycleNotes:
         engine_loads: EngineLoads,
         *,
         clock: Callable[[], float],
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.ledger = ledger
         self.engine_loads = engine_loads
         self._clock = clock
+        self._wall = wall
         self.sessions = SessionTable(ttl_s=settings.session_ttl_s, max_sessions=settings.max_sessions)
         """Where each session's last request went (this replica's answers and every peer's notes)."""
         self.predictions = Predictions(settings.predicted_ttl_s, lambda: None)
@@ -226,12 +231,19 @@ class LifecycleNotes:
     async def _on_prefill_done(self, msg: Msg) -> None:
         ref = self._ref(msg, "prefill_done")
         if ref is not None:
-            self.ledger.prefill_done(ref.request_id, self._clock())
+            self.ledger.prefill_done(ref.request_id, self._dated(ref.at))
 
     async def _on_finished(self, msg: Msg) -> None:
         ref = self._ref(msg, "finished")
         if ref is not None:
-            self.ledger.finished(ref.request_id, self._clock(), cached_tokens=ref.cached_tokens)
+            self.ledger.finished(ref.request_id, self._dated(ref.at), cached_tokens=ref.cached_tokens)
+
+    def _dated(self, at: float | None) -> float:
+        """This replica's monotonic time of a note stamped ``at`` (epoch seconds, or None: now)."""
+        now = self._clock()
+        if at is None or not math.isfinite(at):
+            return now
+        return now - min(max(self._wall() - at, 0.0), MAX_NOTE_AGE_S)
 
     def _ref(self, msg: Msg, event: str) -> RequestRef | None:
         """The note's `RequestRef`, or None (logged, counted in `undecodable`) when it does not decode."""

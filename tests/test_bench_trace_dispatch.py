@@ -56,7 +56,7 @@ def test_requests_the_harness_routes_late_do_not_queue_behind_each_other_in_the_
     assert len(r.arrivals_ms) == 6
     assert r.arrivals_ms == sorted(r.arrivals_ms)
     assert r.arrivals_ms[-1] - r.arrivals_ms[0] >= 5 * 200  # each route ≥ 0.1 ms wall after the one before
-    o = bench_trace.oracle_on_arrivals(trace, spec, r)
+    o = bench_trace.on_arrivals("oracle", trace, spec, r)
     assert o is not None
     assert (o.policy, o.requests, o.cached_tokens) == ("oracle @ kvmesh's arrivals", 6, 0)
     assert o.extra["arrivals_moved"] == sum(1 for a in r.arrivals_ms if a != 0)
@@ -70,8 +70,13 @@ def test_no_oracle_row_when_no_arrival_moved() -> None:
     ]
     spec = bench_trace.FleetSpec(workers=2, num_blocks=64)
     on_time = bench_trace.PolicyResult(policy="kvmesh", arrivals_ms=[0, 250, 900])
-    assert bench_trace.oracle_on_arrivals(trace, spec, on_time) is None
+    assert bench_trace.on_arrivals("oracle", trace, spec, on_time) is None
     moved = bench_trace.PolicyResult(policy="kvmesh", arrivals_ms=[0, 300, 900])
-    o = bench_trace.oracle_on_arrivals(trace, spec, moved)
+    o = bench_trace.on_arrivals("kvmesh-exact", trace, spec, moved)
     assert o is not None
-    assert (o.requests, o.extra["arrivals_moved"], o.extra["max_moved_ms"]) == (3, 1, 50)
+    assert (o.policy, o.requests, o.extra["arrivals_moved"], o.extra["max_moved_ms"]) == (
+        "kvmesh-exact @ kvmesh's arrivals",
+        3,
+        1,
+        50,
+    )

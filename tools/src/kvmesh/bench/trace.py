@@ -184,7 +184,7 @@ class PolicyResult:
     the router's ``available_tokens``; in-process policies: the pools' truth at the decision)."""
     arrivals_ms: list[int] = field(default_factory=list)
     """``kvmesh``: each request's arrival as the harness dispatched it (`dispatched`), in the trace's
-    milliseconds: the schedule `oracle_on_arrivals` replays."""
+    milliseconds: the schedule `on_arrivals` replays."""
     captured_tokens: int = 0
     """The chosen worker's cached tokens as the policy saw them (``kvmesh``: the reply's ``cached_tokens``).
     Delivered tokens are ``cached_tokens``: the engines' own count, which ``kvmesh`` reports to the router
@@ -1026,9 +1026,13 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
                     router_args=router_args, say=say, sessions=sessions, label=policy_label(policy, None, shown),
                 )  # fmt: skip
                 results.append(_report(r, say))
-                if "oracle" in args.policies and (o := oracle_on_arrivals(trace, spec, r)) is not None:
-                    say(f"policy {o.policy}")
-                    results.append(_report(o, say))
+                for ref in ("kvmesh-exact", "oracle"):
+                    if ref not in args.policies or sessions:
+                        continue
+                    o = on_arrivals(ref, trace, spec, r, route_policy=route_policy, prefill_progress=progress)
+                    if o is not None:
+                        say(f"policy {o.policy}")
+                        results.append(_report(o, say))
                 continue
             # kvmesh-lagged runs once per --predicted-ttl-s value (0: without predicted entries)
             for ttl in args.predicted_ttl_s if policy == "kvmesh-lagged" else [0.0]:
@@ -1041,19 +1045,26 @@ async def run_bench(args: argparse.Namespace, say: Callable[[str], None] = print
     return results
 
 
-def oracle_on_arrivals(
-    trace: Sequence[TraceRequest], spec: FleetSpec, kvmesh: PolicyResult
+def on_arrivals(
+    policy: str,
+    trace: Sequence[TraceRequest],
+    spec: FleetSpec,
+    kvmesh: PolicyResult,
+    *,
+    route_policy: Policy | None = None,
+    prefill_progress: bool | None = None,
 ) -> PolicyResult | None:
-    """The oracle on the arrivals the pipeline's requests actually had (``kvmesh.arrivals_ms``), or None when
-    none was moved: a harness that fell behind its schedule gave ``kvmesh`` a slightly different workload than
-    the in-process policies, and this row is the reference on that same workload (``oracle @ kvmesh's
-    arrivals``; its ``extra`` gives how many arrivals moved and by how much at most, in simulated ms)."""
+    """An in-process ``policy`` (``oracle``, ``kvmesh-exact``) on the arrivals the pipeline's requests actually
+    had (``kvmesh.arrivals_ms``), or None when none was moved: a harness that fell behind its schedule gave
+    ``kvmesh`` a slightly different workload than the in-process policies, and this row is the reference on
+    that same workload (``<policy> @ kvmesh's arrivals``; its ``extra`` gives how many arrivals moved and by
+    how much at most, in simulated ms)."""
     moved = [a - r.timestamp_ms for r, a in zip(trace, kvmesh.arrivals_ms, strict=False)]
     if len(moved) != len(trace) or not any(moved):
         return None
     shifted = [replace(r, timestamp_ms=a) for r, a in zip(trace, kvmesh.arrivals_ms, strict=True)]
-    r = simulate_policy("oracle", shifted, spec)
-    r.policy = "oracle @ kvmesh's arrivals"
+    r = simulate_policy(policy, shifted, spec, route_policy=route_policy, prefill_progress=prefill_progress)
+    r.policy = f"{policy} @ kvmesh's arrivals"
     r.extra.update(arrivals_moved=sum(1 for m in moved if m), max_moved_ms=max(moved))
     return r
 

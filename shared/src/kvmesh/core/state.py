@@ -772,6 +772,23 @@ class IndexState:
                             found[h] = zero if o is None else _with_overlap(zero, o)
                 else:  # every block on the default tier: plain counts, no `Overlap` per holder
                     counts = index.match(keys)
+                    if len(live) == 1 and unsized is None and not view.backends:
+                        # one view, nothing to merge: its holders in order, built in one pass (1,024 of
+                        # them for a fleet-wide prefix: a function call and a dict entry each saved)
+                        get, with_blocks = counts.get, msgspec.structs.replace
+                        return MatchResult(
+                            index_seq=self.applied_seq,
+                            block_size=block_size,
+                            prompt_blocks=prompt_blocks,
+                            candidates=tuple(
+                                [
+                                    zero
+                                    if (n := get(h)) is None
+                                    else with_blocks(zero, overlap_blocks=n, overlap_tokens=n * bs)
+                                    for h, zero in view.zeros
+                                ]
+                            ),
+                        )
                     for h, zero in view.zeros:
                         if h not in found:
                             n = counts.get(h)

@@ -29,7 +29,10 @@ def test_bench_trace_200_requests(tmp_path: Path, capsys: pytest.CaptureFixture[
     lines = text.strip().splitlines()
     assert lines[0].startswith("| policy | requests | hit ratio |")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in lines[2:]}
-    assert list(rows) == list(bench_trace.POLICIES)
+    # a harness that fell behind at 20× adds the oracle on the arrivals kvmesh's requests had, after kvmesh
+    replayed = "oracle @ kvmesh's arrivals"
+    assert [p for p in rows if p != replayed] == list(bench_trace.POLICIES)
+    assert replayed not in rows or list(rows).index(replayed) == 1
     assert all(len(cells) == len(lines[0].split("|")) - 3 for cells in rows.values())
     assert all(cells[0] == "200" for cells in rows.values())
     hit = {p: float(re.sub(r"[^0-9.]", "", cells[1])) for p, cells in rows.items()}

@@ -1059,10 +1059,13 @@ def on_arrivals(
     ``kvmesh`` a slightly different workload than the in-process policies, and this row is the reference on
     that same workload (``<policy> @ kvmesh's arrivals``; its ``extra`` gives how many arrivals moved and by
     how much at most, in simulated ms)."""
-    moved = [a - r.timestamp_ms for r, a in zip(trace, kvmesh.arrivals_ms, strict=False)]
-    if len(moved) != len(trace) or not any(moved):
+    arrivals = kvmesh.arrivals_ms
+    if len(arrivals) != len(trace):
         return None
-    shifted = [replace(r, timestamp_ms=a) for r, a in zip(trace, kvmesh.arrivals_ms, strict=True)]
+    moved = [a - r.timestamp_ms for r, a in zip(trace, arrivals, strict=True)]
+    if not any(moved):
+        return None
+    shifted = [replace(r, timestamp_ms=a) for r, a in zip(trace, arrivals, strict=True)]
     r = simulate_policy(policy, shifted, spec, route_policy=route_policy, prefill_progress=prefill_progress)
     r.policy = f"{policy} @ kvmesh's arrivals"
     r.extra.update(arrivals_moved=sum(1 for m in moved if m), max_moved_ms=max(moved))

@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmesh.core.errors import InternalError, NoWorkersError, ProtocolError, UnknownModelError
 from kvmesh.core.events import Event, EventsMessage, Stored
@@ -594,6 +596,50 @@ def test_available_tokens_is_the_longest_overlap_of_a_live_holder_in_its_own_blo
     assert available_tokens([], ranks, block_size=0) == 0
     no_bs = Candidate(worker_id="a", dp_rank=0, overlap_blocks=3, cached_blocks=3)
     assert available_tokens([no_bs], None, block_size=0) == 3  # unknown block size: counts tokens
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    holders=st.lists(
+        st.builds(
+            Candidate,
+            worker_id=st.sampled_from(("a", "b", "c", "s")),
+            dp_rank=st.integers(0, 2),
+            overlap_blocks=st.integers(0, 6),
+            cached_blocks=st.just(0),
+            block_size=st.sampled_from((0, 8, 8, 8, 16)),
+        ),
+        max_size=12,
+    ),
+    registered=st.none()
+    | st.lists(
+        st.builds(
+            RegisteredWorker,
+            st.sampled_from(("a", "b", "s")),
+            st.integers(1, 3),
+            st.dictionaries(st.integers(0, 2), st.just("silent"), max_size=2),
+        ),
+        max_size=3,
+        unique_by=lambda w: w.worker_id,
+    ),
+    block_size=st.sampled_from((0, 8)),
+)
+def test_available_tokens_equals_the_per_holder_rule(
+    holders: list[Candidate], registered: list[RegisteredWorker] | None, block_size: int
+) -> None:
+    """The passes over one block size answer exactly as the rule read holder by holder: the most
+    ``overlap_blocks × own block size`` of a holder the registry lists as live."""
+    ranks = RankSet(registered) if registered is not None else None
+    own = max(block_size, 1)
+    want = max(
+        (
+            c.overlap_blocks * (c.block_size if c.block_size > 0 else own)
+            for c in holders
+            if ranks is None or ranks.contains(c.worker_id, c.dp_rank)
+        ),
+        default=0,
+    )
+    assert available_tokens(holders, ranks, block_size=block_size) == want
 
 
 def test_a_reply_carries_the_available_tokens_beyond_what_the_choice_captured() -> None:

@@ -167,6 +167,38 @@ def test_rank_decides_as_the_reference_rule(candidates: list[Candidate], kw: dic
     assert [(c.worker_id, c.dp_rank) for c in ranking.passed_over()] == busy_tail
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    candidates=st.lists(candidate_st, max_size=12, unique_by=lambda c: (c.worker_id, c.dp_rank)),
+    kw=st.fixed_dictionaries(
+        {
+            "prompt_tokens": st.integers(0, 64),
+            "block_size": st.sampled_from((0, 1, 4, 16)),
+            "policy": policy_st,
+            "active": active_st,
+            "engine": engine_st,
+            "seed": st.integers(0, 2**64 - 1),
+            "allowed": allowed_st,
+        }
+    ),
+    shuffle_seed=st.integers(0, 2**32),
+)
+def test_decision_does_not_depend_on_the_candidates_order(
+    candidates: list[Candidate], kw: dict[str, Any], shuffle_seed: int
+) -> None:
+    """Distinct (worker, rank) candidates in any order get the same winner and the same scores in the same
+    order: what lets `select_candidates` leave them unsorted when the bound cuts none."""
+    shuffled = list(candidates)
+    random.Random(shuffle_seed).shuffle(shuffled)
+    a, b = rank(candidates, **kw), rank(shuffled, **kw)
+    if a is None or b is None:
+        assert a is None and b is None
+        return
+    assert a.winner_score() == b.winner_score()
+    assert a.scores() == b.scores()
+    assert a.passed_over() == b.passed_over()
+
+
 def test_rank_reads_index_holders_as_they_come() -> None:
     """A `HolderMatch` (the local index's answer) decides as the `Candidate` with the same fields."""
     holders = [
@@ -214,6 +246,20 @@ def test_near_costs_tie_only_when_they_round_alike() -> None:
 # ---------------------------------------------------------------------------------------- selection
 
 
+def _preference(kept: Sequence[Candidate], seed: int) -> tuple[list[Candidate], list[Candidate]]:
+    """Holders with overlap (most first, then fewest cached, worker, rank), then those without (fewest
+    cached, then the seeded tiebreak)."""
+    with_overlap = sorted(
+        (c for c in kept if c.overlap_blocks > 0),
+        key=lambda c: (-c.overlap_blocks, c.cached_blocks, c.worker_id, c.dp_rank),
+    )
+    without = sorted(
+        (c for c in kept if c.overlap_blocks <= 0),
+        key=lambda c: (c.cached_blocks, tiebreak(seed, c.worker_id, c.dp_rank)),
+    )
+    return with_overlap, without
+
+
 def reference_select(
     indexed: Sequence[Candidate],
     ranks: RankSet | None,
@@ -237,14 +283,10 @@ def reference_select(
             if reason is not None and len(skipped) < MAX_SKIPPED_LISTED:
                 skipped.append((c.worker_id, c.dp_rank, reason))
     keyed = {(c.worker_id, c.dp_rank) for c in kept}
-    with_overlap = sorted(
-        (c for c in kept if c.overlap_blocks > 0),
-        key=lambda c: (-c.overlap_blocks, c.cached_blocks, c.worker_id, c.dp_rank),
-    )
-    without = sorted(
-        (c for c in kept if c.overlap_blocks <= 0),
-        key=lambda c: (c.cached_blocks, tiebreak(seed, c.worker_id, c.dp_rank)),
-    )
+    if len(kept) <= max_candidates:  # none cut: kept in the given order (the decision orders them itself)
+        with_overlap, without = list(kept), []
+    else:
+        with_overlap, without = _preference(kept, seed)
     chosen = (with_overlap + without)[:max_candidates]
     unindexed = 0
     if ranks is not None:

@@ -554,15 +554,26 @@ def rank(
         return None
     # Every cost as `score` computes it (the same operations in the same order, so the same floats), first
     # with no load; then the candidates of workers with load or an engine report are computed again.
-    cached = [
-        float(c.overlap_blocks * (c.block_size if c.block_size > 0 else bs)) * gpu
-        if c.tiers is None
-        else _cached_tokens(c, bs, gpu, pol)
-        for c in chosen
-    ]
     zero_prefill, zero_decode = ZERO_LOAD.prefill_tokens, float(ZERO_LOAD.blocks)
-    cost_of = {x: ow * ((prompt_tokens - x + zero_prefill) / bs) + dw * zero_decode for x in set(cached)}
-    costs = list(map(cost_of.__getitem__, cached))  # equal cached tokens, equal cost: each computed once
+    cached: Sequence[float] | None = None
+    size = chosen[0].block_size
+    own = size if size > 0 else bs
+    overlaps = [c.overlap_blocks for c in chosen if c.tiers is None and c.block_size == size]
+    if len(overlaps) == len(chosen):  # no tiers, one block size: a cost per distinct overlap, then lookups
+        cost_of = {
+            o: ow * ((prompt_tokens - float(o * own) * gpu + zero_prefill) / bs) + dw * zero_decode
+            for o in set(overlaps)
+        }
+        costs = list(map(cost_of.__getitem__, overlaps))
+    else:
+        cached = [
+            float(c.overlap_blocks * (c.block_size if c.block_size > 0 else bs)) * gpu
+            if c.tiers is None
+            else _cached_tokens(c, bs, gpu, pol)
+            for c in chosen
+        ]
+        cost_at = {x: ow * ((prompt_tokens - x + zero_prefill) / bs) + dw * zero_decode for x in set(cached)}
+        costs = list(map(cost_at.__getitem__, cached))  # equal cached tokens, equal cost: each computed once
     busy: list[int] = []
     if loaded:
         for k, c in enumerate(chosen):
@@ -570,7 +581,8 @@ def rank(
                 continue
             holder = Holder(c.worker_id, c.dp_rank)
             a = act.get(holder, ZERO_LOAD)
-            costs[k] = ow * ((prompt_tokens - cached[k] + a.prefill_tokens) / bs) + dw * float(a.blocks)
+            x = cached[k] if cached is not None else float(overlaps[k] * own) * gpu
+            costs[k] = ow * ((prompt_tokens - x + a.prefill_tokens) / bs) + dw * float(a.blocks)
             e = eng.get(holder)
             if e is not None and _busy(e, pol):
                 busy.append(k)
@@ -1051,7 +1063,9 @@ class Selection:
     """The candidates one route scores (`select_candidates`)."""
 
     candidates: list[CandidateLike]
-    """The chosen candidates, in the order of preference (the index's own holder objects, not copied)."""
+    """The chosen candidates (the index's own holder objects, not copied): the index holders in the order of
+    preference when there were more than the bound, else in their given order; then the registered ranks
+    drawn."""
     total: int
     """Live candidates of the model: index holders kept by the registry plus registered ranks it lacks."""
     cut: int
@@ -1107,10 +1121,12 @@ def select_candidates(
     (fewest cached blocks first, as ties go), then registered ranks the index lacks: up to
     ``idle_candidates`` without load, drawn by `RankSet.walk` from the seed, then ones with load. A rank
     with nothing cached is therefore never kept over a holder with overlap; one with load (it costs more
-    than an idle one) only stands in for idle ones that are missing.
+    than an idle one) only stands in for idle ones that are missing. When the bound cuts no index holder
+    they are kept in their given order, unsorted: the decision (`rank`) orders by cost, cached blocks and
+    the seeded tiebreak, not by position (a fleet of 1,024 holders saves two sorts per route).
 
-    Cost: O(indexed + idle_candidates + loaded ranks met) per call; independent of how many registered
-    ranks hold nothing.
+    Cost: O(indexed + idle_candidates + loaded ranks met) per call, plus O(indexed log indexed) when the
+    bound cuts index holders; independent of how many registered ranks hold nothing.
     """
     skipped: list[tuple[str, int, str]] = []
     if ranks is None:
@@ -1126,15 +1142,19 @@ def select_candidates(
             reason = ranks.stale_reason(c.worker_id, r)
             if reason is not None and len(skipped) < MAX_SKIPPED_LISTED:
                 skipped.append((c.worker_id, r, reason))
-    with_overlap = [c for c in kept if c.overlap_blocks > 0]
-    without = [c for c in kept if c.overlap_blocks <= 0] if len(with_overlap) < len(kept) else []
-    # (−overlap, cached, worker, rank) as two stable sorts on C-level keys
-    with_overlap.sort(key=_BY_CACHED_HOLDER)
-    with_overlap.sort(key=_BY_OVERLAP, reverse=True)
-    # (cached, seeded tiebreak): the tiebreak hashed only within runs of equal cached blocks
-    without.sort(key=_BY_CACHED)
-    _tiebreak_runs(without, seed)
-    chosen = (with_overlap + without)[:max_candidates]
+    n_kept = len(kept)
+    if n_kept <= max_candidates:  # none is cut: the decision does not depend on their order
+        chosen = kept  # (extended below: count `kept` as `n_kept` from here)
+    else:
+        with_overlap = [c for c in kept if c.overlap_blocks > 0]
+        without = [c for c in kept if c.overlap_blocks <= 0] if len(with_overlap) < len(kept) else []
+        # (−overlap, cached, worker, rank) as two stable sorts on C-level keys
+        with_overlap.sort(key=_BY_CACHED_HOLDER)
+        with_overlap.sort(key=_BY_OVERLAP, reverse=True)
+        # (cached, seeded tiebreak): the tiebreak hashed only within runs of equal cached blocks
+        without.sort(key=_BY_CACHED)
+        _tiebreak_runs(without, seed)
+        chosen = (with_overlap + without)[:max_candidates]
     unindexed = 0
     keyed: set[tuple[str, int]] = set()
     if ranks is not None:
@@ -1144,7 +1164,7 @@ def select_candidates(
         skipped.extend(x for x in ranks.stale_listed if (x[0], x[1]) not in held)
         del skipped[MAX_SKIPPED_LISTED:]
     room = max_candidates - len(chosen)
-    bounded = len(kept) + min(unindexed, idle_candidates) > max_candidates
+    bounded = n_kept + min(unindexed, idle_candidates) > max_candidates
     if ranks is not None and room > 0 and unindexed > 0:
         idle: list[CandidateLike] = []
         busy: list[CandidateLike] = []
@@ -1161,7 +1181,7 @@ def select_candidates(
                 if len(idle) >= want_idle:
                     break
         chosen.extend(idle + busy[: max(0, want_idle - len(idle))])
-    total = len(kept) + unindexed
+    total = n_kept + unindexed
     return Selection(
         candidates=chosen,
         total=total,

@@ -4,7 +4,11 @@ stream — shows in the very next match, exactly."""
 
 from __future__ import annotations
 
-from kvmesh.core.events import Event, EventsMessage, Stored, WorkerRemoved
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmesh.core.errors import UnknownModelError
+from kvmesh.core.events import Cleared, Event, EventsMessage, Message, Removed, Stored, WorkerRemoved
 from kvmesh.core.hashing import local_block_hashes
 from kvmesh.core.state import HolderMatch, IndexState
 
@@ -74,3 +78,116 @@ def test_pre_hashed_matches_share_the_views_and_see_changes_too() -> None:
     st.apply(2, _stored("a", 2, 4, 20))
     assert st.match_local_hashes("m", LOCAL).candidates == (_row("a", 4, 6),)
     assert st.match_local_hashes("m", LOCAL[1:]).candidates == (_row("a", 0, 6),)
+
+
+# ---------------------------------------------------------------------------------------- views kept up to date
+
+WORKERS = ("a", "b", "c", "pool")
+TOKENS = list(range(500, 500 + 8 * BS))
+LOCAL8 = local_block_hashes(TOKENS, BS)
+
+
+def _action(data: st.DataObject, seqs: dict[tuple[str, int], int]) -> Message | str:
+    """One random stream message (or ``"gap"``): stores, removals and clears of a few workers, engine sequences
+    that skip, repeat or go back (holds, refusals), new epochs, removals of workers, another model, another
+    block size, backend readers."""
+    kind = data.draw(
+        st.sampled_from(("store", "store", "store", "remove", "clear", "removed", "model", "size", "gap")),
+        label="kind",
+    )
+    worker = data.draw(st.sampled_from(WORKERS), label="worker")
+    rank = data.draw(st.integers(0, 1), label="rank")
+    if kind == "gap":
+        return "gap"
+    if kind == "removed":
+        return WorkerRemoved(worker_id=worker, model="m", epoch=data.draw(st.none() | st.integers(0, 2)))
+    step = data.draw(st.sampled_from((1, 1, 1, 2, 0, -1)), label="seq step")
+    seq = seqs[(worker, rank)] = max(0, seqs.get((worker, rank), 0) + step)
+    n = data.draw(st.integers(1, 8), label="blocks")
+    base = data.draw(st.sampled_from((0, 1000)), label="engine hashes")  # equal or different engine hashes
+    events: list[Event]
+    if kind == "store":
+        events = [Stored([base + i for i in range(n)], None, LOCAL8[:n])]
+    elif kind == "remove":
+        events = [Removed([base + i for i in range(n - 1, 8)])]
+    else:
+        events = [Cleared()]
+    readers = ["a", "b"] if worker == "pool" and data.draw(st.booleans(), label="readers") else None
+    return EventsMessage(
+        worker_id=worker,
+        dp_rank=rank,
+        model="m2" if kind == "model" else "m",
+        block_size=BS * 2 if kind == "size" else BS,
+        epoch=data.draw(st.integers(1, 2), label="epoch"),
+        seq=seq,
+        events=events,
+        readers=readers,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), max_blocks=st.none() | st.integers(4, 24))
+def test_kept_views_answer_as_views_built_afresh(data: st.DataObject, max_blocks: int | None) -> None:
+    """After every message, a match through the views kept and updated holder by holder equals the match
+    through views built from nothing (`IndexState._fresh_views`): no holder's cached blocks or health is ever
+    stale, whatever the message did (holds, refusals, clears, removals, evictions, new models or sizes)."""
+    st_ = IndexState(max_blocks=max_blocks)
+    seqs: dict[tuple[str, int], int] = {}
+    prompts = (TOKENS, TOKENS[: 3 * BS], [7] * (4 * BS))
+    for stream_seq in range(1, data.draw(st.integers(1, 40), label="messages") + 1):
+        msg = _action(data, seqs)
+        if msg == "gap":
+            st_.mark_gap(stream_seq - 1)
+        else:
+            assert not isinstance(msg, str)
+            st_.apply(stream_seq, msg)
+        for model in ("m", "m2"):
+            for prompt in prompts:
+                try:
+                    kept = st_.match(model, prompt)
+                except UnknownModelError:
+                    kept = None
+                st_._views.clear()  # the reference: every view built again from the state
+                try:
+                    fresh = st_.match(model, prompt)
+                except UnknownModelError:
+                    fresh = None
+                assert kept == fresh, (stream_seq, model, msg)
+
+
+def test_an_eviction_shows_on_every_cut_holder_in_the_next_match() -> None:
+    """A message of one holder that brings the state over its bound cuts the other holders too: their cached
+    blocks change without a message of theirs, and the next match shows it."""
+    st_ = IndexState(max_blocks=10)
+
+    def stored(worker: str, seq: int, n: int, base: int) -> EventsMessage:
+        return EventsMessage(worker_id=worker, dp_rank=0, model="m", block_size=BS, epoch=1, seq=seq,
+                             events=list[Event]([Stored([base + i for i in range(n)], None, LOCAL8[:n])]))  # fmt: skip
+
+    st_.apply(1, stored("a", 1, 8, 0))
+    st_.apply(2, stored("b", 1, 1, 1000))
+    assert [c.cached_blocks for c in st_.match("m", TOKENS).candidates] == [8, 1]
+    st_.apply(3, stored("b", 2, 8, 2000))  # 17 blocks: both caches cut to a common level, `a` with no message
+    assert [c.cached_blocks for c in st_.match("m", TOKENS).candidates] == [4, 4]
+
+
+def test_a_backend_that_stops_naming_readers_counts_for_no_one_in_the_next_match() -> None:
+    """Backend readers change with a message of the backend alone: the next match of a reader no longer
+    counts the backend's blocks, and the backend becomes a candidate of its own."""
+
+    def msg(worker: str, seq: int, n: int, base: int, readers: list[str] | None) -> EventsMessage:
+        return EventsMessage(worker_id=worker, dp_rank=0, model="m", block_size=BS, epoch=1, seq=seq,
+                             events=list[Event]([Stored([base + i for i in range(n)], None, LOCAL8[:n])]),
+                             readers=readers)  # fmt: skip
+
+    st_ = IndexState()
+    st_.apply(1, msg("a", 1, 1, 0, None))
+    st_.apply(2, msg("pool", 1, 6, 1000, ["a"]))
+    assert [(c.worker_id, c.overlap_blocks) for c in st_.match("m", TOKENS).candidates] == [("a", 6)]
+    st_.apply(
+        3, EventsMessage(worker_id="pool", dp_rank=0, model="m", block_size=BS, epoch=1, seq=2, events=[])
+    )
+    assert [(c.worker_id, c.overlap_blocks) for c in st_.match("m", TOKENS).candidates] == [
+        ("a", 1),
+        ("pool", 6),
+    ]

@@ -806,9 +806,14 @@ class PrefixIndex:
 
     def holders(self) -> list[Holder]:
         """Return every holder with indexed blocks or held events, sorted."""
+        return list(self.sorted_holders())
+
+    def sorted_holders(self) -> tuple[Holder, ...]:
+        """Every holder, sorted, as one tuple kept until a holder is added or forgotten: the same object while
+        the set of holders is unchanged (a caller may compare it by identity)."""
         if self._sorted_holders is None:
             self._sorted_holders = tuple(sorted(self._holders))
-        return list(self._sorted_holders)
+        return self._sorted_holders
 
     def block_count(self, holder: Holder) -> int:
         """Return the number of blocks indexed for a holder, over every tier (one per tier a block is on)."""

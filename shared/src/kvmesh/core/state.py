@@ -304,9 +304,15 @@ class _IndexView:
     """`IndexState._view`: what a match of one index needs besides the overlaps, as of one state version."""
 
     zeros: list[tuple[Holder, HolderMatch]]
-    """The index's holders of workers not removed, sorted, each with its match of no leading block."""
+    """The index's holders of workers not removed, sorted, each with its match of no leading block (entries
+    replaced in place when only some holders changed: `IndexState._fresh_views`)."""
     backends: dict[Holder, tuple[str, ...]]
     """Holders that are backends (cache pools) → the workers that read them."""
+    holders: tuple[Holder, ...]
+    """`PrefixIndex.sorted_holders` when the view was built: another object means the set of holders changed."""
+    at: dict[Holder, int]
+    """Holder → its position in ``zeros``."""
+    block_size: int
 
 
 class IndexState:
@@ -350,6 +356,13 @@ class IndexState:
         self._lives: dict[str, dict[int, PrefixIndex]] = {}
         """model → `_live_indexes`' answer, as of ``_views_version`` (never handed out: callers get a copy)."""
         self._views_version = -1
+        self._touched: set[Holder] = set()
+        """Holders whose messages were applied since ``_views_version``: the only holders whose cached block
+        count or health can have changed, unless ``_restructured``."""
+        self._restructured = False
+        """Whether anything but the ``_touched`` holders' own messages changed the state since
+        ``_views_version`` (a worker removed or moved, a hold given up, an eviction, a gap, backend readers):
+        every view is rebuilt then."""
 
     # ------------------------------------------------------------------ apply
 
@@ -367,17 +380,23 @@ class IndexState:
         self.counters.messages += 1
         try:
             if isinstance(message, WorkerRemoved):
+                self._restructured = True
                 self._remove_worker(message)
             elif isinstance(message, IndexReset):
+                self._restructured = True
                 self._reset(message)
             else:
                 self._apply_events(message)
             self._release_overdue()
+        except BaseException:
+            self._restructured = True  # half applied: nothing assumed about what changed
+            raise
         finally:
             # Also after a message that failed half-way (the reader skips it, its first events stay applied):
             # the bound holds after every stream message, and a replica restored from a snapshot taken now
             # does not cut at another point of the stream than this one.
             if self.max_blocks is not None and self.block_total() > self.max_blocks:
+                self._restructured = True
                 self._evict(self.max_blocks)
 
     def skip(self, stream_seq: int) -> None:
@@ -392,6 +411,7 @@ class IndexState:
         rebuilds it from nothing; `incomplete()` lists them. The index itself is unchanged.
         """
         self._version += 1
+        self._restructured = True
         self.gap_seq = after_seq
         self._healed.clear()
 
@@ -472,6 +492,7 @@ class IndexState:
         """Give a hold up: the missing messages are not coming (lost with a crashed ingest); apply the held
         ones in engine order, each gap counted and the holder flagged."""
         self.counters.released_holds += 1
+        self._restructured = True  # the holder may be another than the message's
         held, hs.held = hs.held, []
         for m in held:
             self._apply_one(m, held=True)
@@ -500,6 +521,7 @@ class IndexState:
         self.counters.held_messages += 1
 
     def _apply_one(self, msg: EventsMessage, *, held: bool) -> None:
+        self._touched.add(Holder(msg.worker_id, msg.dp_rank))
         info = self._workers.get(msg.worker_id)
         if info is None:
             info = self._workers[msg.worker_id] = _WorkerInfo(msg.model, msg.block_size)
@@ -513,6 +535,7 @@ class IndexState:
         if info.model != msg.model:
             # Another model: a new incarnation of the worker id (a new ingest, epochs from 0 again). The old
             # one's entries are meaningless now, and so are its epochs and engine cursors.
+            self._restructured = True
             for by_size in self._indexes.get(info.model, {}).values():
                 by_size.remove_worker(msg.worker_id)
             info = self._workers[msg.worker_id] = _WorkerInfo(
@@ -541,10 +564,14 @@ class IndexState:
             return
         if verdict == "refuse":
             return
+        readers = tuple(msg.readers) if msg.readers else ()
+        if info.removed_epoch is not None or readers != info.readers:
+            self._restructured = True
         info.removed_epoch = None
-        info.readers = tuple(msg.readers) if msg.readers else ()
+        info.readers = readers
         index = self._index(msg.model, block_size)
         if info.block_size != block_size:
+            self._restructured = True
             # The worker moved to another block size: its old entries are meaningless now.
             self._index(info.model, info.block_size).remove_worker(msg.worker_id)
             info.block_size = block_size
@@ -930,11 +957,35 @@ class IndexState:
         return dict(live)
 
     def _fresh_views(self) -> None:
-        """Drop the cached views and live indexes if the state changed since they were computed."""
-        if self._views_version != self._version:
+        """Bring the cached views and live indexes up to the state's version: the live indexes recomputed, each
+        view rebuilt when the state was restructured or its index's holders changed, else only its touched
+        holders' entries (a fleet of 1,024 workers under a stream of events: one entry per applied message's
+        holder, not 1,024 per route)."""
+        if self._views_version == self._version:
+            return
+        self._lives.clear()
+        if self._restructured:
             self._views.clear()
-            self._lives.clear()
-            self._views_version = self._version
+        elif self._touched:
+            for index, view in list(self._views.items()):
+                if not self._refresh(index, view):
+                    del self._views[index]
+        self._touched.clear()
+        self._restructured = False
+        self._views_version = self._version
+
+    def _refresh(self, index: PrefixIndex, view: _IndexView) -> bool:
+        """Replace the entries of the touched holders in ``view``; False when it must be rebuilt instead (the
+        index's holders changed). A touched holder not in the view is another index's, or a removed worker's
+        (it stays removed: a removal or a return restructures)."""
+        if index.sorted_holders() is not view.holders:
+            return False
+        at, zeros, bs = view.at, view.zeros, view.block_size
+        for h in self._touched:
+            k = at.get(h)
+            if k is not None:
+                zeros[k] = (h, self._zero_match(index, h, bs))
+        return True
 
     def _zero_match(self, index: PrefixIndex, h: Holder, bs: int) -> HolderMatch:
         """A holder's `HolderMatch` of no leading block in its block size ``bs`` (`_with_overlap` adds one)."""
@@ -955,13 +1006,15 @@ class IndexState:
         if view is None:
             zeros: list[tuple[Holder, HolderMatch]] = []
             backends: dict[Holder, tuple[str, ...]] = {}
-            for h in index.holders():
+            holders = index.sorted_holders()
+            for h in holders:
                 info = self._workers.get(h.worker_id)
                 if info is not None and info.readers:
                     backends[h] = info.readers
                 if not self._is_removed(h.worker_id):
                     zeros.append((h, self._zero_match(index, h, bs)))
-            view = self._views[index] = _IndexView(zeros, backends)
+            at = {h: k for k, (h, _zero) in enumerate(zeros)}
+            view = self._views[index] = _IndexView(zeros, backends, holders, at, bs)
         return view
 
     def _add_backends(

@@ -109,12 +109,16 @@ def test_tiny_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert p["route_to_longest"] == 30
         assert 0 < p["match_p50_us"] <= p["match_p99_us"]
         assert 0 < p["route_p50_ms"] <= p["route_p99_ms"]
+        assert 0 < p["route_live_p50_ms"] <= p["route_live_p99_ms"]
         assert p["memory_bytes_per_block"] > 0
-    [target] = doc["targets"]
-    assert target["target"] == "route p50 at 16 workers ≤ 2× at 8 (2,000 blocks)"
-    assert target["ratio"] == pytest.approx(points[1]["route_p50_ms"] / points[0]["route_p50_ms"])
+    still, live = doc["targets"]
+    assert still["target"] == "route p50 at 16 workers ≤ 2× at 8 (2,000 blocks)"
+    assert still["ratio"] == pytest.approx(points[1]["route_p50_ms"] / points[0]["route_p50_ms"])
+    assert live["target"] == "route p50 under events at 16 workers ≤ 2× at 8 (2,000 blocks)"
+    assert live["ratio"] == pytest.approx(points[1]["route_live_p50_ms"] / points[0]["route_live_p50_ms"])
     text = capsys.readouterr().out
     assert "| workers | blocks | match p50/p99 (µs) |" in text
+    assert "| under events p50/p99 (ms) |" in text
     assert "route p50 at 16 workers ≤ 2× at 8 (2,000 blocks):" in text
     png = out.with_suffix(".png")
     try:

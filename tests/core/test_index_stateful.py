@@ -3,6 +3,7 @@ model, and its incrementally kept digest equals the one computed from scratch af
 
 from __future__ import annotations
 
+import numpy as np
 import xxhash
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -337,6 +338,10 @@ class PrefixIndexMachine(RuleBasedStateMachine):
                 h: list(o.tiers or {}) for h, o in expected.items()
             }
             assert self.index.match(keys) == {h: o.blocks for h, o in expected.items()}, tokens
+            if not self.index.tiered:  # every holder absent from `others` has `common` blocks
+                common, others = self.index.match_common(np.array(keys, dtype=np.uint64))
+                whole = {h: others.get(h, common) for h in self.index.holders()}
+                assert {h: n for h, n in whole.items() if n} == {h: o.blocks for h, o in expected.items()}
 
     @invariant()
     def stats_agree_with_model(self) -> None:

@@ -4,12 +4,14 @@ stream — shows in the very next match, exactly."""
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvmesh.core.errors import UnknownModelError
 from kvmesh.core.events import Cleared, Event, EventsMessage, Message, Removed, Stored, WorkerRemoved
-from kvmesh.core.hashing import local_block_hashes
+from kvmesh.core.hashing import local_block_hashes, prefix_keys
+from kvmesh.core.index import Holder
 from kvmesh.core.state import HolderMatch, IndexState
 
 BS = 4
@@ -191,3 +193,35 @@ def test_a_backend_that_stops_naming_readers_counts_for_no_one_in_the_next_match
         ("a", 1),
         ("pool", 6),
     ]
+
+
+def test_a_fleet_wide_prefix_is_answered_from_the_overlap_most_holders_share() -> None:
+    """Every holder holds the prompt's first blocks: `PrefixIndex.match_common` names the overlap most share
+    and only the others; the state's answers at that overlap are kept per view and follow each holder's own
+    changes (its cached blocks) in the next match."""
+    st_ = IndexState()
+
+    def stored(worker: str, seq: int, n: int, base: int) -> EventsMessage:
+        return EventsMessage(worker_id=worker, dp_rank=0, model="m", block_size=BS, epoch=1, seq=seq,
+                             events=list[Event]([Stored([base + i for i in range(n)], None, LOCAL8[:n])]))  # fmt: skip
+
+    for i, w in enumerate(("a", "b", "c", "d")):
+        st_.apply(i + 1, stored(w, 1, 5 if w == "c" else 2, 100 * i))
+    index = st_._live_indexes("m")[BS]
+    keys = np.array(prefix_keys(LOCAL8), dtype=np.uint64)
+    assert index.match_common(keys) == (2, {Holder("c", 0): 5})
+    want = (_row_at("a", 2, 2), _row_at("b", 2, 2), _row_at("c", 5, 5), _row_at("d", 2, 2))
+    assert st_.match("m", TOKENS).candidates == want
+    assert st_.match("m", TOKENS).candidates == want  # the kept answers at overlap 2, copied
+    st_.apply(5, stored("d", 2, 1, 900))  # d caches one more block (a new chain): only d's answers change
+    assert st_.match("m", TOKENS).candidates == (*want[:3], _row_at("d", 2, 3))
+    st_.apply(6, stored("e", 1, 1, 1000))  # e holds the first block only
+    assert index.match_common(keys) == (2, {Holder("c", 0): 5, Holder("e", 0): 1})
+    st_.apply(7, EventsMessage(worker_id="f", dp_rank=0, model="m", block_size=BS, epoch=1, seq=1, events=[]))
+    common, others = index.match_common(keys)  # f holds nothing: no overlap every holder shares
+    assert (common, others[Holder("a", 0)], Holder("f", 0) in others) == (0, 2, False)
+    assert [c.overlap_blocks for c in st_.match("m", TOKENS).candidates] == [2, 2, 5, 2, 1, 0]
+
+
+def _row_at(worker: str, overlap: int, cached: int) -> HolderMatch:
+    return _row(worker, overlap, cached)

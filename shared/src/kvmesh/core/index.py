@@ -89,7 +89,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Final, NamedTuple, TypeAlias
@@ -789,6 +789,33 @@ class PrefixIndex:
             return {h: o.blocks for h, o in self._match_tiered(prompt_keys).items()}
         return self._match_default(prompt_keys)
 
+    def match_common(self, prompt_keys: np.ndarray) -> tuple[int, dict[Holder, int]]:
+        """`match` for an index with every block on the default tier, answered as ``(common, others)``: every
+        holder absent from ``others`` has ``common`` leading blocks. When every holder holds the prompt's first
+        block (a fleet-wide system prompt), ``common`` is the overlap most holders share and ``others`` holds
+        the rest, so a match of a fleet of 1,024 workers builds a dict of the few that differ; otherwise
+        ``common`` is 0 and ``others`` is `match`'s answer.
+
+        Args:
+            prompt_keys: the prompt's prefix keys, all computed (a uint64 array).
+
+        Raises:
+            ValueError: the index has blocks off the default tier (`tiered`).
+        """
+        if self._tiered:
+            raise ValueError("match_common takes an index with every block on the default tier")
+        groups: list[tuple[int, Collection[int]]] = []
+        result = self._match_default(prompt_keys, groups)
+        common, most = 0, None
+        if groups and sum(map(len, (g for _d, g in groups))) == len(self._holders):
+            common, most = max(groups, key=lambda g: len(g[1]))  # every holder is in some group
+        caches = self._caches
+        for depth, cids in groups:
+            if cids is not most:
+                for cid in cids:
+                    result[caches[cid].holder] = depth  # type: ignore[union-attr]
+        return common, result
+
     def match_tiers(self, prompt_keys: Iterable[int]) -> dict[Holder, Overlap]:
         """Like `match`, with each holder's overlap blocks per tier (see the module docstring).
 
@@ -1380,8 +1407,12 @@ class PrefixIndex:
             for k, v in zip(chunk, vals, strict=True):
                 yield k, (shared[k] if v == _SHARED else v)
 
-    def _match_default(self, keys: Iterable[int]) -> dict[Holder, int]:
-        """`match` when every block is on the default tier: each cache id is a whole holder."""
+    def _match_default(
+        self, keys: Iterable[int], groups: list[tuple[int, Collection[int]]] | None = None
+    ) -> dict[Holder, int]:
+        """`match` when every block is on the default tier: each cache id is a whole holder. With ``groups``,
+        the holders that stop matching together are appended to it as ``(depth, cache ids)`` instead of
+        entering the answer one by one (`match_common`)."""
         caches = self._caches
         shared = self._shared
         result: dict[Holder, int] = {}
@@ -1418,13 +1449,20 @@ class PrefixIndex:
                 else:
                     nxt = {here} if here in alive else set()
                 if len(nxt) != len(alive):
-                    for gone in alive - nxt:
-                        result[caches[gone].holder] = depth  # type: ignore[union-attr]
+                    if groups is not None:
+                        groups.append((depth, alive - nxt))
+                    else:
+                        for gone in alive - nxt:
+                            result[caches[gone].holder] = depth  # type: ignore[union-attr]
                     if not nxt:
                         return result
                     only = next(iter(nxt)) if len(nxt) == 1 else -9
                 alive = nxt
                 depth += 1
+        if groups is not None:
+            if alive:
+                groups.append((depth, alive))
+            return result
         for cid in alive or ():
             result[caches[cid].holder] = depth  # type: ignore[union-attr]
         return result

@@ -313,6 +313,44 @@ class _IndexView:
     at: dict[Holder, int]
     """Holder → its position in ``zeros``."""
     block_size: int
+    depths: dict[int, list[HolderMatch]] = field(default_factory=dict)
+    """Overlap → every holder's answer at that overlap, in ``zeros``' order (`_candidates`; kept in step
+    with ``zeros``)."""
+
+
+_DEPTHS_KEPT: Final[int] = 8
+"""Overlaps whose every-holder answers a view keeps (`_IndexView.depths`); more, and it starts again."""
+
+
+def _candidates(index: PrefixIndex, view: _IndexView, keys: tables.U64) -> tuple[HolderMatch, ...]:
+    """Every holder's `HolderMatch` of an untiered index without backends, in the view's order. When every
+    holder holds the prompt's first block, the answers at the overlap most of them share are the view's kept
+    list for that overlap (`_IndexView.depths`), copied, and only the holders that differ are built."""
+    common, others = index.match_common(keys)
+    zeros, bs, with_blocks = view.zeros, view.block_size, msgspec.structs.replace
+    if common:
+        at = view.at
+        if all(h in at for h in others):
+            kept = view.depths.get(common)
+            if kept is None:
+                if len(view.depths) >= _DEPTHS_KEPT:
+                    view.depths.clear()
+                kept = view.depths[common] = [
+                    with_blocks(zero, overlap_blocks=common, overlap_tokens=common * bs) for _h, zero in zeros
+                ]
+            out = list(kept)
+            for h, depth in others.items():
+                k = at[h]
+                out[k] = with_blocks(zeros[k][1], overlap_blocks=depth, overlap_tokens=depth * bs)
+            return tuple(out)
+        others = index.match(keys)  # pragma: no cover - every holder of the index is in its view
+    get = others.get
+    return tuple(
+        [
+            zero if (n := get(h)) is None else with_blocks(zero, overlap_blocks=n, overlap_tokens=n * bs)
+            for h, zero in zeros
+        ]
+    )
 
 
 class IndexState:
@@ -798,24 +836,16 @@ class IndexState:
                             o = overlaps.get(h)
                             found[h] = zero if o is None else _with_overlap(zero, o)
                 else:  # every block on the default tier: plain counts, no `Overlap` per holder
-                    counts = index.match(keys)
                     if len(live) == 1 and unsized is None and not view.backends:
                         # one view, nothing to merge: its holders in order, built in one pass (1,024 of
                         # them for a fleet-wide prefix: a function call and a dict entry each saved)
-                        get, with_blocks = counts.get, msgspec.structs.replace
                         return MatchResult(
                             index_seq=self.applied_seq,
                             block_size=block_size,
                             prompt_blocks=prompt_blocks,
-                            candidates=tuple(
-                                [
-                                    zero
-                                    if (n := get(h)) is None
-                                    else with_blocks(zero, overlap_blocks=n, overlap_tokens=n * bs)
-                                    for h, zero in view.zeros
-                                ]
-                            ),
+                            candidates=_candidates(index, view, keys),
                         )
+                    counts = index.match(keys)
                     for h, zero in view.zeros:
                         if h not in found:
                             n = counts.get(h)
@@ -984,7 +1014,10 @@ class IndexState:
         for h in self._touched:
             k = at.get(h)
             if k is not None:
-                zeros[k] = (h, self._zero_match(index, h, bs))
+                zero = self._zero_match(index, h, bs)
+                zeros[k] = (h, zero)
+                for depth, kept in view.depths.items():
+                    kept[k] = msgspec.structs.replace(zero, overlap_blocks=depth, overlap_tokens=depth * bs)
         return True
 
     def _zero_match(self, index: PrefixIndex, h: Holder, bs: int) -> HolderMatch:

@@ -133,22 +133,23 @@ engine_st = st.dictionaries(
     max_size=4,
 )
 allowed_st = st.none() | st.lists(st.sampled_from((*WORKERS, "z")), max_size=3)
+rank_kw_st = st.fixed_dictionaries(
+    {
+        "prompt_tokens": st.integers(0, 64),
+        "block_size": st.sampled_from((0, 1, 4, 16)),
+        "policy": policy_st,
+        "active": active_st,
+        "engine": engine_st,
+        "seed": st.integers(0, 2**64 - 1),
+        "allowed": allowed_st,
+    }
+)
 
 
 @settings(max_examples=600, deadline=None)
 @given(
     candidates=st.lists(candidate_st, max_size=12),
-    kw=st.fixed_dictionaries(
-        {
-            "prompt_tokens": st.integers(0, 64),
-            "block_size": st.sampled_from((0, 1, 4, 16)),
-            "policy": policy_st,
-            "active": active_st,
-            "engine": engine_st,
-            "seed": st.integers(0, 2**64 - 1),
-            "allowed": allowed_st,
-        }
-    ),
+    kw=rank_kw_st,
 )
 def test_rank_decides_as_the_reference_rule(candidates: list[Candidate], kw: dict[str, Any]) -> None:
     """On any candidates (ties, duplicates, busy workers, tiers, load, temperature > 0, ``allowed``) `decide`
@@ -170,17 +171,7 @@ def test_rank_decides_as_the_reference_rule(candidates: list[Candidate], kw: dic
 @settings(max_examples=300, deadline=None)
 @given(
     candidates=st.lists(candidate_st, max_size=12, unique_by=lambda c: (c.worker_id, c.dp_rank)),
-    kw=st.fixed_dictionaries(
-        {
-            "prompt_tokens": st.integers(0, 64),
-            "block_size": st.sampled_from((0, 1, 4, 16)),
-            "policy": policy_st,
-            "active": active_st,
-            "engine": engine_st,
-            "seed": st.integers(0, 2**64 - 1),
-            "allowed": allowed_st,
-        }
-    ),
+    kw=rank_kw_st,
     shuffle_seed=st.integers(0, 2**32),
 )
 def test_decision_does_not_depend_on_the_candidates_order(

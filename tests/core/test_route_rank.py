@@ -275,10 +275,10 @@ def reference_select(
                 skipped.append((c.worker_id, c.dp_rank, reason))
     keyed = {(c.worker_id, c.dp_rank) for c in kept}
     if len(kept) <= max_candidates:  # none cut: kept in the given order (the decision orders them itself)
-        with_overlap, without = list(kept), []
+        chosen = list(kept)
     else:
         with_overlap, without = _preference(kept, seed)
-    chosen = (with_overlap + without)[:max_candidates]
+        chosen = (with_overlap + without)[:max_candidates]
     unindexed = 0
     if ranks is not None:
         unindexed = ranks.live_count - len(keyed)

@@ -1032,8 +1032,9 @@ class IndexState:
         )
 
     def _view(self, index: PrefixIndex, bs: int) -> _IndexView:
-        """The index's live holders with their no-overlap `HolderMatch` and its backends, kept until the state
-        changes (a match of a fleet of 1,024 workers used to build 1,024 of them per prompt)."""
+        """The index's live holders with their no-overlap `HolderMatch` and its backends, kept across matches
+        and brought up to date by `_fresh_views` (a match of a fleet of 1,024 workers used to build 1,024 of
+        them per prompt)."""
         self._fresh_views()
         view = self._views.get(index)
         if view is None:

@@ -329,21 +329,20 @@ def _candidates(index: PrefixIndex, view: _IndexView, keys: tables.U64) -> tuple
     common, others = index.match_common(keys)
     zeros, bs, with_blocks = view.zeros, view.block_size, msgspec.structs.replace
     if common:
+        kept = view.depths.get(common)
+        if kept is None:
+            if len(view.depths) >= _DEPTHS_KEPT:
+                view.depths.clear()
+            kept = view.depths[common] = [
+                with_blocks(zero, overlap_blocks=common, overlap_tokens=common * bs) for _h, zero in zeros
+            ]
+        out = list(kept)
         at = view.at
-        if all(h in at for h in others):
-            kept = view.depths.get(common)
-            if kept is None:
-                if len(view.depths) >= _DEPTHS_KEPT:
-                    view.depths.clear()
-                kept = view.depths[common] = [
-                    with_blocks(zero, overlap_blocks=common, overlap_tokens=common * bs) for _h, zero in zeros
-                ]
-            out = list(kept)
-            for h, depth in others.items():
-                k = at[h]
+        for h, depth in others.items():
+            k = at.get(h)  # a holder outside the view (a removed worker's) is no candidate, as below
+            if k is not None:
                 out[k] = with_blocks(zeros[k][1], overlap_blocks=depth, overlap_tokens=depth * bs)
-            return tuple(out)
-        others = index.match(keys)  # pragma: no cover - every holder of the index is in its view
+        return tuple(out)
     get = others.get
     return tuple(
         [
